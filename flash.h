@@ -1,0 +1,89 @@
+// flash.h: the API of a minimal FlashAttention (forward and backward) in fp32 CUDA C++.
+//
+// Kernels and launchers: flash.cu. CPU reference: reference.cpp. Tests: test_flash.cpp.
+// Everything here throws std::invalid_argument for bad input (before anything is launched) and
+// std::runtime_error for a CUDA failure (with cudaGetErrorString and file:line).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+struct AttentionShape {
+    int batch, heads, q_len, kv_len, head_dim;
+    bool causal;
+};
+
+// Device pointers, float32, contiguous row-major. Q, O: [batch][heads][q_len][head_dim];
+// K, V: [batch][heads][kv_len][head_dim]; L: [batch][heads][q_len].
+// O = softmax(Q K^T / sqrt(head_dim)) V, row by row; L = natural-log logsumexp of each row of the
+// scaled scores. Causal is bottom-right aligned: query i sees key j iff j <= i + kv_len - q_len.
+// A row that sees no key gets O = 0 and L = -inf.
+void flash_forward(const float* Q, const float* K, const float* V, float* O, float* L,
+                   const AttentionShape& shape, cudaStream_t stream = 0);
+
+// Given dO = dloss/dO, fills dQ, dK, dV (same shapes as Q, K, V). O and L are the forward's outputs.
+void flash_backward(const float* Q, const float* K, const float* V, const float* O,
+                    const float* dO, const float* L, float* dQ, float* dK, float* dV,
+                    const AttentionShape& shape, cudaStream_t stream = 0);
+
+// ---------------------------------------------------------------------------------------------
+// The tile: how one thread block is laid out. See NOTES.md, "The tile".
+struct FlashTile {
+    int Br;               // query rows per block (one block per Q tile per batch*head)
+    int Bc;               // keys per K/V tile staged in shared memory
+    int threads;          // threads per block
+    int threads_per_row;  // threads that share one query row (its q and o split across them)
+    size_t shared_bytes;  // dynamic shared memory per block: K_j and V_j, 2 * Bc * head_dim floats
+};
+
+// The head dims with a compiled kernel; anything else is refused.
+constexpr int kFlashHeadDims[] = {16, 32, 64, 96, 128, 256};
+// True iff head_dim is one of kFlashHeadDims.
+bool flash_head_dim_supported(int head_dim);
+// "16, 32, 64, 96, 128, 256": for error messages.
+std::string flash_head_dims_string();
+
+// The forward tile for this device and head_dim (a pure host function; unit-tested on the CPU).
+FlashTile flash_choose_tile(const cudaDeviceProp& prop, int head_dim);
+// The backward's tile (the same rule; its blocks keep four row vectors in registers, not two).
+FlashTile flash_choose_tile_backward(const cudaDeviceProp& prop, int head_dim);
+
+// flash_forward with keys-per-tile Bc given by the caller instead of the device-derived choice
+// (for measuring what the choice is worth). Bc must be in [1, the most that fits in shared memory].
+void flash_forward_bc(const float* Q, const float* K, const float* V, float* O, float* L,
+                      const AttentionShape& shape, int Bc, cudaStream_t stream = 0);
+
+// Throws std::invalid_argument naming the field when a shape field is out of range or a tensor's
+// element count overflows.
+void validate_shape(const AttentionShape& shape);
+// Elements of Q (and O): batch * heads * q_len * head_dim. Of K, V: ... kv_len .... Of L: ... q_len.
+size_t q_elems(const AttentionShape& s);
+size_t kv_elems(const AttentionShape& s);
+size_t l_elems(const AttentionShape& s);
+
+// ---------------------------------------------------------------------------------------------
+// CPU reference (reference.cpp): the same contract on host pointers, accumulated in double.
+void attention_reference(const float* Q, const float* K, const float* V, float* O, float* L,
+                         const AttentionShape& shape);
+void attention_reference(const double* Q, const double* K, const double* V, double* O, double* L,
+                         const AttentionShape& shape);
+void attention_reference_backward(const float* Q, const float* K, const float* V, const float* O,
+                                  const float* dO, const float* L, float* dQ, float* dK, float* dV,
+                                  const AttentionShape& shape);
+void attention_reference_backward(const double* Q, const double* K, const double* V,
+                                  const double* O, const double* dO, const double* L, double* dQ,
+                                  double* dK, double* dV, const AttentionShape& shape);
+
+// ---------------------------------------------------------------------------------------------
+// Check a CUDA call: on failure throw std::runtime_error("<call> failed at file:line: <error>").
+#define FLASH_CUDA_CHECK(call)                                                                  \
+    do {                                                                                        \
+        cudaError_t flash_err_ = (call);                                                        \
+        if (flash_err_ != cudaSuccess)                                                          \
+            throw std::runtime_error(std::string(#call) + " failed at " + __FILE__ + ":" +      \
+                                     std::to_string(__LINE__) + ": " +                          \
+                                     cudaGetErrorString(flash_err_));                           \
+    } while (0)
