@@ -3,7 +3,7 @@
 #   make test     build and run the test suite (GPU tests skip, with one line, when there is no GPU)
 #   make run      the demo: one shape, timed, checked against the CPU reference
 #   make bench    the FlashAttention-2 benchmark protocol, flash vs standard attention
-#   make plot     bench.csv -> bench.png (gnuplot)
+#   make plot     bench.csv (written by make bench) -> bench.png (gnuplot)
 #   make clean
 # Overridable: ARCH (default native; e.g. ARCH=sm_90), NVCC, CPPFLAGS (e.g. -I<dir with catch2/>).
 
@@ -16,7 +16,7 @@ CPPFLAGS  ?=
 LDLIBS    ?= -lcublas
 
 .PHONY: all test run bench plot clean
-all: test_flash bench
+all: test_flash flash_bench
 
 flash.o: flash.cu flash.h
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c flash.cu -o $@
@@ -26,16 +26,16 @@ test_flash.o: test_flash.cpp flash.h
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c test_flash.cpp -o $@
 test_flash: test_flash.o flash.o reference.o
 	$(NVCC) $(NVCCFLAGS) $^ -o $@
-bench: bench.cu flash.o reference.o flash.h
+flash_bench: bench.cu flash.o reference.o flash.h
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) bench.cu flash.o reference.o -o $@ $(LDLIBS)
 
 test: test_flash
 	./test_flash
-run: bench
-	./bench
-bench.csv: bench
-	./bench --protocol --csv bench.csv
+run: flash_bench
+	./flash_bench
+bench: flash_bench
+	./flash_bench --protocol --csv bench.csv
 plot:
 	gnuplot -e "csv='bench.csv'; out='bench.png'" plot.gp
 clean:
-	rm -f *.o test_flash bench
+	rm -f *.o test_flash flash_bench
