@@ -5,7 +5,7 @@
 // Demo:             make run         (one shape, timed and checked against the CPU reference)
 //
 // Sections, in order: shapes and checks, the tile, the kernels, the launchers.
-// Layout everywhere: Q, O, dQ, dO (B, H, q_len, d); K, V, dK, dV (B, H, kv_len, d); L (B, H, q_len).
+// Layouts: Q, O, dQ, dO (B, H, q_len, d); K, V, dK, dV (B, H, kv_len, d); L (B, H, q_len).
 #include "flash.h"
 
 #include <algorithm>
@@ -89,7 +89,8 @@ static void validate_pointers(const char* fn, const Arg (&args)[N]) {
         for (const Arg& b : args) {
             if (&a == &b || !a.output) continue;
             const char *pa = static_cast<const char*>(a.ptr), *pb = static_cast<const char*>(b.ptr);
-            const bool overlap = pa < pb + b.elems * sizeof(float) && pb < pa + a.elems * sizeof(float);
+            const size_t na = a.elems * sizeof(float), nb = b.elems * sizeof(float);
+            const bool overlap = pa < pb + nb && pb < pa + na;
             require(!overlap, std::string(fn) + ": output " + a.name + " overlaps " + b.name);
         }
     for (const Arg& a : args) {
@@ -108,23 +109,23 @@ static void validate_pointers(const char* fn, const Arg (&args)[N]) {
 //     V_j: Bc = M / 2d.
 //  2. M is not the whole SM: kMinBlocksPerSM blocks share an SM, so that while one block waits
 //     for its next K_j, V_j to arrive the others compute. M = (shared memory per SM) / blocks.
-//  3. Br is set by registers, not SRAM: a thread keeps at most 32 floats of each of its rows' q
-//     and o (kRowsPerThread rows), so a row is split across threads_per_row threads at large d,
-//     and Br = kRowsPerThread * threads / threads_per_row.
+//  3. Br is set by registers, not SRAM: one query row per thread, its q and o (2d floats) in
+//     registers; a thread holds at most 64 floats of each, so at d > 64 a row is split across
+//     threads_per_row threads, and Br = threads / threads_per_row.
 static constexpr int kThreads = 128;        // threads per block (4 warps)
 #ifndef FLASH_MIN_BLOCKS_PER_SM  // an experiment knob: make NVCCFLAGS+=-DFLASH_MIN_BLOCKS_PER_SM=2
 #define FLASH_MIN_BLOCKS_PER_SM 3
 #endif
 static constexpr int kMinBlocksPerSM = FLASH_MIN_BLOCKS_PER_SM;  // 3: <= 170 registers a thread
-static constexpr int kRowsPerThread = 2;    // forward: query rows per thread (each K_j, V_j load
-                                            // then feeds two rows' arithmetic)
+static constexpr int kForwardSlice = 64;    // floats of q (and of o) one forward thread holds
+static constexpr int kBackwardSlice = 32;   // floats of each of the backward's 3 or 4 row vectors
 static constexpr float kLog2e = 1.4426950408889634f;
 static constexpr float kLn2 = 0.6931471805599453f;
 
-// Smallest power of two p with d / p <= 32: each thread holds <= 32 floats of a row's vectors.
-static constexpr int threads_per_row(int d) {
+// Smallest power of two p with d / p <= slice: the threads that share one row.
+static constexpr int threads_per_row(int d, int slice) {
     int p = 1;
-    while (d / p > 32) p *= 2;
+    while (d / p > slice) p *= 2;
     return p;
 }
 
@@ -136,8 +137,7 @@ static size_t shared_per_block(const cudaDeviceProp& prop) {
     return std::min(usable, prop.sharedMemPerBlockOptin);
 }
 
-static FlashTile make_tile(const cudaDeviceProp& prop, int head_dim, int Br, int Bc) {
-    const int tpr = threads_per_row(head_dim);
+static FlashTile make_tile(const cudaDeviceProp& prop, int head_dim, int tpr, int Br, int Bc) {
     FlashTile tile{Br, Bc, kThreads, tpr, 2 * size_t(Bc) * head_dim * sizeof(float)};
     if (Bc < 1 || tile.shared_bytes > prop.sharedMemPerBlockOptin)
         throw std::runtime_error("device " + std::string(prop.name) + " has too little shared " +
@@ -148,29 +148,31 @@ static FlashTile make_tile(const cudaDeviceProp& prop, int head_dim, int Br, int
     return tile;
 }
 
-FlashTile flash_choose_tile(const cudaDeviceProp& prop, int head_dim) {
+static void require_head_dim(int head_dim) {
     require(flash_head_dim_supported(head_dim),
             "head_dim = " + std::to_string(head_dim) + " is not supported; allowed values: " +
                 flash_head_dims_string());
-    const int Br = kRowsPerThread * kThreads / threads_per_row(head_dim);
+}
+
+FlashTile flash_choose_tile(const cudaDeviceProp& prop, int head_dim) {
+    require_head_dim(head_dim);
+    const int tpr = threads_per_row(head_dim, kForwardSlice);
     const int Bc = int(shared_per_block(prop) / (2 * head_dim * sizeof(float)));
-    return make_tile(prop, head_dim, Br, Bc);
+    return make_tile(prop, head_dim, tpr, kThreads / tpr, Bc);
 }
 
 // The backward's tiles are square: each of its two kernels keeps one tile in registers (one row
 // per threads_per_row threads: for dK, dV the keys; for dQ the queries) and streams the other
-// through shared memory in tiles of the same size. Four row vectors per thread (k, v, dk, dv)
-// leave no room for a second row per thread, so Br = Bc = threads / threads_per_row.
+// through shared memory in tiles of the same size, Br = Bc = threads / threads_per_row. Its
+// threads hold 3 (dQ) or 4 (dK, dV) row vectors, so each holds a smaller slice of a row.
 FlashTile flash_choose_tile_backward(const cudaDeviceProp& prop, int head_dim) {
-    require(flash_head_dim_supported(head_dim),
-            "head_dim = " + std::to_string(head_dim) + " is not supported; allowed values: " +
-                flash_head_dims_string());
-    const int B = kThreads / threads_per_row(head_dim);
-    return make_tile(prop, head_dim, B, B);
+    require_head_dim(head_dim);
+    const int tpr = threads_per_row(head_dim, kBackwardSlice);
+    return make_tile(prop, head_dim, tpr, kThreads / tpr, kThreads / tpr);
 }
 
 // ---------------------------------------------------------------------------------------------
-// The kernels. Small float4 helpers first (CUDA has no float4 arithmetic).
+// The kernels. Small helpers first: CUDA has no float4 arithmetic.
 __device__ __forceinline__ float dot4(float4 a, float4 b) {
     return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
 }
@@ -178,7 +180,10 @@ __device__ __forceinline__ float4 scale4(float4 a, float s) {
     return make_float4(a.x * s, a.y * s, a.z * s, a.w * s);
 }
 __device__ __forceinline__ void axpy4(float4& y, float a, float4 x) {  // y += a * x
-    y.x += a * x.x, y.y += a * x.y, y.z += a * x.z, y.w += a * x.w;
+    y.x += a * x.x;
+    y.y += a * x.y;
+    y.z += a * x.z;
+    y.w += a * x.w;
 }
 // Sum over the TPR adjacent threads that share a row; every one of them gets the total.
 template <int TPR>
@@ -186,75 +191,57 @@ __device__ __forceinline__ float row_sum(float v) {
     for (int w = TPR / 2; w > 0; w /= 2) v += __shfl_xor_sync(0xffffffffu, v, w);
     return v;
 }
+// All threads of the block copy `rows` rows of d floats, global -> shared, 16 bytes at a time.
+template <int D>
+__device__ __forceinline__ void load_tile(float4* dst, const float4* __restrict__ src, int rows) {
+    for (int x = threadIdx.x; x < rows * (D / 4); x += blockDim.x) dst[x] = src[x];
+}
 
-// Forward: FlashAttention-2 Algorithm 1. One block per (Q tile i, batch*head). Each thread owns
-// R = kRowsPerThread query rows, a 1/TPR slice of each (float4s t, t+TPR, t+2*TPR, ...; the
+// Forward: FlashAttention-2 Algorithm 1. One block per (Q tile i, batch*head); one query row per
+// TPR threads, each holding a 1/TPR slice of the row (float4s t, t+TPR, t+2*TPR, ...: the
 // interleave keeps a warp's shared-memory reads on distinct banks). The scale 1/sqrt(d) and
 // log2(e) are folded into q once, so scores come out in log2 units and exp(x) is exp2f(x).
-template <int D, int TPR, int R>
+// Threads past the last row load that row (the clamp), compute alongside, and write nothing.
+template <int D, int TPR>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
 flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
                      const float4* __restrict__ V, float4* __restrict__ O, float* __restrict__ L,
                      int q_len, int kv_len, bool causal, int Bc, int n_q_tiles, float scale_log2) {
-    constexpr int C = D / 4 / TPR;                  // float4s of a row that one thread holds
-    constexpr int G = kThreads / TPR;               // row groups; the block's Br = G * R rows
+    constexpr int C = D / 4 / TPR, Br = kThreads / TPR;  // C: float4s of a row one thread holds
     extern __shared__ float4 smem[];
-    float4* Kj = smem;                              // (Bc, D/4)
-    float4* Vj = smem + Bc * (D / 4);               // (Bc, D/4)
-    const int t = threadIdx.x % TPR;
-    const int q0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * G * R;  // longest causal tiles first
-    const size_t bh = blockIdx.x / n_q_tiles;
-    const int diag = kv_len - q_len;                // causal: query i sees keys j <= i + diag
-    float4 q[R][C], o[R][C];                        // Q_i (scaled) and O_i, in registers
-    float m[R], l[R];                               // running row max (log2 units) and sum
-    int last[R];                                    // last key each row may see; -1: none
-    for (int r = 0; r < R; r++) {                   // line 2-4: load Q_i; O_i = 0, l = 0, m = -inf
-        const int i = q0 + r * G + threadIdx.x / TPR;
-        last[r] = i >= q_len ? -1 : causal ? min(kv_len - 1, i + diag) : kv_len - 1;
-        m[r] = -INFINITY, l[r] = 0.f;
-        for (int c = 0; c < C; c++) {
-            q[r][c] = i < q_len ? scale4(Q[(bh * q_len + i) * (D / 4) + t + c * TPR], scale_log2)
-                                : make_float4(0.f, 0.f, 0.f, 0.f);
-            o[r][c] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-    }
-    // Keys past the block's last row's last key are never seen: those tiles are skipped.
-    const int kv_end = causal ? min(kv_len, min(q0 + G * R, q_len) + diag) : kv_len;
-    for (int j0 = 0; j0 < kv_end; j0 += Bc) {       // line 5: for each K_j, V_j
-        const int bc = min(Bc, kv_end - j0);
-        __syncthreads();                            // all threads are done with the last tile
-        for (int x = threadIdx.x; x < bc * (D / 4); x += kThreads) {  // line 6: load K_j, V_j
-            Kj[x] = K[(bh * kv_len + j0) * (D / 4) + x];
-            Vj[x] = V[(bh * kv_len + j0) * (D / 4) + x];
-        }
+    float4 *Kj = smem, *Vj = smem + Bc * (D / 4);      // K_j, V_j: (Bc, D/4) each
+    const int q0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * Br;  // longest causal tiles first
+    const int i = q0 + threadIdx.x / TPR, t = threadIdx.x % TPR, diag = kv_len - q_len;
+    const size_t bh = blockIdx.x / n_q_tiles, row = (bh * q_len + min(i, q_len - 1)) * (D / 4) + t;
+    float4 q[C], o[C] = {};                            // line 4: Q_i (scaled), O_i = 0: registers
+    float m = -INFINITY, l = 0.f;                      // line 4: running row max (log2 units), sum
+    for (int c = 0; c < C; c++) q[c] = scale4(Q[row + c * TPR], scale_log2);
+    // Causal: query i sees keys j <= i + diag. Tiles past the block's last row's last key: skipped.
+    const int kv_end = causal ? min(kv_len, min(q0 + Br, q_len) + diag) : kv_len;
+    for (int j0 = 0; j0 < kv_end; j0 += Bc) {          // line 5: for each K_j, V_j
+        __syncthreads();                               // everyone is done with the last tile
+        load_tile<D>(Kj, K + (bh * kv_len + j0) * (D / 4), min(Bc, kv_end - j0));  // line 6
+        load_tile<D>(Vj, V + (bh * kv_len + j0) * (D / 4), min(Bc, kv_end - j0));
         __syncthreads();
-        for (int j = 0; j < bc; j++) {              // lines 8-10, one key (one column of S_ij) at a time
-            float s[R] = {}, p[R];
-            for (int c = 0; c < C; c++)             // line 8: S_ij = Q_i K_j^T
-                for (int r = 0; r < R; r++) s[r] += dot4(q[r][c], Kj[j * (D / 4) + t + c * TPR]);
-            for (int r = 0; r < R; r++) {
-                s[r] = row_sum<TPR>(s[r]);
-                const bool seen = j0 + j <= last[r];
-                if (seen && s[r] > m[r]) {          // line 9: new row max m: rescale l and O_i
-                    const float alpha = exp2f(m[r] - s[r]);  // exp(m_old - m_new)
-                    l[r] *= alpha;
-                    for (int c = 0; c < C; c++) o[r][c] = scale4(o[r][c], alpha);
-                    m[r] = s[r];
-                }
-                p[r] = seen ? exp2f(s[r] - m[r]) : 0.f;      // line 9: P_ij = exp(S_ij - m)
-                l[r] += p[r];                                 // line 9: l += rowsum(P_ij)
+        for (int j = 0; j < min(Bc, kv_end - j0); j++) {  // lines 8-10, one key (column) at a time
+            float s = 0.f;                             // line 8: S_ij = Q_i K_j^T
+            for (int c = 0; c < C; c++) s += dot4(q[c], Kj[j * (D / 4) + t + c * TPR]);
+            s = row_sum<TPR>(s);
+            const bool seen = !causal || j0 + j <= i + diag;
+            if (seen && s > m) {                       // line 9: a new row max: rescale l and O_i
+                const float alpha = exp2f(m - s);      //   by exp(m_old - m_new)
+                l *= alpha;
+                for (int c = 0; c < C; c++) o[c] = scale4(o[c], alpha);
+                m = s;
             }
-            for (int c = 0; c < C; c++)             // line 10: O_i += P_ij V_j
-                for (int r = 0; r < R; r++) axpy4(o[r][c], p[r], Vj[j * (D / 4) + t + c * TPR]);
+            const float p = seen ? exp2f(s - m) : 0.f;  // line 9: P_ij = exp(S_ij - m)
+            l += p;                                     // line 9: l += rowsum(P_ij)
+            for (int c = 0; c < C; c++) axpy4(o[c], p, Vj[j * (D / 4) + t + c * TPR]);  // line 10
         }
     }
-    for (int r = 0; r < R; r++) {                   // lines 12-15: O_i /= l, L_i = m + log(l)
-        const int i = q0 + r * G + threadIdx.x / TPR;
-        if (i >= q_len) continue;
-        const float inv_l = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a row that saw no key: O = 0
-        for (int c = 0; c < C; c++) O[(bh * q_len + i) * (D / 4) + t + c * TPR] = scale4(o[r][c], inv_l);
-        if (t == 0) L[bh * q_len + i] = l[r] > 0.f ? (m[r] + log2f(l[r])) * kLn2 : -INFINITY;
-    }
+    if (i >= q_len) return;
+    for (int c = 0; c < C; c++) O[row + c * TPR] = scale4(o[c], l > 0.f ? 1.f / l : 0.f);  // l. 12
+    if (t == 0) L[bh * q_len + i] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;  // line 13
 }
 
 // Backward, kernel 1 of 2: dQ (FlashAttention-2 Algorithm 2, the dQ half). One block per
@@ -268,107 +255,87 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
                          const float4* __restrict__ dO, const float* __restrict__ L,
                          float* __restrict__ Dsum, float4* __restrict__ dQ, int q_len, int kv_len,
                          bool causal, int n_q_tiles, float scale_log2) {
-    constexpr int C = D / 4 / TPR, G = kThreads / TPR;   // a block owns G query rows; K/V tiles G keys
+    constexpr int C = D / 4 / TPR, B = kThreads / TPR;  // the block's Q tile and K/V tiles: B rows
     extern __shared__ float4 smem[];
-    float4* Kj = smem;                                    // (G, D/4)
-    float4* Vj = smem + G * (D / 4);                      // (G, D/4)
-    const int t = threadIdx.x % TPR;
-    const int q0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * G;   // longest causal tiles first
-    const int i = q0 + threadIdx.x / TPR;
-    const size_t bh = blockIdx.x / n_q_tiles;
-    const size_t row = (bh * q_len + min(i, q_len - 1)) * (D / 4);  // rows past the end read the
-    const int diag = kv_len - q_len;                                // last row, see no key, write nothing
-    const int last = i >= q_len ? -1 : causal ? min(kv_len - 1, i + diag) : kv_len - 1;
-    float4 q[C], dOi[C], dq[C];
+    float4 *Kj = smem, *Vj = smem + B * (D / 4);       // (B, D/4) each
+    const int q0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * B;  // longest causal tiles first
+    const int i = q0 + threadIdx.x / TPR, t = threadIdx.x % TPR, diag = kv_len - q_len;
+    const size_t bh = blockIdx.x / n_q_tiles, row = (bh * q_len + min(i, q_len - 1)) * (D / 4) + t;
+    float4 q[C], dOi[C], dq[C] = {};
     float Di = 0.f;
     for (int c = 0; c < C; c++) {
-        q[c] = scale4(Q[row + t + c * TPR], scale_log2);
-        dOi[c] = dO[row + t + c * TPR];
-        Di += dot4(dOi[c], O[row + t + c * TPR]);
-        dq[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        q[c] = scale4(Q[row + c * TPR], scale_log2);
+        dOi[c] = dO[row + c * TPR];
+        Di += dot4(dOi[c], O[row + c * TPR]);
     }
-    Di = row_sum<TPR>(Di);                                // D_i = rowsum(dO_i * O_i)
+    Di = row_sum<TPR>(Di);                             // D_i = rowsum(dO_i * O_i)
     if (i < q_len && t == 0) Dsum[bh * q_len + i] = Di;
-    const float Li = L[bh * q_len + min(i, q_len - 1)] * kLog2e;   // in log2 units, like q K^T
-    const int kv_end = causal ? min(kv_len, min(q0 + G, q_len) + diag) : kv_len;
-    for (int j0 = 0; j0 < kv_end; j0 += G) {
-        const int bc = min(G, kv_end - j0);
+    const float Li = L[bh * q_len + min(i, q_len - 1)] * kLog2e;  // log2 units, like q K^T
+    const int kv_end = causal ? min(kv_len, min(q0 + B, q_len) + diag) : kv_len;
+    for (int j0 = 0; j0 < kv_end; j0 += B) {
         __syncthreads();
-        for (int x = threadIdx.x; x < bc * (D / 4); x += kThreads) {
-            Kj[x] = K[(bh * kv_len + j0) * (D / 4) + x];
-            Vj[x] = V[(bh * kv_len + j0) * (D / 4) + x];
-        }
+        load_tile<D>(Kj, K + (bh * kv_len + j0) * (D / 4), min(B, kv_end - j0));
+        load_tile<D>(Vj, V + (bh * kv_len + j0) * (D / 4), min(B, kv_end - j0));
         __syncthreads();
-        for (int j = 0; j < bc; j++) {
+        for (int j = 0; j < min(B, kv_end - j0); j++) {
             float s = 0.f, dp = 0.f;
-            for (int c = 0; c < C; c++) {               // S_ij = q K_j^T, dP_ij = dO_i V_j^T
+            for (int c = 0; c < C; c++) {              // S_ij = q K_j^T, dP_ij = dO_i V_j^T
                 s += dot4(q[c], Kj[j * (D / 4) + t + c * TPR]);
                 dp += dot4(dOi[c], Vj[j * (D / 4) + t + c * TPR]);
             }
-            s = row_sum<TPR>(s), dp = row_sum<TPR>(dp);
-            const float P = j0 + j <= last ? exp2f(s - Li) : 0.f;   // P_ij recomputed from L_i
-            for (int c = 0; c < C; c++) axpy4(dq[c], P * (dp - Di), Kj[j * (D / 4) + t + c * TPR]);
-        }                                                 // dQ_i += dS_ij K_j, dS = P (dP - D)
+            const float P = !causal || j0 + j <= i + diag ? exp2f(row_sum<TPR>(s) - Li) : 0.f;
+            const float dS = P * (row_sum<TPR>(dp) - Di);  // P_ij from L_i; dS_ij = P (dP - D_i)
+            for (int c = 0; c < C; c++) axpy4(dq[c], dS, Kj[j * (D / 4) + t + c * TPR]);  // dQ_i +=
+        }
     }
-    for (int c = 0; c < C && i < q_len; c++) dQ[row + t + c * TPR] = scale4(dq[c], scale_log2 / kLog2e);
+    for (int c = 0; c < C && i < q_len; c++) dQ[row + c * TPR] = scale4(dq[c], rsqrtf(D));
 }
 
-// Backward, kernel 2 of 2: dK and dV. One block per (K/V tile j, batch*head), one key per TPR
-// threads, holding k, v, dK_j and dV_j in registers while Q_i, dO_i (and L_i, D_i) stream
-// through shared memory. No atomics: each key's sums are owned by its threads, in query order.
+// Backward, kernel 2 of 2: dK and dV. One block per (K/V tile, batch*head), one key per TPR
+// threads, holding k, v, dK_j and dV_j in registers while Q_i and dO_i stream through shared
+// memory. No atomics: each key's sums are owned by its threads, in query order. k, v, dK, dV and
+// the Q_i, dO_i slices just read take ~220 registers: two blocks per SM, no spills.
 template <int D, int TPR>
-// k, v, dK, dV and the Q_i, dO_i slices just read need ~200 registers: two blocks per SM, no spills
 __global__ void __launch_bounds__(kThreads, 2)
 flash_backward_dkdv_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
                            const float4* __restrict__ V, const float4* __restrict__ dO,
                            const float* __restrict__ L, const float* __restrict__ Dsum,
                            float4* __restrict__ dK, float4* __restrict__ dV, int q_len,
                            int kv_len, bool causal, int n_kv_tiles, float scale_log2) {
-    constexpr int C = D / 4 / TPR, G = kThreads / TPR;   // a block owns G keys; Q tiles G rows
+    constexpr int C = D / 4 / TPR, B = kThreads / TPR;  // the block's K/V tile and Q tiles: B rows
     extern __shared__ float4 smem[];
-    float4* Qi = smem;                                    // (G, D/4)
-    float4* dOi = smem + G * (D / 4);                     // (G, D/4)
-    __shared__ float Li[G], Di[G];
-    const int t = threadIdx.x % TPR;
-    const int k0 = blockIdx.x % n_kv_tiles * G;
-    const int j = k0 + threadIdx.x / TPR;
+    float4 *Qi = smem, *dOi = smem + B * (D / 4);      // (B, D/4) each
+    const int k0 = blockIdx.x % n_kv_tiles * B;
+    const int j = k0 + threadIdx.x / TPR, t = threadIdx.x % TPR, diag = kv_len - q_len;
     const size_t bh = blockIdx.x / n_kv_tiles;
-    const size_t row = (bh * kv_len + min(j, kv_len - 1)) * (D / 4);  // keys past the end: as dQ
-    const int diag = kv_len - q_len;                    // causal: key j is seen by queries i >= j - diag
-    float4 k[C], v[C], dk[C], dv[C];
-    for (int c = 0; c < C; c++) {
-        k[c] = K[row + t + c * TPR], v[c] = V[row + t + c * TPR];
-        dk[c] = dv[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    for (int i0 = causal ? max(0, k0 - diag) : 0; i0 < q_len; i0 += G) {  // skip unseen Q tiles
-        const int br = min(G, q_len - i0);
+    const size_t row = (bh * kv_len + min(j, kv_len - 1)) * (D / 4) + t;  // past the end: as dQ
+    float4 k[C], v[C], dk[C] = {}, dv[C] = {};
+    for (int c = 0; c < C; c++) k[c] = K[row + c * TPR];
+    for (int c = 0; c < C; c++) v[c] = V[row + c * TPR];
+    // Causal: key j is seen by queries i >= j - diag: Q tiles before the block's first, skipped.
+    for (int i0 = causal ? max(0, k0 - diag) : 0; i0 < q_len; i0 += B) {
         __syncthreads();
-        for (int x = threadIdx.x; x < br * (D / 4); x += kThreads) {
-            Qi[x] = Q[(bh * q_len + i0) * (D / 4) + x];
-            dOi[x] = dO[(bh * q_len + i0) * (D / 4) + x];
-        }
-        for (int x = threadIdx.x; x < br; x += kThreads)
-            Li[x] = L[bh * q_len + i0 + x] * kLog2e, Di[x] = Dsum[bh * q_len + i0 + x];
+        load_tile<D>(Qi, Q + (bh * q_len + i0) * (D / 4), min(B, q_len - i0));
+        load_tile<D>(dOi, dO + (bh * q_len + i0) * (D / 4), min(B, q_len - i0));
         __syncthreads();
-        for (int i = 0; i < br; i++) {
+        for (int i = 0; i < min(B, q_len - i0); i++) {
             float s = 0.f, dp = 0.f;
-            for (int c = 0; c < C; c++) {               // S_ij = Q_i k^T, dP_ij = dO_i v^T
+            for (int c = 0; c < C; c++) {              // S_ij = Q_i k^T, dP_ij = dO_i v^T
                 s += dot4(Qi[i * (D / 4) + t + c * TPR], k[c]);
                 dp += dot4(dOi[i * (D / 4) + t + c * TPR], v[c]);
             }
-            s = row_sum<TPR>(s) * scale_log2, dp = row_sum<TPR>(dp);
+            const float Lrow = L[bh * q_len + i0 + i] * kLog2e, Drow = Dsum[bh * q_len + i0 + i];
             const bool seen = j < kv_len && (!causal || j <= i0 + i + diag);
-            const float P = seen ? exp2f(s - Li[i]) : 0.f;           // P_ij recomputed from L_i
-            for (int c = 0; c < C; c++) {               // dV_j += P_ij dO_i; dK_j += dS_ij Q_i
+            const float P = seen ? exp2f(row_sum<TPR>(s) * scale_log2 - Lrow) : 0.f;  // from L_i
+            const float dS = P * (row_sum<TPR>(dp) - Drow);
+            for (int c = 0; c < C; c++) {              // dV_j += P_ij dO_i; dK_j += dS_ij Q_i
                 axpy4(dv[c], P, dOi[i * (D / 4) + t + c * TPR]);
-                axpy4(dk[c], P * (dp - Di[i]), Qi[i * (D / 4) + t + c * TPR]);
+                axpy4(dk[c], dS, Qi[i * (D / 4) + t + c * TPR]);
             }
         }
     }
-    for (int c = 0; c < C && j < kv_len; c++) {
-        dK[row + t + c * TPR] = scale4(dk[c], scale_log2 / kLog2e);  // the 1/sqrt(d) of S
-        dV[row + t + c * TPR] = dv[c];
-    }
+    for (int c = 0; c < C && j < kv_len; c++) dK[row + c * TPR] = scale4(dk[c], rsqrtf(D));
+    for (int c = 0; c < C && j < kv_len; c++) dV[row + c * TPR] = dv[c];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -396,7 +363,8 @@ static cudaDeviceProp current_device_props() {
 static int grid_blocks(const AttentionShape& s, int rows, int tile, const char* what) {
     const int tiles = (rows - 1) / tile + 1;
     require(tiles <= INT_MAX / s.batch / s.heads,  // checked before multiplying: no overflow
-            std::string("shape: batch * heads * ceil(") + what + " / tile) exceeds the grid limit " +
+            std::string("shape: batch * heads * ceil(") + what + " / tile) exceeds the grid " +
+                "limit " +
                 std::to_string(INT_MAX));
     return tiles * s.batch * s.heads;
 }
@@ -410,8 +378,8 @@ static void allow_shared(Kernel kernel, size_t bytes) {
 template <int D>
 static void launch_forward(const float* Q, const float* K, const float* V, float* O, float* L,
                            const AttentionShape& s, const FlashTile& tile, cudaStream_t stream) {
-    constexpr int TPR = threads_per_row(D);
-    auto kernel = flash_forward_kernel<D, TPR, kRowsPerThread>;
+    constexpr int TPR = threads_per_row(D, kForwardSlice);
+    auto kernel = flash_forward_kernel<D, TPR>;
     const int n_q_tiles = (s.q_len + tile.Br - 1) / tile.Br;
     const int blocks = grid_blocks(s, s.q_len, tile.Br, "q_len");
     allow_shared(kernel, tile.shared_bytes);
@@ -436,7 +404,7 @@ static void forward_checked(const float* Q, const float* K, const float* V, floa
         const int max_bc = int(prop.sharedMemPerBlockOptin / (2 * s.head_dim * sizeof(float)));
         require(Bc <= max_bc, "Bc = " + std::to_string(Bc) + " is invalid; allowed values: 1 to " +
                                   std::to_string(max_bc) + " on this device at this head_dim");
-        tile = make_tile(prop, s.head_dim, tile.Br, Bc);
+        tile = make_tile(prop, s.head_dim, tile.threads_per_row, tile.Br, Bc);
     }
     switch (s.head_dim) {
         case 16: return launch_forward<16>(Q, K, V, O, L, s, tile, stream);
@@ -464,7 +432,7 @@ template <int D>
 static void launch_backward(const float* Q, const float* K, const float* V, const float* O,
                             const float* dO, const float* L, float* dQ, float* dK, float* dV,
                             const AttentionShape& s, const FlashTile& tile, cudaStream_t stream) {
-    constexpr int TPR = threads_per_row(D);
+    constexpr int TPR = threads_per_row(D, kBackwardSlice);
     const float scale_log2 = kLog2e / std::sqrt(float(D));
     const int n_q_tiles = (s.q_len + tile.Br - 1) / tile.Br;
     const int n_kv_tiles = (s.kv_len + tile.Bc - 1) / tile.Bc;

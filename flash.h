@@ -24,7 +24,7 @@ struct AttentionShape {
 void flash_forward(const float* Q, const float* K, const float* V, float* O, float* L,
                    const AttentionShape& shape, cudaStream_t stream = 0);
 
-// Given dO = dloss/dO, fills dQ, dK, dV (same shapes as Q, K, V). O and L are the forward's outputs.
+// Given dO = dloss/dO, fills dQ, dK, dV (shaped as Q, K, V). O and L are the forward's outputs.
 void flash_backward(const float* Q, const float* K, const float* V, const float* O,
                     const float* dO, const float* L, float* dQ, float* dK, float* dV,
                     const AttentionShape& shape, cudaStream_t stream = 0);
@@ -59,7 +59,7 @@ void flash_forward_bc(const float* Q, const float* K, const float* V, float* O, 
 // Throws std::invalid_argument naming the field when a shape field is out of range or a tensor's
 // element count overflows.
 void validate_shape(const AttentionShape& shape);
-// Elements of Q (and O): batch * heads * q_len * head_dim. Of K, V: ... kv_len .... Of L: ... q_len.
+// Elements of Q and O (batch*heads*q_len*head_dim), of K and V (... kv_len ...), of L (... q_len).
 size_t q_elems(const AttentionShape& s);
 size_t kv_elems(const AttentionShape& s);
 size_t l_elems(const AttentionShape& s);
