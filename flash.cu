@@ -263,11 +263,9 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
     const size_t bh = blockIdx.x / n_q_tiles, row = (bh * q_len + min(i, q_len - 1)) * (D / 4) + t;
     float4 q[C], dOi[C], dq[C] = {};
     float Di = 0.f;
-    for (int c = 0; c < C; c++) {
-        q[c] = scale4(Q[row + c * TPR], scale_log2);
-        dOi[c] = dO[row + c * TPR];
-        Di += dot4(dOi[c], O[row + c * TPR]);
-    }
+    for (int c = 0; c < C; c++) q[c] = scale4(Q[row + c * TPR], scale_log2);
+    for (int c = 0; c < C; c++) dOi[c] = dO[row + c * TPR];
+    for (int c = 0; c < C; c++) Di += dot4(dOi[c], O[row + c * TPR]);
     Di = row_sum<TPR>(Di);                             // D_i = rowsum(dO_i * O_i)
     if (i < q_len && t == 0) Dsum[bh * q_len + i] = Di;
     const float Li = L[bh * q_len + min(i, q_len - 1)] * kLog2e;  // log2 units, like q K^T
@@ -278,13 +276,13 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
         load_tile<D>(Vj, V + (bh * kv_len + j0) * (D / 4), min(B, kv_end - j0));
         __syncthreads();
         for (int j = 0; j < min(B, kv_end - j0); j++) {
-            float s = 0.f, dp = 0.f;
-            for (int c = 0; c < C; c++) {              // S_ij = q K_j^T, dP_ij = dO_i V_j^T
-                s += dot4(q[c], Kj[j * (D / 4) + t + c * TPR]);
-                dp += dot4(dOi[c], Vj[j * (D / 4) + t + c * TPR]);
-            }
-            const float P = !causal || j0 + j <= i + diag ? exp2f(row_sum<TPR>(s) - Li) : 0.f;
-            const float dS = P * (row_sum<TPR>(dp) - Di);  // P_ij from L_i; dS_ij = P (dP - D_i)
+            float s = 0.f, dp = 0.f;                   // S_ij = q K_j^T, dP_ij = dO_i V_j^T
+            for (int c = 0; c < C; c++) s += dot4(q[c], Kj[j * (D / 4) + t + c * TPR]);
+            for (int c = 0; c < C; c++) dp += dot4(dOi[c], Vj[j * (D / 4) + t + c * TPR]);
+            s = row_sum<TPR>(s);                       // every thread of the row must take part
+            dp = row_sum<TPR>(dp);                     // in a shuffle: never inside a branch
+            const float P = !causal || j0 + j <= i + diag ? exp2f(s - Li) : 0.f;  // from L_i
+            const float dS = P * (dp - Di);            // dS_ij = P_ij (dP_ij - D_i)
             for (int c = 0; c < C; c++) axpy4(dq[c], dS, Kj[j * (D / 4) + t + c * TPR]);  // dQ_i +=
         }
     }
@@ -319,19 +317,17 @@ flash_backward_dkdv_kernel(const float4* __restrict__ Q, const float4* __restric
         load_tile<D>(dOi, dO + (bh * q_len + i0) * (D / 4), min(B, q_len - i0));
         __syncthreads();
         for (int i = 0; i < min(B, q_len - i0); i++) {
-            float s = 0.f, dp = 0.f;
-            for (int c = 0; c < C; c++) {              // S_ij = Q_i k^T, dP_ij = dO_i v^T
-                s += dot4(Qi[i * (D / 4) + t + c * TPR], k[c]);
-                dp += dot4(dOi[i * (D / 4) + t + c * TPR], v[c]);
-            }
+            float s = 0.f, dp = 0.f;                   // S_ij = Q_i k^T, dP_ij = dO_i v^T
+            for (int c = 0; c < C; c++) s += dot4(Qi[i * (D / 4) + t + c * TPR], k[c]);
+            for (int c = 0; c < C; c++) dp += dot4(dOi[i * (D / 4) + t + c * TPR], v[c]);
+            s = row_sum<TPR>(s) * scale_log2;          // shuffles: every thread of the row,
+            dp = row_sum<TPR>(dp);                     // never inside a branch
             const float Lrow = L[bh * q_len + i0 + i] * kLog2e, Drow = Dsum[bh * q_len + i0 + i];
             const bool seen = j < kv_len && (!causal || j <= i0 + i + diag);
-            const float P = seen ? exp2f(row_sum<TPR>(s) * scale_log2 - Lrow) : 0.f;  // from L_i
-            const float dS = P * (row_sum<TPR>(dp) - Drow);
-            for (int c = 0; c < C; c++) {              // dV_j += P_ij dO_i; dK_j += dS_ij Q_i
-                axpy4(dv[c], P, dOi[i * (D / 4) + t + c * TPR]);
-                axpy4(dk[c], dS, Qi[i * (D / 4) + t + c * TPR]);
-            }
+            const float P = seen ? exp2f(s - Lrow) : 0.f;  // P_ij recomputed from L_i
+            const float dS = P * (dp - Drow);          // dS_ij = P_ij (dP_ij - D_i)
+            for (int c = 0; c < C; c++) axpy4(dv[c], P, dOi[i * (D / 4) + t + c * TPR]);  // dV_j +=
+            for (int c = 0; c < C; c++) axpy4(dk[c], dS, Qi[i * (D / 4) + t + c * TPR]);  // dK_j +=
         }
     }
     for (int c = 0; c < C && j < kv_len; c++) dK[row + c * TPR] = scale4(dk[c], rsqrtf(D));
