@@ -113,11 +113,15 @@ static void validate_pointers(const char* fn, const Arg (&args)[N]) {
 //     registers; a thread holds at most 64 floats of each, so at d > 64 a row is split across
 //     threads_per_row threads, and Br = threads / threads_per_row.
 static constexpr int kThreads = 128;        // threads per block (4 warps)
-#ifndef FLASH_MIN_BLOCKS_PER_SM  // an experiment knob: make NVCCFLAGS+=-DFLASH_MIN_BLOCKS_PER_SM=2
+// Two knobs to experiment with, e.g. make clean all NVCCFLAGS+=-DFLASH_FORWARD_SLICE=32
+#ifndef FLASH_MIN_BLOCKS_PER_SM
 #define FLASH_MIN_BLOCKS_PER_SM 3
 #endif
-static constexpr int kMinBlocksPerSM = FLASH_MIN_BLOCKS_PER_SM;  // 3: <= 170 registers a thread
-static constexpr int kForwardSlice = 64;    // floats of q (and of o) one forward thread holds
+#ifndef FLASH_FORWARD_SLICE
+#define FLASH_FORWARD_SLICE 64
+#endif
+static constexpr int kMinBlocksPerSM = FLASH_MIN_BLOCKS_PER_SM;  // forward; 3: <= 170 registers
+static constexpr int kForwardSlice = FLASH_FORWARD_SLICE;  // floats of q (and of o) per thread
 static constexpr int kBackwardSlice = 32;   // floats of each of the backward's 3 or 4 row vectors
 static constexpr float kLog2e = 1.4426950408889634f;
 static constexpr float kLn2 = 0.6931471805599453f;
@@ -249,7 +253,7 @@ flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
 // while K_j, V_j stream through shared memory. It also writes D_i = rowsum(dO_i * O_i), which
 // kernel 2 reads. No atomics: each dQ row is summed by the threads that own it, in key order.
 template <int D, int TPR>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+__global__ void __launch_bounds__(kThreads, 3)
 flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
                          const float4* __restrict__ V, const float4* __restrict__ O,
                          const float4* __restrict__ dO, const float* __restrict__ L,
