@@ -8,6 +8,8 @@
 // Layouts: Q, O, dQ, dO (B, H, q_len, d); K, V, dK, dV (B, H, kv_len, d); L (B, H, q_len).
 #include "flash.h"
 
+#include <cuda_pipeline.h>
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -195,10 +197,23 @@ __device__ __forceinline__ float row_sum(float v) {
     for (int w = TPR / 2; w > 0; w /= 2) v += __shfl_xor_sync(0xffffffffu, v, w);
     return v;
 }
-// All threads of the block copy `rows` rows of d floats, global -> shared, 16 bytes at a time.
+// All threads of the block copy `rows` rows of d floats of two tensors (at the same offset),
+// global -> shared, 16 bytes at a time. cp.async (sm_80+; plain copies before that) moves the data
+// without staging it in registers, so every load of both tiles is in flight at once.
 template <int D>
-__device__ __forceinline__ void load_tile(float4* dst, const float4* __restrict__ src, int rows) {
-    for (int x = threadIdx.x; x < rows * (D / 4); x += blockDim.x) dst[x] = src[x];
+__device__ __forceinline__ void load_tiles(float4* A, const float4* __restrict__ gA, float4* B,
+                                           const float4* __restrict__ gB, size_t offset, int rows) {
+    for (int x = threadIdx.x; x < rows * (D / 4); x += blockDim.x) {
+#ifdef FLASH_PLAIN_COPY
+        A[x] = gA[offset + x];
+        B[x] = gB[offset + x];
+#else
+        __pipeline_memcpy_async(A + x, gA + offset + x, sizeof(float4));
+        __pipeline_memcpy_async(B + x, gB + offset + x, sizeof(float4));
+#endif
+    }
+    __pipeline_commit();
+    __pipeline_wait_prior(0);  // this thread's copies have landed; __syncthreads() does the rest
 }
 
 // Forward: FlashAttention-2 Algorithm 1. One block per (Q tile i, batch*head); one query row per
@@ -224,8 +239,7 @@ flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
     const int kv_end = causal ? min(kv_len, min(q0 + Br, q_len) + diag) : kv_len;
     for (int j0 = 0; j0 < kv_end; j0 += Bc) {          // line 5: for each K_j, V_j
         __syncthreads();                               // everyone is done with the last tile
-        load_tile<D>(Kj, K + (bh * kv_len + j0) * (D / 4), min(Bc, kv_end - j0));  // line 6
-        load_tile<D>(Vj, V + (bh * kv_len + j0) * (D / 4), min(Bc, kv_end - j0));
+        load_tiles<D>(Kj, K, Vj, V, (bh * kv_len + j0) * (D / 4), min(Bc, kv_end - j0));  // line 6
         __syncthreads();
         for (int j = 0; j < min(Bc, kv_end - j0); j++) {  // lines 8-10, one key (column) at a time
             float s = 0.f;                             // line 8: S_ij = Q_i K_j^T
@@ -276,8 +290,7 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
     const int kv_end = causal ? min(kv_len, min(q0 + B, q_len) + diag) : kv_len;
     for (int j0 = 0; j0 < kv_end; j0 += B) {
         __syncthreads();
-        load_tile<D>(Kj, K + (bh * kv_len + j0) * (D / 4), min(B, kv_end - j0));
-        load_tile<D>(Vj, V + (bh * kv_len + j0) * (D / 4), min(B, kv_end - j0));
+        load_tiles<D>(Kj, K, Vj, V, (bh * kv_len + j0) * (D / 4), min(B, kv_end - j0));
         __syncthreads();
         for (int j = 0; j < min(B, kv_end - j0); j++) {
             float s = 0.f, dp = 0.f;                   // S_ij = q K_j^T, dP_ij = dO_i V_j^T
@@ -317,8 +330,7 @@ flash_backward_dkdv_kernel(const float4* __restrict__ Q, const float4* __restric
     // Causal: key j is seen by queries i >= j - diag: Q tiles before the block's first, skipped.
     for (int i0 = causal ? max(0, k0 - diag) : 0; i0 < q_len; i0 += B) {
         __syncthreads();
-        load_tile<D>(Qi, Q + (bh * q_len + i0) * (D / 4), min(B, q_len - i0));
-        load_tile<D>(dOi, dO + (bh * q_len + i0) * (D / 4), min(B, q_len - i0));
+        load_tiles<D>(Qi, Q, dOi, dO, (bh * q_len + i0) * (D / 4), min(B, q_len - i0));
         __syncthreads();
         for (int i = 0; i < min(B, q_len - i0); i++) {
             float s = 0.f, dp = 0.f;                   // S_ij = Q_i k^T, dP_ij = dO_i v^T
