@@ -4,6 +4,8 @@
 #   make run      the demo: one shape, timed, checked against the CPU reference
 #   make bench    the FlashAttention-2 benchmark protocol, flash vs standard attention
 #   make plot     bench.csv (written by make bench) -> bench.png (gnuplot)
+#   make sanitize the [sanitize] GPU tests under compute-sanitizer: memcheck, racecheck,
+#                 synccheck, initcheck (run this first after changing a kernel)
 #   make clean
 # Overridable: ARCH (default native; e.g. ARCH=sm_90), NVCC, CPPFLAGS (e.g. -I<dir with catch2/>).
 
@@ -15,7 +17,8 @@ NVCCFLAGS ?= -O3 -std=c++17 -arch=$(ARCH) -lineinfo -Xcompiler -Wall,-Wextra
 CPPFLAGS  ?=
 LDLIBS    ?= -lcublas
 
-.PHONY: all test run bench plot clean
+.PHONY: all test run bench plot sanitize clean
+SANITIZER ?= $(shell command -v compute-sanitizer 2>/dev/null || echo $(CUDA_HOME)/bin/compute-sanitizer)
 all: test_flash flash_bench
 
 flash.o: flash.cu flash.h
@@ -37,5 +40,10 @@ bench: flash_bench
 	./flash_bench --protocol --csv bench.csv
 plot:
 	gnuplot -e "csv='bench.csv'; out='bench.png'" plot.gp
+sanitize: test_flash
+	@for tool in memcheck racecheck synccheck initcheck; do \
+	    echo "== compute-sanitizer --tool $$tool"; \
+	    $(SANITIZER) --tool $$tool --error-exitcode 1 ./test_flash "[sanitize]" || exit 1; \
+	done
 clean:
 	rm -f *.o test_flash flash_bench

@@ -1043,6 +1043,29 @@ TEST_CASE("The backward matches the reference over a grid of shapes", "[gpu][bac
     check_backward(got, want, tol, s);
 }
 
+// The subset `make sanitize` runs under compute-sanitizer (which slows kernels 10-100x): small
+// shapes that still cover odd and unequal lengths, a partial last tile, causal on and off,
+// batched heads and every head dim, forward and backward.
+TEST_CASE("Small shapes for the sanitizer: forward and backward match the reference",
+          "[gpu][sanitize][forward][backward]") {
+    const auto qk = GENERATE(std::make_pair(1, 1), std::make_pair(17, 33), std::make_pair(33, 17),
+                             std::make_pair(100, 100));
+    const bool causal = GENERATE(false, true);
+    const int bh = GENERATE(1, 6);
+    const int d = GENERATE(from_range(std::begin(kFlashHeadDims), std::end(kFlashHeadDims)));
+    const AttentionShape s{bh == 1 ? 1 : 2, bh == 1 ? 1 : 3, qk.first, qk.second, d, causal};
+    INFO(describe(s));
+    const auto p = random_problem(s, 300);
+    GpuAttention gpu(p);
+    gpu.forward();
+    gpu.backward();
+    const auto got = gpu.outputs(true);
+    const auto want = reference_backward(p);
+    const Tolerances tol = tolerances(p, Rounding::random);
+    check_forward(got, want, tol, s);
+    check_backward(got, want, tol, s);
+}
+
 TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU",
           "[gpu][masking][forward][backward][hardening]") {
     const auto qk = GENERATE(std::make_pair(5, 1), std::make_pair(100, 17), std::make_pair(257, 256),
