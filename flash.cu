@@ -229,25 +229,26 @@ flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
     constexpr int C = D / 4 / TPR, Br = kThreads / TPR;  // C: float4s of a row one thread holds
     extern __shared__ float4 smem[];
     float4 *Kj = smem, *Vj = smem + Bc * (D / 4);      // K_j, V_j: (Bc, D/4) each
-    const int q0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * Br;  // longest causal tiles first
+    // Line 3's loop over the Q tiles is the grid: one block per Q_i, the longest (causal) first.
+    const int q0 = (n_q_tiles - 1 - blockIdx.x % n_q_tiles) * Br;
     const int i = q0 + threadIdx.x / TPR, t = threadIdx.x % TPR, diag = kv_len - q_len;
     const size_t bh = blockIdx.x / n_q_tiles, row = (bh * q_len + min(i, q_len - 1)) * (D / 4) + t;
-    float4 q[C], o[C] = {};                            // line 4: Q_i (scaled), O_i = 0: registers
-    float m = -INFINITY, l = 0.f;                      // line 4: running row max (log2 units), sum
-    for (int c = 0; c < C; c++) q[c] = scale4(Q[row + c * TPR], scale_log2);
+    float4 q[C], o[C] = {};                            // line 5: O_i = 0, in registers
+    float m = -INFINITY, l = 0.f;                      // line 5: row max m (log2 units), sum l
+    for (int c = 0; c < C; c++) q[c] = scale4(Q[row + c * TPR], scale_log2);  // line 4: Q_i
     // Causal: query i sees keys j <= i + diag. Tiles past the block's last row's last key: skipped.
     const int kv_end = causal ? min(kv_len, min(q0 + Br, q_len) + diag) : kv_len;
-    for (int j0 = 0; j0 < kv_end; j0 += Bc) {          // line 5: for each K_j, V_j
+    for (int j0 = 0; j0 < kv_end; j0 += Bc) {          // line 6: for each K_j, V_j
         __syncthreads();                               // everyone is done with the last tile
-        load_tiles<D>(Kj, K, Vj, V, (bh * kv_len + j0) * (D / 4), min(Bc, kv_end - j0));  // line 6
+        load_tiles<D>(Kj, K, Vj, V, (bh * kv_len + j0) * (D / 4), min(Bc, kv_end - j0));  // line 7
         __syncthreads();
         for (int j = 0; j < min(Bc, kv_end - j0); j++) {  // lines 8-10, one key (column) at a time
             float s = 0.f;                             // line 8: S_ij = Q_i K_j^T
             for (int c = 0; c < C; c++) s += dot4(q[c], Kj[j * (D / 4) + t + c * TPR]);
             s = row_sum<TPR>(s);
             const bool seen = !causal || j0 + j <= i + diag;
-            if (seen && s > m) {                       // line 9: a new row max: rescale l and O_i
-                const float alpha = exp2f(m - s);      //   by exp(m_old - m_new)
+            if (seen && s > m) {                       // lines 9-10: a new row max m: rescale
+                const float alpha = exp2f(m - s);      // l and O_i by exp(m_old - m_new)
                 l *= alpha;
                 for (int c = 0; c < C; c++) o[c] = scale4(o[c], alpha);
                 m = s;
@@ -257,9 +258,11 @@ flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
             for (int c = 0; c < C; c++) axpy4(o[c], p, Vj[j * (D / 4) + t + c * TPR]);  // line 10
         }
     }
+    // Lines 12-15: O_i = O_i / l and L_i = m + log(l), written once; a row that saw no key (l = 0)
+    // gets O = 0 and L = -inf. m is in log2 units, so L = (m + log2(l)) * ln(2).
     if (i >= q_len) return;
-    for (int c = 0; c < C; c++) O[row + c * TPR] = scale4(o[c], l > 0.f ? 1.f / l : 0.f);  // l. 12
-    if (t == 0) L[bh * q_len + i] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;  // line 13
+    for (int c = 0; c < C; c++) O[row + c * TPR] = scale4(o[c], l > 0.f ? 1.f / l : 0.f);
+    if (t == 0) L[bh * q_len + i] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
 // Backward, kernel 1 of 2: dQ (FlashAttention-2 Algorithm 2, the dQ half). One block per
