@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <limits>
@@ -958,6 +959,50 @@ TEST_CASE("Null pointers given to the forward are refused, naming the argument",
     CHECK(t.outputs_untouched());
 }
 
+TEST_CASE("Outputs overlapping another tensor, and misaligned tensors, are refused",
+          "[cpu][validation]") {
+    const AttentionShape s = valid_shape();
+    const size_t nq = q_elems(s), nkv = kv_elems(s), nl = l_elems(s);
+    // Separate heap arrays (16-byte aligned, as malloc's are), one float longer than needed so
+    // that a pointer shifted by one float stays inside.
+    std::vector<float> Q(nq + 1, 0.5f), K(nkv + 1, 0.25f), V(nkv, 0.75f), dO(nq, 0.125f);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> O(nq, nan), L(nl, nan), dQ(nq, nan), dK(nkv, nan), dV(nkv, nan);
+    auto all_nan = [](const std::vector<float>& v) {
+        return std::all_of(v.begin(), v.end(), [](float x) { return std::isnan(x); });
+    };
+    SECTION("O is Q") {
+        CHECK_THAT(refusal([&] { flash_forward(Q.data(), K.data(), V.data(), Q.data(), L.data(), s); }),
+                   NamesWord("O") && NamesWord("Q") && Contains("overlaps"));
+    }
+    SECTION("L lies inside V") {
+        CHECK_THAT(refusal([&] { flash_forward(Q.data(), K.data(), V.data(), O.data(), V.data() + 4, s); }),
+                   NamesWord("L") && NamesWord("V") && Contains("overlaps"));
+    }
+    SECTION("dK is dV") {
+        CHECK_THAT(refusal([&] {
+                       flash_backward(Q.data(), K.data(), V.data(), O.data(), dO.data(), L.data(),
+                                      dQ.data(), dV.data(), dV.data(), s);
+                   }),
+                   NamesWord("dK") && NamesWord("dV") && Contains("overlaps"));
+    }
+    SECTION("Q is not 16-byte aligned") {
+        CHECK_THAT(refusal([&] { flash_forward(Q.data() + 1, K.data(), V.data(), O.data(), L.data(), s); }),
+                   NamesWord("Q") && Contains("16-byte aligned"));
+    }
+    SECTION("K is not 16-byte aligned (backward)") {
+        CHECK_THAT(refusal([&] {
+                       flash_backward(Q.data(), K.data() + 1, V.data(), O.data(), dO.data(),
+                                      L.data(), dQ.data(), dK.data(), dV.data(), s);
+                   }),
+                   NamesWord("K") && Contains("16-byte aligned"));
+    }
+    CHECK(all_nan(O));
+    CHECK(all_nan(L));
+    CHECK(all_nan(dQ));
+    CHECK(all_nan(dK));
+}
+
 TEST_CASE("Null pointers given to the backward are refused, naming the argument",
           "[cpu][validation]") {
     const AttentionShape s = valid_shape();
@@ -1361,6 +1406,45 @@ TEST_CASE("The CPU reference over the GPU grids takes seconds", "[.timing]") {
               << " cases): " << fwd << " s; over the backward grid (" << backward_grid().size() * 12
               << " cases, forward + backward): " << bwd << " s\n";
     CHECK(fwd + bwd < 60);
+}
+
+// =============================================================================================
+// NOTES.md must stay true to the code: every line it quotes from flash.cu (the fenced blocks that
+// follow a `<!-- quoted from flash.cu -->` line) must still be a line of flash.cu.
+
+// The lines of a file next to this source file (or in the working directory), each trimmed.
+static std::vector<std::string> source_lines(const std::string& name) {
+    const std::string here = __FILE__;
+    const size_t slash = here.find_last_of('/');
+    std::ifstream in(slash == std::string::npos ? name : here.substr(0, slash + 1) + name);
+    if (!in) in.open(name);
+    INFO("opening " << name);
+    REQUIRE(in.good());
+    std::vector<std::string> lines;
+    for (std::string line; std::getline(in, line);) {
+        const size_t b = line.find_first_not_of(" \t"), e = line.find_last_not_of(" \t\r");
+        lines.push_back(b == std::string::npos ? "" : line.substr(b, e - b + 1));
+    }
+    return lines;
+}
+
+TEST_CASE("Every line NOTES.md quotes from flash.cu is still in flash.cu", "[cpu][notes]") {
+    const std::vector<std::string> notes = source_lines("NOTES.md");
+    const std::vector<std::string> code = source_lines("flash.cu");
+    int quoted = 0;
+    for (size_t n = 0; n < notes.size(); ++n) {
+        if (notes[n] != "<!-- quoted from flash.cu -->") continue;
+        REQUIRE(n + 1 < notes.size());
+        REQUIRE(notes[n + 1].rfind("```", 0) == 0);  // the fence must follow at once
+        for (size_t k = n + 2; k < notes.size() && notes[k].rfind("```", 0) != 0; ++k) {
+            if (notes[k].empty()) continue;
+            ++quoted;
+            INFO("NOTES.md:" << k + 1 << " quotes a line flash.cu no longer has:\n  " << notes[k]);
+            CHECK(std::find(code.begin(), code.end(), notes[k]) != code.end());
+        }
+    }
+    INFO("NOTES.md should quote the forward kernel");
+    CHECK(quoted >= 30);
 }
 
 // =============================================================================================
