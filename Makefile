@@ -7,13 +7,16 @@
 #   make sanitize the [sanitize] GPU tests under compute-sanitizer: memcheck, racecheck,
 #                 synccheck, initcheck (run this first after changing a kernel)
 #   make clean
-# Overridable: ARCH (default native; e.g. ARCH=sm_90), NVCC, CPPFLAGS (e.g. -I<dir with catch2/>).
+# Overridable: ARCH (default native; e.g. ARCH=sm_90), NVCC, CPPFLAGS (e.g. -I<dir with catch2/>),
+# DEFINES (e.g. -DFLASH_MIN_BLOCKS_PER_SM=2).
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(shell command -v nvcc 2>/dev/null || echo $(CUDA_HOME)/bin/nvcc)
 ARCH      ?= native
 # -lineinfo lets compute-sanitizer and Nsight Compute point at source lines; it costs no speed.
-NVCCFLAGS ?= -O3 -std=c++17 -arch=$(ARCH) -lineinfo -Xcompiler -Wall,-Wextra
+NVCCFLAGS ?= -O3 -std=c++17 -arch=$(ARCH) -lineinfo -Xcompiler -Wall,-Wextra $(DEFINES)
+# DEFINES: flash.cu's experiment knobs, e.g. make clean all DEFINES=-DFLASH_PLAIN_COPY
+DEFINES   ?=
 CPPFLAGS  ?=
 LDLIBS    ?= -lcublas
 

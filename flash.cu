@@ -115,7 +115,7 @@ static void validate_pointers(const char* fn, const Arg (&args)[N]) {
 //     registers; a thread holds at most 64 floats of each, so at d > 64 a row is split across
 //     threads_per_row threads, and Br = threads / threads_per_row.
 static constexpr int kThreads = 128;        // threads per block (4 warps)
-// Two knobs to experiment with, e.g. make clean all NVCCFLAGS+=-DFLASH_FORWARD_SLICE=32
+// Two knobs to experiment with, e.g. make clean all DEFINES=-DFLASH_FORWARD_SLICE=32
 #ifndef FLASH_MIN_BLOCKS_PER_SM
 #define FLASH_MIN_BLOCKS_PER_SM 3
 #endif
