@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 // ---------------------------------------------------------------------------------------------
 // Shapes and checks (host). Everything here runs before any launch, so bad input never reaches
