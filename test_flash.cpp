@@ -455,6 +455,21 @@ struct GridShape {
     int batch, heads, q_len, kv_len;
 };
 
+// Fresh random inputs for shape s; forward and backward on the GPU; every output against the
+// reference (the backward grid and the sanitizer subset share it).
+void check_forward_and_backward(const AttentionShape& s, uint32_t salt) {
+    INFO(describe(s));
+    const auto p = random_problem(s, salt);
+    GpuAttention gpu(p);
+    gpu.forward();
+    gpu.backward();
+    const auto got = gpu.outputs(true);
+    const auto want = reference_backward(p);
+    const Tolerances tol = tolerances(p, Rounding::random);
+    check_forward(got, want, tol, s);
+    check_backward(got, want, tol, s);
+}
+
 std::vector<GridShape> grid(const std::vector<std::pair<int, int>>& lengths, long long max_batched) {
     std::vector<GridShape> shapes;
     for (const auto& qk : lengths) {
@@ -1076,16 +1091,7 @@ TEST_CASE("The backward matches the reference over a grid of shapes", "[gpu][bac
     const bool causal = GENERATE(false, true);
     const int d = GENERATE(from_range(std::begin(kFlashHeadDims), std::end(kFlashHeadDims)));
     const AttentionShape s{g.batch, g.heads, g.q_len, g.kv_len, d, causal};
-    INFO(describe(s));
-    const auto p = random_problem(s, 200);
-    GpuAttention gpu(p);
-    gpu.forward();
-    gpu.backward();
-    const auto got = gpu.outputs(true);
-    const auto want = reference_backward(p);
-    const Tolerances tol = tolerances(p, Rounding::random);
-    check_forward(got, want, tol, s);
-    check_backward(got, want, tol, s);
+    check_forward_and_backward(s, 200);
 }
 
 // The subset `make sanitize` runs under compute-sanitizer (which slows kernels 10-100x): small
@@ -1099,16 +1105,7 @@ TEST_CASE("Small shapes for the sanitizer: forward and backward match the refere
     const int bh = GENERATE(1, 6);
     const int d = GENERATE(from_range(std::begin(kFlashHeadDims), std::end(kFlashHeadDims)));
     const AttentionShape s{bh == 1 ? 1 : 2, bh == 1 ? 1 : 3, qk.first, qk.second, d, causal};
-    INFO(describe(s));
-    const auto p = random_problem(s, 300);
-    GpuAttention gpu(p);
-    gpu.forward();
-    gpu.backward();
-    const auto got = gpu.outputs(true);
-    const auto want = reference_backward(p);
-    const Tolerances tol = tolerances(p, Rounding::random);
-    check_forward(got, want, tol, s);
-    check_backward(got, want, tol, s);
+    check_forward_and_backward(s, 300);
 }
 
 TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU",
