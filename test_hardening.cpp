@@ -1,0 +1,476 @@
+// test_hardening.cpp: the tests that make the kernels trustworthy beyond the classroom grids
+// (Catch2 v2; the classroom core is test_flash.cpp, the helpers test_util.h).
+//
+//   [validation]   bad arguments are refused with std::invalid_argument naming what is wrong,
+//                  before any CUDA call (so the [cpu] ones need no GPU), and outputs stay untouched
+//   [determinism]  identical calls give bitwise identical results, on any stream, 100 times over
+//   [tile]         flash_forward_bc: a caller-chosen Bc that does not divide the length, or does
+//                  not fit in shared memory
+//   [hardening]    extreme inputs: huge, tiny, equal and one-hot scores
+//   [big]          more than 65535 batch*heads, and tensors of more than 2^31 elements (8.6 GB
+//                  each: skipped, with a warning, where the GPU has too little memory)
+//   [.timing]      hidden: how long the CPU reference takes over the GPU grids
+// They are built into the same binary, test_flash. Examples: ./test_flash "[validation]"
+//   ./test_flash "[gpu]~[big]"     ./test_flash "[big]"     ./test_flash "[.timing]"
+
+#include "test_util.h"
+
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <iostream>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+using Catch::Matchers::Contains;
+
+// =============================================================================================
+// CPU: head dims the tile chooser and the kernels refuse
+
+TEST_CASE("The tile chooser refuses head dims without a kernel", "[cpu][tile][validation]") {
+    const cudaDeviceProp prop = known_gpus().back();
+    const int d = GENERATE(0, -64, 8, 48, 100, 512);
+    CAPTURE(d);
+    CHECK_THROWS_AS(flash_choose_tile(prop, d), std::invalid_argument);
+    CHECK_THROWS_AS(flash_choose_tile_backward(prop, d), std::invalid_argument);
+}
+
+TEST_CASE("The supported head dims are 16, 32, 64, 96, 128 and 256", "[cpu][validation]") {
+    CHECK(flash_head_dims_string() == "16, 32, 64, 96, 128, 256");
+    for (int d : kFlashHeadDims) CHECK(flash_head_dim_supported(d));
+    for (int d : {0, -16, 8, 17, 48, 65, 192, 512}) {
+        CAPTURE(d);
+        CHECK_FALSE(flash_head_dim_supported(d));
+    }
+}
+
+// =============================================================================================
+// CPU: argument validation. It happens before any CUDA call, so these run without a GPU; the
+// tensors are fake host arrays, never read.
+
+TEST_CASE("Shape fields that are zero or negative are refused, naming the field",
+          "[cpu][validation]") {
+    const int field = GENERATE(range(0, 5));
+    const int value = GENERATE(0, -1, INT_MIN);
+    const char* names[] = {"batch", "heads", "q_len", "kv_len", "head_dim"};
+    AttentionShape s = valid_shape();
+    int* fields[] = {&s.batch, &s.heads, &s.q_len, &s.kv_len, &s.head_dim};
+    *fields[field] = value;
+    INFO(names[field] << " = " << value);
+    FakeTensors t;
+    const NamesWord names_field(names[field]);
+    CHECK_THAT(refusal([&] { validate_shape(s); }), names_field);
+    CHECK_THAT(refusal([&] { flash_forward(t.Q, t.K, t.V, t.O, t.L, s); }), names_field);
+    CHECK_THAT(refusal([&] { flash_forward_bc(t.Q, t.K, t.V, t.O, t.L, s, 16); }), names_field);
+    CHECK_THAT(refusal([&] {
+                   flash_backward(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s);
+               }),
+               names_field);
+    CHECK_THAT(refusal([&] { attention_reference(t.Q, t.K, t.V, t.O, t.L, s); }), names_field);
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("Shapes whose tensors overflow size_t are refused", "[cpu][validation]") {
+    struct Case {
+        const char* what;
+        AttentionShape s;
+        const char* field;  // the length the overflowing tensor runs along
+    };
+    const Case c = GENERATE(
+        Case{"Q: every field huge", {INT_MAX, INT_MAX, INT_MAX, 1, 64, false}, "q_len"},
+        // 2^20 * 2^20 * 1 * 64 = 2^46 fits for Q; 2^20 * 2^20 * 2^30 * 64 does not for K, V
+        Case{"K, V only", {1 << 20, 1 << 20, 1, 1 << 30, 64, false}, "kv_len"},
+        // (2^31 - 1)^2 * 4 fits in 64 bits; times head_dim 16 it does not
+        Case{"Q: only the last product", {INT_MAX, INT_MAX, 4, 1, 16, false}, "q_len"},
+        // 2^30 * 2^30 * 16 = 2^64 wraps to exactly 0
+        Case{"Q, K, V: wraps to 0", {1 << 30, 1 << 30, 1, 1, 16, true}, "q_len"},
+        // 2^29 * 2^29 * 16 = 2^62 elements fit, but not their 2^64 bytes
+        Case{"Q, K, V: the byte count only", {1 << 29, 1 << 29, 1, 1, 16, false}, "q_len"});
+    INFO(c.what << ": " << describe(c.s));
+    FakeTensors t;
+    const std::string msg = refusal([&] { validate_shape(c.s); });
+    INFO("message: " << msg);
+    CHECK_THAT(msg, NamesWord(c.field));
+    CHECK_THROWS_AS(flash_forward(t.Q, t.K, t.V, t.O, t.L, c.s), std::invalid_argument);
+    CHECK_THROWS_AS(flash_forward_bc(t.Q, t.K, t.V, t.O, t.L, c.s, 16), std::invalid_argument);
+    CHECK_THROWS_AS(flash_backward(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, c.s),
+                    std::invalid_argument);
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("Null pointers given to the forward are refused, naming the argument",
+          "[cpu][validation]") {
+    const AttentionShape s = valid_shape();
+    const int which = GENERATE(range(0, 5));
+    FakeTensors t;
+    const float* in[] = {t.Q, t.K, t.V};
+    float* out[] = {t.O, t.L};
+    const char* names[] = {"Q", "K", "V", "O", "L"};
+    if (which < 3) in[which] = nullptr; else out[which - 3] = nullptr;
+    INFO(names[which] << " = nullptr");
+    CHECK_THAT(refusal([&] { flash_forward(in[0], in[1], in[2], out[0], out[1], s); }),
+               NamesWord(names[which]));
+    CHECK_THAT(refusal([&] { flash_forward_bc(in[0], in[1], in[2], out[0], out[1], s, 16); }),
+               NamesWord(names[which]));
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("Outputs overlapping another tensor, and misaligned tensors, are refused",
+          "[cpu][validation]") {
+    const AttentionShape s = valid_shape();
+    const size_t nq = q_elems(s), nkv = kv_elems(s), nl = l_elems(s);
+    // Separate heap arrays (16-byte aligned, as malloc's are), one float longer than needed so
+    // that a pointer shifted by one float stays inside.
+    std::vector<float> Q(nq + 1, 0.5f), K(nkv + 1, 0.25f), V(nkv, 0.75f), dO(nq, 0.125f);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> O(nq, nan), L(nl, nan), dQ(nq, nan), dK(nkv, nan), dV(nkv, nan);
+    auto all_nan = [](const std::vector<float>& v) {
+        return std::all_of(v.begin(), v.end(), [](float x) { return std::isnan(x); });
+    };
+    SECTION("O is Q") {
+        CHECK_THAT(refusal([&] { flash_forward(Q.data(), K.data(), V.data(), Q.data(), L.data(), s); }),
+                   NamesWord("O") && NamesWord("Q") && Contains("overlaps"));
+    }
+    SECTION("L lies inside V") {
+        CHECK_THAT(refusal([&] { flash_forward(Q.data(), K.data(), V.data(), O.data(), V.data() + 4, s); }),
+                   NamesWord("L") && NamesWord("V") && Contains("overlaps"));
+    }
+    SECTION("dK is dV") {
+        CHECK_THAT(refusal([&] {
+                       flash_backward(Q.data(), K.data(), V.data(), O.data(), dO.data(), L.data(),
+                                      dQ.data(), dV.data(), dV.data(), s);
+                   }),
+                   NamesWord("dK") && NamesWord("dV") && Contains("overlaps"));
+    }
+    SECTION("Q is not 16-byte aligned") {
+        CHECK_THAT(refusal([&] { flash_forward(Q.data() + 1, K.data(), V.data(), O.data(), L.data(), s); }),
+                   NamesWord("Q") && Contains("16-byte aligned"));
+    }
+    SECTION("K is not 16-byte aligned (backward)") {
+        CHECK_THAT(refusal([&] {
+                       flash_backward(Q.data(), K.data() + 1, V.data(), O.data(), dO.data(),
+                                      L.data(), dQ.data(), dK.data(), dV.data(), s);
+                   }),
+                   NamesWord("K") && Contains("16-byte aligned"));
+    }
+    CHECK(all_nan(O));
+    CHECK(all_nan(L));
+    CHECK(all_nan(dQ));
+    CHECK(all_nan(dK));
+}
+
+TEST_CASE("Null pointers given to the backward are refused, naming the argument",
+          "[cpu][validation]") {
+    const AttentionShape s = valid_shape();
+    const int which = GENERATE(range(0, 9));
+    FakeTensors t;
+    const float* in[] = {t.Q, t.K, t.V, t.O, t.dO, t.L};
+    float* out[] = {t.dQ, t.dK, t.dV};
+    const char* names[] = {"Q", "K", "V", "O", "dO", "L", "dQ", "dK", "dV"};
+    if (which < 6) in[which] = nullptr; else out[which - 6] = nullptr;
+    INFO(names[which] << " = nullptr");
+    CHECK_THAT(refusal([&] {
+                   flash_backward(in[0], in[1], in[2], in[3], in[4], in[5], out[0], out[1],
+                                  out[2], s);
+               }),
+               NamesWord(names[which]));
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("Unsupported head dims are refused, listing the supported ones", "[cpu][validation]") {
+    const int d = GENERATE(48, 0, 512, 8, 24, 257);
+    AttentionShape s = valid_shape();
+    s.head_dim = d;
+    INFO(describe(s));
+    FakeTensors t;
+    for (const std::string& msg :
+         {refusal([&] { flash_forward(t.Q, t.K, t.V, t.O, t.L, s); }),
+          refusal([&] { flash_forward_bc(t.Q, t.K, t.V, t.O, t.L, s, 16); }),
+          refusal([&] { flash_backward(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s); })}) {
+        CHECK_THAT(msg, NamesWord("head_dim"));
+        CHECK_THAT(msg, Contains("16, 32, 64, 96, 128, 256"));
+    }
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("flash_forward_bc refuses Bc below 1, naming it", "[cpu][validation]") {
+    const int Bc = GENERATE(0, -1, INT_MIN);
+    CAPTURE(Bc);
+    FakeTensors t;
+    CHECK_THAT(refusal([&] { flash_forward_bc(t.Q, t.K, t.V, t.O, t.L, valid_shape(), Bc); }),
+               NamesWord("Bc"));
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("Element counts are 64-bit products", "[cpu][validation]") {
+    const AttentionShape s{4097, 32, 128, 64, 128, false};  // Q: just past 2^31 elements
+    CHECK(q_elems(s) == size_t(4097) * 32 * 128 * 128);
+    CHECK(q_elems(s) > (size_t(1) << 31));
+    CHECK(kv_elems(s) == size_t(4097) * 32 * 64 * 128);
+    CHECK(l_elems(s) == size_t(4097) * 32 * 128);
+    CHECK_NOTHROW(validate_shape(s));
+    CHECK_NOTHROW(validate_shape({70000, 1, 16, 16, 16, true}));
+}
+
+// =============================================================================================
+// GPU: determinism, and the caller-chosen Bc
+
+TEST_CASE("The forward gives bitwise identical O and L on every call, on any stream",
+          "[gpu][forward][determinism]") {
+    const AttentionShape s = GENERATE(from_range(determinism_shapes(1000)));
+    INFO(describe(s));
+    const auto p = random_problem(s, 400);
+    GpuAttention<float> gpu(p);
+    gpu.forward();
+    const auto first = gpu.outputs(false);
+    gpu.forward();
+    const auto second = gpu.outputs(false);
+    check_bitwise("O", first.O, second.O, s, q_layout(s));
+    check_bitwise("L", first.L, second.L, s, l_layout(s));
+    cudaStream_t stream;
+    FLASH_CUDA_CHECK(cudaStreamCreate(&stream));
+    try {
+        gpu.forward(0, stream);
+    } catch (...) {
+        cudaStreamDestroy(stream);
+        throw;
+    }
+    FLASH_CUDA_CHECK(cudaStreamDestroy(stream));
+    const auto third = gpu.outputs(false);
+    check_bitwise("O (on a stream of its own)", first.O, third.O, s, q_layout(s));
+    check_bitwise("L (on a stream of its own)", first.L, third.L, s, l_layout(s));
+}
+
+TEST_CASE("The backward gives bitwise identical dQ, dK and dV on every call",
+          "[gpu][backward][determinism]") {
+    const AttentionShape s = GENERATE(from_range(determinism_shapes(300)));
+    INFO(describe(s));
+    const auto p = random_problem(s, 500);
+    GpuAttention<float> gpu(p);
+    gpu.forward();
+    gpu.backward();
+    const auto first = gpu.outputs(true);
+    gpu.backward();
+    const auto second = gpu.outputs(true);
+    check_bitwise("dQ", first.dQ, second.dQ, s, q_layout(s));
+    check_bitwise("dK", first.dK, second.dK, s, kv_layout(s));
+    check_bitwise("dV", first.dV, second.dV, s, kv_layout(s));
+}
+
+TEST_CASE("flash_forward_bc matches the reference for tiles that do not divide the length",
+          "[gpu][forward][tile]") {
+    const int Bc = GENERATE(1, 7, 64);
+    const AttentionShape base = GENERATE(AttentionShape{1, 2, 100, 257, 0, true},
+                                         AttentionShape{2, 1, 257, 100, 0, false},
+                                         AttentionShape{1, 1, 33, 33, 0, true});
+    const int d = GENERATE(from_range(kHeadDims));
+    AttentionShape s = base;
+    s.head_dim = d;
+    INFO(describe(s) << ", Bc = " << Bc);
+    const cudaDeviceProp prop = current_device_props();
+    const auto p = random_problem(s, 600);
+    GpuAttention<float> gpu(p);
+    if (2 * size_t(Bc) * d * sizeof(float) > prop.sharedMemPerBlockOptin) {
+        // K_j and V_j would not fit in one block's shared memory: refused (and O untouched).
+        INFO("does not fit in " << prop.sharedMemPerBlockOptin << " bytes of shared memory");
+        gpu.O.poison();
+        CHECK_THAT(refusal([&] { flash_forward_bc(gpu.Q.ptr, gpu.K.ptr, gpu.V.ptr, gpu.O.ptr,
+                                                  gpu.L.ptr, s, Bc); }),
+                   NamesWord("Bc"));
+        CHECK(count_bad(gpu.O.download()) == q_elems(s));  // all still NaN
+        return;
+    }
+    gpu.forward(Bc);
+    check_forward(gpu.outputs(false), reference_forward(p), tolerances(p, Rounding::random), s);
+}
+
+TEST_CASE("flash_forward_bc refuses a Bc that does not fit in shared memory, naming it",
+          "[gpu][validation][tile]") {
+    const int d = GENERATE(from_range(kHeadDims));
+    const AttentionShape s{1, 1, 64, 64, d, false};
+    const cudaDeviceProp prop = current_device_props();
+    const int most = int(prop.sharedMemPerBlockOptin / (2 * d * sizeof(float)));
+    const int Bc = GENERATE_COPY(most + 1, 1 << 20, INT_MAX);
+    INFO(describe(s) << ", Bc = " << Bc << " (at most " << most << " fit)");
+    const auto p = random_problem(s, 700);
+    GpuAttention<float> gpu(p);
+    gpu.O.poison();
+    gpu.L.poison();
+    CHECK_THAT(refusal([&] {
+                   flash_forward_bc(gpu.Q.ptr, gpu.K.ptr, gpu.V.ptr, gpu.O.ptr, gpu.L.ptr, s, Bc);
+               }),
+               NamesWord("Bc"));
+    CHECK(count_bad(gpu.O.download()) == q_elems(s));  // all still NaN: untouched
+    CHECK(count_bad(gpu.L.download()) == l_elems(s));
+}
+
+// =============================================================================================
+// GPU: hardening
+
+TEST_CASE("100 calls of the forward and the backward give bitwise identical results",
+          "[gpu][hardening][determinism]") {
+    const int d = GENERATE(from_range(kHeadDims));
+    const AttentionShape s{1, 2, 100, 77, d, true};
+    INFO(describe(s));
+    const auto p = random_problem(s, 800);
+    GpuAttention<float> gpu(p);
+    gpu.forward();
+    gpu.backward();
+    const auto first = gpu.outputs(true);
+    for (int call = 2; call <= 100; ++call) {
+        gpu.forward();
+        gpu.backward();
+        const auto again = gpu.outputs(true);
+        const bool same = bitwise_equal(again.O, first.O) && bitwise_equal(again.L, first.L) &&
+                          bitwise_equal(again.dQ, first.dQ) && bitwise_equal(again.dK, first.dK) &&
+                          bitwise_equal(again.dV, first.dV);
+        if (same) continue;
+        INFO("call " << call << " of 100 differs from call 1");
+        check_bitwise("O", first.O, again.O, s, q_layout(s));
+        check_bitwise("L", first.L, again.L, s, l_layout(s));
+        check_bitwise("dQ", first.dQ, again.dQ, s, q_layout(s));
+        check_bitwise("dK", first.dK, again.dK, s, kv_layout(s));
+        check_bitwise("dV", first.dV, again.dV, s, kv_layout(s));
+        FAIL("results changed between identical calls");
+    }
+    const auto want = reference_backward(p);
+    const Tolerances tol = tolerances(p, Rounding::random);
+    check_forward(first, want, tol, s);
+    check_backward(first, want, tol, s);
+}
+
+TEST_CASE("Extreme inputs give finite outputs within tolerance of the reference",
+          "[gpu][hardening]") {
+    // The tolerances grow with the score magnitude M (see "Tolerances"): scores of thousands make
+    // them ~1000 times looser than for N(0, 1) inputs, which is what fp32 can promise there.
+    enum Kind { large, tiny, equal_scores, one_huge, big_keys };
+    const Kind kind = GENERATE(large, tiny, equal_scores, one_huge, big_keys);
+    const char* names[] = {"Q and K scaled by 30: scores in the hundreds and thousands",
+                           "Q and K scaled by 1e-3: scores ~1e-6, attention almost uniform",
+                           "every key equal: all of a row's scores equal (dQ = 0)",
+                           "one huge score: Q row 5 and K row 7 of norm 100 (score 1e4/sqrt(d))",
+                           "keys of +-1e4: scores ~1e4, attention one-hot"};
+    const bool causal = GENERATE(false, true);
+    const int d = GENERATE(from_range(kHeadDims));
+    const AttentionShape s{1, 2, 77, 80, d, causal};
+    INFO(names[kind] << "; " << describe(s));
+    auto p = random_problem(s, 900 + kind);
+    Rounding rounding = Rounding::random;
+    switch (kind) {
+        case large:
+            for (auto* t : {&p.Q, &p.K}) for (auto& x : *t) x *= 30.0f;
+            break;
+        case tiny:
+            for (auto* t : {&p.Q, &p.K}) for (auto& x : *t) x *= 1e-3f;
+            break;
+        case equal_scores:  // rounding errors line up: identical terms
+            rounding = Rounding::aligned;
+            for (size_t bh = 0; bh < 2; ++bh)
+                for (size_t j = 1; j < 80; ++j)
+                    for (int x = 0; x < d; ++x) p.K[(bh * 80 + j) * d + x] = p.K[bh * 80 * d + x];
+            break;
+        case one_huge:  // the huge score's d equal products line up
+            rounding = Rounding::aligned;
+            for (int x = 0; x < d; ++x) {
+                p.Q[5 * d + x] = 100.0f / std::sqrt(float(d));
+                p.K[7 * d + x] = 100.0f / std::sqrt(float(d));
+            }
+            break;
+        case big_keys:
+            for (auto& x : p.K) x = x < 0 ? -1e4f : 1e4f;
+            break;
+    }
+    GpuAttention<float> gpu(p);
+    gpu.forward();
+    gpu.backward();
+    const auto got = gpu.outputs(true);
+    const char* names_out[] = {"O", "L", "dQ", "dK", "dV"};
+    const std::vector<float>* outs[] = {&got.O, &got.L, &got.dQ, &got.dK, &got.dV};
+    for (int t = 0; t < 5; ++t) {  // no row is masked here: L is finite too
+        INFO(names_out[t] << " has " << count_bad(*outs[t]) << " NaN or infinite elements");
+        CHECK(count_bad(*outs[t]) == 0);
+    }
+    const auto want = reference_backward(p);
+    const Tolerances tol = tolerances(p, rounding);
+    INFO("score magnitude M = " << tol.M << ": tolerance on O " << tol.O << ", on L " << tol.L);
+    check_forward(got, want, tol, s);
+    check_backward(got, want, tol, s);
+}
+
+// =============================================================================================
+// GPU: big tensors
+
+TEST_CASE("More than 65535 batch*heads: the heads past 65535 are right, the last included",
+          "[gpu][big]") {
+    // 65535 is the limit of a grid's y and z dimensions: a launch that puts batch*heads there
+    // fails, and one that folds it wrongly leaves the last heads unwritten or wrong.
+    const bool causal = GENERATE(false, true);
+    const AttentionShape s{70000, 1, 16, 16, 16, causal};
+    INFO(describe(s));
+    std::vector<std::vector<float>> patterns;
+    for (uint32_t t = 0; t < 4; ++t) patterns.push_back(random_pattern(1000 + t));
+    GpuAttention<float> gpu(s);
+    gpu.Q.fill_repeating(patterns[0]);
+    gpu.K.fill_repeating(patterns[1]);
+    gpu.V.fill_repeating(patterns[2]);
+    gpu.dO = DeviceBuffer<float>(q_elems(s));
+    gpu.dO.fill_repeating(patterns[3]);
+    gpu.forward();
+    gpu.backward();
+    for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
+                      size_t(69999)})
+        check_big_head(gpu, bh, patterns, true);
+}
+
+TEST_CASE("Tensors of more than 2^31 elements: the heads past 2^31 are right", "[gpu][big]") {
+    // 4097 * 32 heads of 128 x 128: each of Q, K, V, O holds 2^31 + 2^19 elements (8.6 GB), and
+    // heads 131072.. lie wholly past element 2^31, where a 32-bit index wraps.
+    AttentionShape s{4097, 32, 128, 128, 128, false};
+    const size_t need = (2 * q_elems(s) + 2 * kv_elems(s) + l_elems(s)) * sizeof(float);
+    size_t free_bytes = 0, total_bytes = 0;
+    FLASH_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    const double GiB = double(1 << 30);
+    if (free_bytes < need + (size_t(1) << 30)) {
+        WARN("skipped: needs " << need / GiB << " GiB of GPU memory (+1 GiB spare), but "
+                               "cudaMemGetInfo reports " << free_bytes / GiB << " GiB free of "
+                               << total_bytes / GiB);
+        return;
+    }
+    std::vector<std::vector<float>> patterns;
+    for (uint32_t t = 0; t < 3; ++t) patterns.push_back(random_pattern(2000 + t));
+    GpuAttention<float> gpu(s);
+    gpu.Q.fill_repeating(patterns[0]);
+    gpu.K.fill_repeating(patterns[1]);
+    gpu.V.fill_repeating(patterns[2]);
+    for (bool causal : {false, true}) {
+        gpu.s.causal = s.causal = causal;
+        INFO(describe(s));
+        gpu.forward();
+        for (size_t bh : {size_t(0), size_t(131071), size_t(131072), size_t(131103)})
+            check_big_head(gpu, bh, patterns, false);
+    }
+}
+
+// =============================================================================================
+// Hidden: how long the CPU reference takes over the GPU tests' grids (./test_flash [.timing]).
+
+TEST_CASE("The CPU reference over the GPU grids takes seconds", "[.timing]") {
+    using clock = std::chrono::steady_clock;
+    auto run = [](const std::vector<AttentionShape>& shapes, bool backward) {
+        const auto start = clock::now();
+        for (const AttentionShape& s : shapes) {
+            const auto p = random_problem(s, 1);
+            if (backward) reference_backward(p); else reference_forward(p);
+        }
+        return std::chrono::duration<double>(clock::now() - start).count();
+    };
+    const auto forward_shapes = forward_grid(kHeadDims), backward_shapes = backward_grid(kHeadDims);
+    const double fwd = run(forward_shapes, false), bwd = run(backward_shapes, true);
+    std::cout << "reference over the forward grid (" << forward_shapes.size()
+              << " cases): " << fwd << " s; over the backward grid (" << backward_shapes.size()
+              << " cases, forward + backward): " << bwd << " s\n";
+    CHECK(fwd + bwd < 60);
+}
+

@@ -1,0 +1,550 @@
+// test_util.h: what the test files share (Catch2 v2). Nothing here is a test: the tests are in
+// test_flash.cpp (the classroom core) and test_hardening.cpp; main() is in test_util.cpp.
+//
+//   Element types      float (chapter 1's tensors) and double (the reference); fp16's __half has
+//                      its two lines here too, for a chapter 2 that tests an fp16 kernel
+//   Shapes, inputs     describe(), masked_rows(), seeds, random problems, the reference's outputs
+//   Shape lists        the head dims, the forward and backward grids, the determinism shapes
+//   Tolerances         fp32's error bounds, with their derivation
+//   Comparing          check_close (the one comparison every test uses), masked rows, bitwise
+//   Device memory      DeviceBuffer<T> and GpuAttention<T>: upload, poison with NaN, run, download
+//   Validation         refusal(), NamesWord, FakeTensors: for the argument-validation tests
+//   Tile chooser       four real GPUs' properties, and what every tile must satisfy
+//   Big tensors        inputs built from a repeating pattern, checked one head at a time
+//   Source files       the lines of NOTES.md and flash.cu, for the [notes] test
+#pragma once
+
+#include <catch2/catch.hpp>
+#include <cuda_fp16.h>
+
+#include "flash.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <iomanip>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+// =============================================================================================
+// Element types. Every helper below that touches tensor elements goes through these, so that a
+// new element type needs only its own versions of them.
+
+// The NaN that outputs are filled with before a kernel runs: an element still NaN afterwards was
+// never written.
+template <typename T>
+T quiet_nan() {
+    return std::numeric_limits<T>::quiet_NaN();
+}
+// fp16 has NaN too: exponent all ones and a nonzero mantissa, 0x7E00 for the quiet one.
+template <>
+inline __half quiet_nan<__half>() {
+    __half_raw raw;
+    raw.x = 0x7E00;
+    return __half(raw);
+}
+
+// An element as a float, to compare and print. Exact for float and for __half (every fp16 value
+// is a float); the GPU's results come back to the host in this form.
+inline float to_float(float x) { return x; }
+inline float to_float(__half x) { return __half2float(x); }
+
+// =============================================================================================
+// Shapes and random inputs
+
+// "shape (b=2, h=3, q_len=5, kv_len=7, d=16, causal=1)": how every failure names its shape.
+std::string describe(const AttentionShape& s);
+
+// Rows at the top of each head that see no key: with causal masking and q_len > kv_len, query i
+// sees key j iff j <= i + kv_len - q_len, so rows 0 .. q_len - kv_len - 1 see nothing.
+int masked_rows(const AttentionShape& s);
+
+// A seed of its own for every shape (and test), so every case gets fresh inputs, the same on
+// every run.
+uint32_t seed_of(const AttentionShape& s, uint32_t salt);
+
+// n values drawn from N(0, 1).
+template <typename T>
+std::vector<T> normal_values(size_t n, std::mt19937& rng) {
+    std::normal_distribution<double> normal(0.0, 1.0);
+    std::vector<T> v(n);
+    for (auto& x : v) x = static_cast<T>(normal(rng));
+    return v;
+}
+
+// One attention problem on the host: inputs and an upstream gradient dO, all random N(0, 1).
+template <typename T>
+struct Problem {
+    AttentionShape s;
+    std::vector<T> Q, K, V, dO;
+};
+
+// The problem of shape s for this salt: the same inputs on every run.
+template <typename T = float>
+Problem<T> random_problem(const AttentionShape& s, uint32_t salt) {
+    std::mt19937 rng(seed_of(s, salt));
+    Problem<T> p{s, {}, {}, {}, {}};
+    p.Q = normal_values<T>(q_elems(s), rng);
+    p.K = normal_values<T>(kv_elems(s), rng);
+    p.V = normal_values<T>(kv_elems(s), rng);
+    p.dO = normal_values<T>(q_elems(s), rng);
+    return p;
+}
+
+// The same problem with every element converted to To (e.g. float inputs, exactly, in double).
+template <typename To, typename From>
+Problem<To> converted(const Problem<From>& p) {
+    auto convert = [](const std::vector<From>& v) {
+        std::vector<To> out(v.size());
+        for (size_t e = 0; e < v.size(); ++e) out[e] = static_cast<To>(v[e]);
+        return out;
+    };
+    return {p.s, convert(p.Q), convert(p.K), convert(p.V), convert(p.dO)};
+}
+
+// A problem's outputs on the host: the reference's (in float or double), or the GPU's (as float).
+// The backward's tests fill dQ, dK and dV too.
+template <typename T>
+struct Outputs {
+    std::vector<T> O, L, dQ, dK, dV;
+};
+
+// The CPU reference's O and L for p.
+template <typename T>
+Outputs<T> reference_forward(const Problem<T>& p) {
+    Outputs<T> r;
+    r.O.assign(q_elems(p.s), T(0));
+    r.L.assign(l_elems(p.s), T(0));
+    attention_reference(p.Q.data(), p.K.data(), p.V.data(), r.O.data(), r.L.data(), p.s);
+    return r;
+}
+
+// The CPU reference's O, L, dQ, dK and dV for p.
+template <typename T>
+Outputs<T> reference_backward(const Problem<T>& p) {
+    Outputs<T> r = reference_forward(p);
+    r.dQ.assign(q_elems(p.s), T(0));
+    r.dK.assign(kv_elems(p.s), T(0));
+    r.dV.assign(kv_elems(p.s), T(0));
+    attention_reference_backward(p.Q.data(), p.K.data(), p.V.data(), r.O.data(), p.dO.data(),
+                                 r.L.data(), r.dQ.data(), r.dK.data(), r.dV.data(), p.s);
+    return r;
+}
+
+// The largest |element|.
+template <typename T>
+double max_abs(const std::vector<T>& v) {
+    double m = 0;
+    for (T x : v) m = std::max(m, std::fabs(static_cast<double>(x)));
+    return m;
+}
+
+// The largest Euclidean norm of a row of length d.
+template <typename T>
+double max_row_norm(const std::vector<T>& v, int d) {
+    double m = 0;
+    for (size_t r = 0; r < v.size() / size_t(d); ++r) {
+        double sum = 0;
+        for (int x = 0; x < d; ++x) sum += double(v[r * d + x]) * double(v[r * d + x]);
+        m = std::max(m, std::sqrt(sum));
+    }
+    return m;
+}
+
+// =============================================================================================
+// Shape lists, named once. The CPU reference costs about batch*heads * q_len * kv_len * head_dim,
+// so the long sequences get one head only: the whole [gpu] suite's reference work stays a few
+// seconds on one core (the hidden test [.timing] measures it).
+
+// Every head dim with a kernel (flash.h's kFlashHeadDims), for GENERATE(from_range(kHeadDims)).
+inline const std::vector<int> kHeadDims(std::begin(kFlashHeadDims), std::end(kFlashHeadDims));
+
+// The forward grid's lengths, each paired with itself: odd lengths, and the tile edges 32 and 256
+// with a neighbour on each side (31, 33, 255, 257). Then unequal pairs on both sides: q_len <
+// kv_len (the causal diagonal moves right) and q_len > kv_len (the leading rows see nothing),
+// down to 1 against 1000.
+inline const std::vector<int> kForwardLengths = {1, 17, 31, 32, 33, 100, 255, 256, 257, 1000};
+inline const std::vector<std::pair<int, int>> kForwardUnequalLengths = {
+    {1, 1000}, {1000, 1}, {17, 257}, {257, 17}, {33, 100}, {100, 31}, {255, 1000}, {1000, 256}};
+// The backward grid's: the same kinds of length, fewer of them (the reference's backward costs
+// three times its forward).
+inline const std::vector<int> kBackwardLengths = {1, 17, 32, 33, 100, 257};
+inline const std::vector<std::pair<int, int>> kBackwardUnequalLengths = {
+    {1, 257}, {257, 1}, {17, 100}, {100, 17}, {31, 256}, {255, 33}};
+
+// Every (q_len, kv_len) pair in `lengths`, then causal off and on, then every head dim in
+// `head_dims`; each pair with batch 1, heads 1, and again with batch 2, heads 3 where q_len *
+// kv_len <= max_batched (the batched heads catch a kernel that reads the wrong head).
+std::vector<AttentionShape> grid(const std::vector<std::pair<int, int>>& lengths,
+                                 long long max_batched, const std::vector<int>& head_dims);
+// The forward's grid (kForwardLengths, then kForwardUnequalLengths) and the backward's.
+std::vector<AttentionShape> forward_grid(const std::vector<int>& head_dims);
+std::vector<AttentionShape> backward_grid(const std::vector<int>& head_dims);
+
+// The determinism tests' shapes: odd and unequal lengths, batched heads, causal on and off, every
+// head dim once. long_kv_len is the kv_len of the one long case, (1, 2, 100, long_kv_len, 128).
+std::vector<AttentionShape> determinism_shapes(int long_kv_len);
+
+// =============================================================================================
+// Tolerances: the fp32 kernels against the reference, which accumulates in double and so is
+// exact to within its own float rounding of the results.
+//
+// fp32 rounds each operation with relative error at most u = 2^-24. Summing n rounded terms, the
+// errors add up like sqrt(n) u when their signs are random (Rounding::random: random inputs) and
+// up to n u when they line up (Rounding::aligned: the hardening tests' identical rows and entries,
+// where every partial sum rounds the same way). With M = max|Q_i| max|K_j| / sqrt(d), which bounds
+// every |S_ij| and every partial sum of the dot product (Cauchy-Schwarz):
+//  - each score S_ij is off by about u M (random; d u M aligned), and so is L_i (|L_i| <= M + ln N);
+//  - exp turns a score error e into a relative error e of P_ij, and the N-term sums of P_ij and
+//    P_ij V_j add sqrt(N) u (N u aligned), so O is off by max|V| times the same amount;
+//  so  tol_L = 32 u (M + sqrt(N) + 8)  and  tol_O = max|V| tol_L  (random; M -> d M, sqrt(N) -> N
+//  aligned). The tolerance grows linearly with the score magnitude M: scores 30^2 times larger
+//  (the hardening test) give tolerances about 900 times larger.
+//  - gradients: the same errors in P, plus the q_len-term sums for dK and dV, relative to the
+//    reference's largest entry: grad_rel = 32 u (M + sqrt(N) + sqrt(q_len) + 8) (aligned: d M, N,
+//    q_len). dS = P (dP - D) cancels where dP_ij ~ D_i (e.g. all keys equal: dQ = 0, or
+//    kv_len = 1: dQ = dK = 0), leaving fp32 noise of about u |dO_i| |V_j| in each dS_ij, which no
+//    relative bound covers; so dQ and dK get a floor: dQ_i sums that noise over keys with weights
+//    P_ij adding to 1 (times |K_j| / sqrt(d)), dK_j over queries with weights P_ij <= 1 (random:
+//    sqrt(q_len), aligned: q_len); aligned, dQ's N-term accumulation adds a factor N too.
+// The factor 32 is a safety margin: an fp32 CPU emulation of the kernels' arithmetic, run through
+// these very tests, stays below 1/12 of every tolerance (1/25 for the N(0, 1) grids), while the
+// bugs these tests exist for (a wrong mask, a lost tile, a wrong scale, even O off by 1e-4
+// relative) exceed them.
+// (An fp16 kernel needs its own derivation, from fp16's rounding; the comparisons below take any
+// tolerance.)
+constexpr double kUnitRoundoff = 1.0 / (1 << 24);
+constexpr double kSafety = 32.0;
+
+enum class Rounding { random, aligned };
+
+struct Tolerances {
+    double M;                   // max|Q_i| max|K_j| / sqrt(d): bounds every |S_ij|
+    double L, O;                // absolute
+    double grad_rel;            // relative to the reference gradient's largest entry
+    double dQ_floor, dK_floor;  // absolute floors for dQ and dK (see above)
+};
+
+// The fp32 tolerances for problem p (see above).
+Tolerances tolerances(const Problem<float>& p, Rounding rounding);
+
+// =============================================================================================
+// Comparing tensors
+
+// How a flat tensor maps to (b, h, row, x), to say where an element is.
+struct Layout {
+    int heads;         // heads per batch: splits a batch*head index into (b, h)
+    int rows;          // rows per head: q_len or kv_len
+    int row_len;       // head_dim, or 1 for L
+    const char* row;   // "i" (a query row) or "j" (a key row)
+    size_t first_bh;   // batch*head index of the vector's first head (when it holds a slice)
+};
+// The layouts of Q, O, dQ, dO; of K, V, dK, dV; of L. first_bh: where a slice starts.
+Layout q_layout(const AttentionShape& s, size_t first_bh = 0);
+Layout kv_layout(const AttentionShape& s, size_t first_bh = 0);
+Layout l_layout(const AttentionShape& s, size_t first_bh = 0);
+
+// Where flat element e is: "(b=1, h=2, i=30, x=5)".
+std::string where(const Layout& l, size_t e);
+
+// The one comparison every test uses: `got` (the GPU's, or the value under test) against `want`
+// (the reference's), element by element. Each may hold float or double: e.g. the GPU's results
+// as float against a double reference. Every element must be written (not NaN: outputs are
+// poisoned with NaN before each call), an infinite `want` (L = -inf for a row that sees nothing)
+// must be matched exactly, and the rest must agree within `tol`. It asserts on the worst element
+// (through WithinAbs), or on the count of NaN when there are any, and on failure says which
+// tensor, the shape, the worst error and where it is, and how many elements are out of tolerance
+// or unwritten.
+template <typename G, typename W>
+void check_close(const char* name, const std::vector<G>& got, const std::vector<W>& want,
+                 double tol, const AttentionShape& s, const Layout& layout) {
+    REQUIRE(got.size() == want.size());
+    REQUIRE(!got.empty());
+    size_t worst = 0, beyond = 0, nans = 0, first_nan = 0, infinite = 0;
+    double worst_err = -1;
+    for (size_t e = 0; e < got.size(); ++e) {
+        const double g = double(got[e]), w = double(want[e]);
+        double err;
+        if (std::isnan(g)) {
+            if (nans++ == 0) first_nan = e;
+            err = std::numeric_limits<double>::infinity();
+        } else if (std::isnan(w)) {
+            err = std::numeric_limits<double>::infinity();  // the reference never gives NaN
+        } else if (std::isinf(g) || std::isinf(w)) {
+            err = g == w ? 0.0 : std::numeric_limits<double>::infinity();
+            if (err > 0) ++infinite;
+        } else {
+            err = std::fabs(g - w);
+        }
+        if (err > tol) ++beyond;
+        if (err > worst_err) worst_err = err, worst = e;
+    }
+    std::ostringstream os;
+    os << std::setprecision(9) << name << " on " << describe(s) << ": worst |error| "
+       << std::setprecision(3) << worst_err << " at " << where(layout, worst) << ": got "
+       << std::setprecision(9) << got[worst] << ", want " << want[worst] << "; tolerance "
+       << std::setprecision(3) << tol << "; " << beyond << " of " << got.size()
+       << " elements beyond it";
+    if (nans > 0) os << "; " << nans << " NaN (never written?), first at " << where(layout, first_nan);
+    if (infinite > 0) os << "; " << infinite << " infinite where the reference is not, or -inf where it is finite";
+    INFO(os.str());
+    if (nans > 0)
+        CHECK(nans == 0);
+    else
+        CHECK_THAT(double(got[worst]), Catch::Matchers::WithinAbs(double(want[worst]), tol));
+}
+
+// The forward's outputs (the GPU's, as float) against the reference's (float or double).
+template <typename W>
+void check_forward(const Outputs<float>& got, const Outputs<W>& want, const Tolerances& tol,
+                   const AttentionShape& s) {
+    check_close("O", got.O, want.O, tol.O, s, q_layout(s));
+    check_close("L", got.L, want.L, tol.L, s, l_layout(s));
+}
+
+// The backward's outputs against the reference's.
+template <typename W>
+void check_backward(const Outputs<float>& got, const Outputs<W>& want, const Tolerances& tol,
+                    const AttentionShape& s) {
+    check_close("dQ", got.dQ, want.dQ, tol.grad_rel * max_abs(want.dQ) + tol.dQ_floor, s,
+                q_layout(s));
+    check_close("dK", got.dK, want.dK, tol.grad_rel * max_abs(want.dK) + tol.dK_floor, s,
+                kv_layout(s));
+    check_close("dV", got.dV, want.dV, tol.grad_rel * max_abs(want.dV), s, kv_layout(s));
+}
+
+// Rows 0 .. masked-1 of every head must hold exactly `value` (0 for O and dQ, -inf for L).
+void check_masked_rows(const char* name, const std::vector<float>& got, const AttentionShape& s,
+                       int row_len, float value);
+
+// How many elements are NaN (e.g. still the poison: never written) or infinite.
+size_t count_bad(const std::vector<float>& v);
+
+// True iff a and b hold the same bits.
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b);
+
+// Two results that must be bitwise identical (the kernels are deterministic: no atomics).
+void check_bitwise(const char* name, const std::vector<float>& a, const std::vector<float>& b,
+                   const AttentionShape& s, const Layout& layout);
+
+// =============================================================================================
+// Device memory
+
+// An array of T on the GPU: cudaMalloc in the constructor, cudaFree in the destructor.
+template <typename T>
+struct DeviceBuffer {
+    T* ptr = nullptr;
+    size_t count = 0;
+
+    DeviceBuffer() = default;
+    explicit DeviceBuffer(size_t n) : count(n) {
+        FLASH_CUDA_CHECK(cudaMalloc(&ptr, n * sizeof(T)));
+    }
+    explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) {
+        upload(host);
+    }
+    ~DeviceBuffer() {
+        if (ptr) cudaFree(ptr);
+    }
+    DeviceBuffer(const DeviceBuffer&) = delete;
+    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+    DeviceBuffer(DeviceBuffer&& other) noexcept : ptr(other.ptr), count(other.count) {
+        other.ptr = nullptr, other.count = 0;
+    }
+    DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+        std::swap(ptr, other.ptr), std::swap(count, other.count);
+        return *this;
+    }
+
+    void upload(const std::vector<T>& host, size_t offset = 0) {
+        REQUIRE(offset + host.size() <= count);
+        FLASH_CUDA_CHECK(cudaMemcpy(ptr + offset, host.data(), host.size() * sizeof(T),
+                                    cudaMemcpyHostToDevice));
+    }
+    // n elements from offset (all of it by default).
+    std::vector<T> download(size_t offset = 0, size_t n = SIZE_MAX) const {
+        if (n == SIZE_MAX) n = count - offset;
+        REQUIRE(offset + n <= count);
+        std::vector<T> host(n);
+        FLASH_CUDA_CHECK(cudaMemcpy(host.data(), ptr + offset, n * sizeof(T),
+                                    cudaMemcpyDeviceToHost));
+        return host;
+    }
+    // The same, each element converted to float (exactly: see to_float), to compare.
+    std::vector<float> download_float(size_t offset = 0, size_t n = SIZE_MAX) const {
+        const std::vector<T> host = download(offset, n);
+        std::vector<float> out(host.size());
+        for (size_t e = 0; e < host.size(); ++e) out[e] = to_float(host[e]);
+        return out;
+    }
+    // Element e becomes pattern[e % pattern.size()] (for tensors too big to build on the host).
+    void fill_repeating(const std::vector<T>& pattern) {
+        for (size_t at = 0; at < count; at += pattern.size()) {
+            const size_t n = std::min(pattern.size(), count - at);
+            FLASH_CUDA_CHECK(cudaMemcpy(ptr + at, pattern.data(), n * sizeof(T),
+                                        cudaMemcpyHostToDevice));
+        }
+    }
+    // Every element NaN, copied from the host (cudaMemset cannot write a float NaN), so that an
+    // element a kernel forgets to write shows up.
+    void poison() {
+        fill_repeating(std::vector<T>(std::min<size_t>(count, size_t(1) << 22), quiet_nan<T>()));
+    }
+};
+
+// The kernels under test, one overload per element type: Bc = 0 runs flash_forward (the device's
+// own tile), Bc > 0 flash_forward_bc. An fp16 chapter adds overloads taking __half tensors (and a
+// float L), and GpuAttention<__half> works unchanged.
+void launch_forward(const float* Q, const float* K, const float* V, float* O, float* L,
+                    const AttentionShape& s, int Bc, cudaStream_t stream);
+void launch_backward(const float* Q, const float* K, const float* V, const float* O,
+                     const float* dO, const float* L, float* dQ, float* dK, float* dV,
+                     const AttentionShape& s, cudaStream_t stream);
+
+// One problem on the GPU, tensors of T (L is always float): inputs uploaded once; forward() and
+// backward() poison their outputs, run the kernels and wait for them. dO, dQ, dK and dV are
+// allocated only for a backward.
+template <typename T>
+struct GpuAttention {
+    AttentionShape s;
+    DeviceBuffer<T> Q, K, V, O;
+    DeviceBuffer<float> L;
+    DeviceBuffer<T> dO, dQ, dK, dV;
+
+    // Inputs left for the caller to fill.
+    explicit GpuAttention(const AttentionShape& shape)
+        : s(shape), Q(q_elems(shape)), K(kv_elems(shape)), V(kv_elems(shape)),
+          O(q_elems(shape)), L(l_elems(shape)) {}
+    explicit GpuAttention(const Problem<T>& p) : GpuAttention(p.s) {
+        Q.upload(p.Q);
+        K.upload(p.K);
+        V.upload(p.V);
+        if (!p.dO.empty()) dO = DeviceBuffer<T>(p.dO);
+    }
+
+    // Bc = 0: the device's own tile; Bc > 0: that many keys per tile (see launch_forward).
+    void forward(int Bc = 0, cudaStream_t stream = 0) {
+        O.poison();
+        L.poison();
+        launch_forward(Q.ptr, K.ptr, V.ptr, O.ptr, L.ptr, s, Bc, stream);
+        FLASH_CUDA_CHECK(cudaGetLastError());
+        FLASH_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    // Uses O and L as the last forward() left them.
+    void backward(cudaStream_t stream = 0) {
+        REQUIRE(dO.count == q_elems(s));
+        if (dQ.count == 0) {
+            dQ = DeviceBuffer<T>(q_elems(s));
+            dK = DeviceBuffer<T>(kv_elems(s));
+            dV = DeviceBuffer<T>(kv_elems(s));
+        }
+        dQ.poison();
+        dK.poison();
+        dV.poison();
+        launch_backward(Q.ptr, K.ptr, V.ptr, O.ptr, dO.ptr, L.ptr, dQ.ptr, dK.ptr, dV.ptr, s,
+                        stream);
+        FLASH_CUDA_CHECK(cudaGetLastError());
+        FLASH_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    // The outputs, as float.
+    Outputs<float> outputs(bool with_gradients) const {
+        Outputs<float> r;
+        r.O = O.download_float();
+        r.L = L.download_float();
+        if (with_gradients) {
+            r.dQ = dQ.download_float();
+            r.dK = dK.download_float();
+            r.dV = dV.download_float();
+        }
+        return r;
+    }
+};
+
+// Fresh random inputs for shape s; forward and backward on the GPU; every output against the
+// reference (the backward grid and the sanitizer subset share it).
+void check_forward_and_backward(const AttentionShape& s, uint32_t salt);
+
+// The device's properties (of the current device), for the tests that depend on its shared memory.
+cudaDeviceProp current_device_props();
+
+// =============================================================================================
+// Validation helpers
+
+// Runs `call`, which must throw std::invalid_argument, and returns its message. Anything else it
+// throws reaches Catch as an unexpected exception (and fails the test).
+template <typename F>
+std::string refusal(F&& call) {
+    try {
+        call();
+    } catch (const std::invalid_argument& e) {
+        return e.what();
+    }
+    FAIL("expected std::invalid_argument, but the call returned normally");
+    return {};
+}
+
+// Matches a message that names `word` as a whole word: "shape.q_len = 0" names q_len; "dQ is
+// null" names dQ but not Q.
+class NamesWord : public Catch::MatcherBase<std::string> {
+    std::string word_;
+
+public:
+    explicit NamesWord(std::string word) : word_(std::move(word)) {}
+    bool match(const std::string& msg) const override;
+    std::string describe() const override { return "names \"" + word_ + "\""; }
+};
+
+// Stand-ins for tensors in the validation tests: real, separate, 16-byte-aligned host arrays
+// (never read: validation refuses the call first). The inputs hold a pattern, the outputs NaN,
+// and the outputs must be bitwise unchanged afterwards.
+struct FakeTensors {
+    static constexpr size_t kN = 64;
+    alignas(16) float Q[kN], K[kN], V[kN], O[kN], L[kN], dO[kN], dQ[kN], dK[kN], dV[kN];
+    alignas(16) float snapshot[5][kN];
+
+    FakeTensors();
+    bool outputs_untouched() const;
+};
+
+// A small shape every check accepts, for the tests to spoil one field of.
+inline AttentionShape valid_shape() { return {2, 3, 5, 7, 16, true}; }
+
+// =============================================================================================
+// The tile chooser
+
+// The four GPUs the tile chooser is checked on (T4, A100, RTX 4090, H100), as
+// cudaGetDeviceProperties would describe them.
+std::vector<cudaDeviceProp> known_gpus();
+
+// Everything a tile for head dim d must satisfy on this device (whole warps, rows within a warp,
+// K_j and V_j in shared memory, ...).
+void check_tile(const char* which, const FlashTile& t, const cudaDeviceProp& prop, int d);
+
+// =============================================================================================
+// The big tests' inputs: tensors filled on the GPU with a random pattern of prime length, so
+// that no two heads hold the same data (a kernel that reads the wrong head is caught), while
+// the host can rebuild any head's data without holding the whole tensor.
+constexpr size_t kPatternLength = 1000003;
+
+// kPatternLength values from N(0, 1).
+std::vector<float> random_pattern(uint32_t seed);
+
+// Elements [first, first + n) of a tensor filled with `pattern`.
+std::vector<float> pattern_slice(const std::vector<float>& pattern, size_t first, size_t n);
+
+// Checks head `bh` of a big problem: rebuilds its inputs, runs the reference on it alone, and
+// compares with that head's slice of the GPU's outputs.
+void check_big_head(const GpuAttention<float>& gpu, size_t bh,
+                    const std::vector<std::vector<float>>& patterns, bool with_gradients);
+
+// =============================================================================================
+// Source files
+
+// The lines of a file next to the test sources (or in the working directory), each trimmed.
+std::vector<std::string> source_lines(const std::string& name);
