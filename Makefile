@@ -20,20 +20,31 @@ DEFINES   ?=
 CPPFLAGS  ?=
 LDLIBS    ?= -lcublas
 
+# The library: the kernels of each chapter and the checks they share.
+FLASH_OBJS := flash.o checks.o
+# Chapter 2 (fp16 tensor cores, flash_fp16.cu, not written yet) goes here:
+# FLASH_OBJS += flash_fp16.o
+# The tests: every test_*.cpp (test_flash.cpp, and any others it is split into).
+TEST_OBJS := $(patsubst %.cpp,%.o,$(wildcard test_*.cpp))
+
 .PHONY: all test run bench plot sanitize clean
 SANITIZER ?= $(shell command -v compute-sanitizer 2>/dev/null || echo $(CUDA_HOME)/bin/compute-sanitizer)
 all: test_flash flash_bench
 
-flash.o: flash.cu flash.h
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c flash.cu -o $@
-reference.o: reference.cpp flash.h
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c reference.cpp -o $@
-test_flash.o: test_flash.cpp flash.h
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c test_flash.cpp -o $@
-test_flash: test_flash.o flash.o reference.o
+# Every object from its one source; every object also depends on flash.h.
+%.o: %.cu flash.h
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
+%.o: %.cpp flash.h
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
+# The headers beyond flash.h that objects include.
+flash.o checks.o: checks.h
+# bench.o standard.o: standard.h
+$(TEST_OBJS): $(wildcard test_*.h)
+
+test_flash: $(TEST_OBJS) $(FLASH_OBJS) reference.o
 	$(NVCC) $(NVCCFLAGS) $^ -o $@
-flash_bench: bench.cu flash.o reference.o flash.h
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) bench.cu flash.o reference.o -o $@ $(LDLIBS)
+flash_bench: bench.o $(FLASH_OBJS) reference.o
+	$(NVCC) $(NVCCFLAGS) $^ -o $@ $(LDLIBS)
 
 test: test_flash
 	./test_flash

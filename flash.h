@@ -1,6 +1,7 @@
 // flash.h: the API of a minimal FlashAttention (forward and backward) in fp32 CUDA C++.
 //
-// Kernels and launchers: flash.cu. CPU reference: reference.cpp. Tests: test_flash.cpp.
+// Kernels and launchers: flash.cu. Argument checks shared with later chapters: checks.h,
+// checks.cpp. CPU reference: reference.cpp. Tests: test_*.cpp.
 // Everything here throws std::invalid_argument for bad input (before anything is launched) and
 // std::runtime_error for a CUDA failure (with cudaGetErrorString and file:line).
 #pragma once
@@ -15,6 +16,20 @@ struct AttentionShape {
     int batch, heads, q_len, kv_len, head_dim;
     bool causal;
 };
+
+// The causal rule, bottom-right aligned (as FlashAttention-2 >= 2.1): query i sees key j iff
+// j <= flash_last_key(i, q_len, kv_len). With q_len == kv_len that is j <= i. The one statement of
+// the rule in the GPU code: every kernel and its tile-skipping bounds use it (the CPU reference
+// states it again on its own, on purpose: the ground truth shares no code with what it checks).
+// (i - q_len) < 0 comes first, so the sum never overflows.
+__host__ __device__ inline int flash_last_key(int i, int q_len, int kv_len) {
+    return i - q_len + kv_len;
+}
+// The same rule read from the key's side: key j is seen by queries i >= flash_first_query(j, ...)
+// (j <= i + flash_last_key(0, ...) rearranged).
+__host__ __device__ inline int flash_first_query(int j, int q_len, int kv_len) {
+    return j - flash_last_key(0, q_len, kv_len);
+}
 
 // Device pointers, float32, contiguous row-major. Q, O: [batch][heads][q_len][head_dim];
 // K, V: [batch][heads][kv_len][head_dim]; L: [batch][heads][q_len].

@@ -1,0 +1,134 @@
+// checks.cpp: the host-side argument checks and launch helpers of checks.h, shared by every
+// chapter, and chapter 1's public checks from flash.h (validate_shape, the element counts, the
+// head-dim list). No kernels here: the GPU code is in flash.cu.
+#include "checks.h"
+
+#include <climits>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+void require(bool ok, const std::string& what) {
+    if (!ok) throw std::invalid_argument(what);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Head dims
+
+bool head_dim_in(int head_dim, HeadDims supported) {
+    for (size_t k = 0; k < supported.count; ++k)
+        if (supported.dims[k] == head_dim) return true;
+    return false;
+}
+
+std::string head_dims_string(HeadDims supported) {
+    std::string s;
+    for (size_t k = 0; k < supported.count; ++k)
+        s += (k == 0 ? "" : ", ") + std::to_string(supported.dims[k]);
+    return s;
+}
+
+void require_head_dim(int head_dim, HeadDims supported) {
+    if (head_dim_in(head_dim, supported)) return;
+    throw std::invalid_argument("shape.head_dim = " + std::to_string(head_dim) +
+                                " is not supported; allowed values: " +
+                                head_dims_string(supported));
+}
+
+bool flash_head_dim_supported(int head_dim) { return head_dim_in(head_dim, kFlashHeadDims); }
+std::string flash_head_dims_string() { return head_dims_string(kFlashHeadDims); }
+
+// ---------------------------------------------------------------------------------------------
+// Shapes
+
+// a * b, or an invalid_argument naming `what` when it does not fit in size_t
+static size_t mul_checked(size_t a, size_t b, const std::string& what) {
+    size_t r;
+    require(!__builtin_mul_overflow(a, b, &r), "shape: " + what + " overflows size_t");
+    return r;
+}
+
+void validate_shape(const AttentionShape& s, HeadDims supported, size_t elem_bytes) {
+    const std::pair<const char*, int> fields[] = {
+        {"batch", s.batch}, {"heads", s.heads}, {"q_len", s.q_len}, {"kv_len", s.kv_len}};
+    for (const auto& f : fields)
+        require(f.second >= 1, std::string("shape.") + f.first + " = " + std::to_string(f.second) +
+                                   " is invalid; allowed values: 1 or more");
+    require_head_dim(s.head_dim, supported);
+    // Q and O run along q_len, K and V along kv_len: bytes = batch * heads * len * head_dim *
+    // elem_bytes, each product checked. (L, batch * heads * q_len floats, is smaller than Q.)
+    const size_t bh = mul_checked(s.batch, s.heads, "batch * heads");
+    const std::string bytes = " * " + std::to_string(elem_bytes) + " bytes";
+    for (const auto& len : {std::make_pair("q_len", s.q_len), std::make_pair("kv_len", s.kv_len)}) {
+        const std::string name = std::string("batch * heads * ") + len.first;
+        const size_t rows = mul_checked(bh, size_t(len.second), name);
+        const size_t elems = mul_checked(rows, size_t(s.head_dim), name + " * head_dim");
+        mul_checked(elems, elem_bytes, name + " * head_dim" + bytes);
+    }
+}
+
+// Chapter 1: fp32. (sizeof(float) is also the largest element any chapter uses.)
+void validate_shape(const AttentionShape& s) { validate_shape(s, kFlashHeadDims, sizeof(float)); }
+
+size_t q_elems(const AttentionShape& s) {
+    return size_t(s.batch) * s.heads * s.q_len * s.head_dim;
+}
+size_t kv_elems(const AttentionShape& s) {
+    return size_t(s.batch) * s.heads * s.kv_len * s.head_dim;
+}
+size_t l_elems(const AttentionShape& s) { return size_t(s.batch) * s.heads * s.q_len; }
+
+// ---------------------------------------------------------------------------------------------
+// Pointers
+
+void validate_pointers(const char* fn, std::initializer_list<Arg> args) {
+    const std::string call = std::string(fn) + ": ";
+    for (const Arg& a : args) {
+        require(a.ptr != nullptr, call + a.name + " is null");
+        require(reinterpret_cast<uintptr_t>(a.ptr) % 16 == 0,
+                call + a.name + " must be 16-byte aligned (cudaMalloc is)");
+    }
+    for (const Arg& a : args)
+        for (const Arg& b : args) {
+            if (&a == &b || !a.output) continue;
+            const char* pa = static_cast<const char*>(a.ptr);
+            const char* pb = static_cast<const char*>(b.ptr);
+            const size_t na = a.elems * a.elem_bytes;  // no overflow: validate_shape came first
+            const size_t nb = b.elems * b.elem_bytes;
+            const bool overlap = pa < pb + nb && pb < pa + na;
+            require(!overlap, call + "output " + a.name + " overlaps " + b.name);
+        }
+    for (const Arg& a : args) {
+        cudaPointerAttributes attr;
+        FLASH_CUDA_CHECK(cudaPointerGetAttributes(&attr, a.ptr));
+        require(attr.type != cudaMemoryTypeUnregistered,
+                call + a.name + " is host memory; pass a device pointer");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch helpers
+
+cudaDeviceProp flash_device_props() {
+    static std::mutex mutex;
+    static std::map<int, cudaDeviceProp> cache;  // device -> its properties
+    int dev = 0;
+    FLASH_CUDA_CHECK(cudaGetDevice(&dev));
+    const std::lock_guard<std::mutex> lock(mutex);
+    auto found = cache.find(dev);
+    if (found != cache.end()) return found->second;
+    cudaDeviceProp prop;
+    FLASH_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    cache.emplace(dev, prop);
+    return prop;
+}
+
+int grid_blocks(const AttentionShape& s, int rows, int tile, const char* what) {
+    const int tiles = (rows - 1) / tile + 1;
+    require(tiles <= INT_MAX / s.batch / s.heads,  // checked before multiplying: no overflow
+            std::string("shape: batch * heads * ceil(") + what + " / tile) exceeds the grid " +
+                "limit " + std::to_string(INT_MAX));
+    return tiles * s.batch * s.heads;
+}

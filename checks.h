@@ -1,0 +1,96 @@
+// checks.h: the host-side argument checks and launch helpers that every chapter's launchers share
+// (chapter 1: flash.cu, fp32; chapter 2: an fp16 tensor-core kernel in its own file). Internal:
+// the public API is flash.h. Everything here runs before any launch, so bad input never reaches
+// the GPU and never touches an output; it throws std::invalid_argument naming the field and the
+// allowed values.
+#pragma once
+
+#include "flash.h"
+
+#include <cstddef>
+#include <initializer_list>
+#include <iterator>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+// Throws std::invalid_argument(what) unless ok.
+void require(bool ok, const std::string& what);
+
+// ---------------------------------------------------------------------------------------------
+// Head dims. Each chapter lists the head dims it has kernels for in a constexpr int array
+// (chapter 1: kFlashHeadDims in flash.h) and hands that list to what follows.
+struct HeadDims {
+    const int* dims;
+    size_t count;
+    template <size_t N>
+    constexpr HeadDims(const int (&list)[N]) : dims(list), count(N) {}
+};
+bool head_dim_in(int head_dim, HeadDims supported);
+std::string head_dims_string(HeadDims supported);  // "16, 32, 64"
+// Throws the one head-dim refusal, "shape.head_dim = 48 is not supported; allowed values: ...",
+// unless head_dim is in `supported`.
+void require_head_dim(int head_dim, HeadDims supported);
+
+// The one switch from a runtime head_dim to a compile-time one: calls
+// f(std::integral_constant<int, D>{}) for the D in Dims that equals head_dim (so f can instantiate
+// its kernel template at D), or throws require_head_dim's refusal. Dims: a constexpr int array.
+//   dispatch_head_dim<kFlashHeadDims>(head_dim, [&](auto dim) { run<decltype(dim)::value>(); });
+template <const auto& Dims, typename F, size_t... I>
+void dispatch_head_dim_over(int head_dim, F& f, std::index_sequence<I...>) {
+    const bool found =
+        ((head_dim == Dims[I] ? (f(std::integral_constant<int, Dims[I]>{}), true) : false) || ...);
+    if (!found) require_head_dim(head_dim, Dims);
+}
+template <const auto& Dims, typename F>
+void dispatch_head_dim(int head_dim, F&& f) {
+    dispatch_head_dim_over<Dims>(head_dim, f, std::make_index_sequence<std::size(Dims)>{});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shapes. Every field in range, head_dim in `supported`, and every tensor's byte count, at
+// elem_bytes per element, within size_t (and so every 64-bit offset the kernels form). The
+// public validate_shape(shape) in flash.h is this with chapter 1's head dims and sizeof(float).
+void validate_shape(const AttentionShape& shape, HeadDims supported, size_t elem_bytes);
+
+// ---------------------------------------------------------------------------------------------
+// Pointers. One tensor argument: its name, pointer, element count and element size in bytes
+// (4 for float, 2 for __half), and whether the kernel writes it.
+struct Arg {
+    const char* name;
+    const void* ptr;
+    size_t elems;
+    size_t elem_bytes;
+    bool output;
+};
+template <typename T>
+Arg input_arg(const char* name, const T* ptr, size_t elems) {
+    return {name, ptr, elems, sizeof(T), false};
+}
+template <typename T>
+Arg output_arg(const char* name, T* ptr, size_t elems) {
+    return {name, ptr, elems, sizeof(T), true};
+}
+// Refuses, naming the argument: a null pointer, one not 16-byte aligned (the kernels load 16
+// bytes at a time), an output overlapping any other argument, host memory the GPU cannot read.
+// fn names the API call in the message. Call validate_shape first: it bounds the byte counts.
+void validate_pointers(const char* fn, std::initializer_list<Arg> args);
+
+// ---------------------------------------------------------------------------------------------
+// Launch helpers.
+
+// The properties of the current device, fetched with cudaGetDeviceProperties once per device
+// (it can take milliseconds) and cached; every later call is a lookup.
+cudaDeviceProp flash_device_props();
+
+// Blocks of a grid with one block per tile of `rows` (tiles of `tile` rows) per batch*head, in
+// gridDim.x (limit 2^31 - 1, far above gridDim.y's 65535). Refuses a grid past the limit, naming
+// `what` (the field the tiles run along).
+int grid_blocks(const AttentionShape& shape, int rows, int tile, const char* what);
+
+// Lets `kernel` use `bytes` of dynamic shared memory (above 48 KiB needs the opt-in).
+template <typename Kernel>
+void allow_shared(Kernel kernel, size_t bytes) {
+    FLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          int(bytes)));
+}
