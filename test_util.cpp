@@ -38,10 +38,9 @@ uint32_t seed_of(const AttentionShape& s, uint32_t salt) {
 
 std::vector<AttentionShape> grid(const std::vector<std::pair<int, int>>& lengths,
                                  long long max_batched, const std::vector<int>& head_dims) {
-    std::vector<std::pair<int, int>> batch_heads;  // (batch, heads)
     std::vector<AttentionShape> shapes;
     for (const auto& qk : lengths) {
-        batch_heads = {{1, 1}};
+        std::vector<std::pair<int, int>> batch_heads = {{1, 1}};  // (batch, heads)
         if (static_cast<long long>(qk.first) * qk.second <= max_batched) batch_heads.push_back({2, 3});
         for (const auto& bh : batch_heads)
             for (bool causal : {false, true})

@@ -362,6 +362,7 @@ struct DeviceBuffer {
         return *this;
     }
 
+    // host's elements, from element offset on.
     void upload(const std::vector<T>& host, size_t offset = 0) {
         REQUIRE(offset + host.size() <= count);
         FLASH_CUDA_CHECK(cudaMemcpy(ptr + offset, host.data(), host.size() * sizeof(T),
@@ -508,8 +509,8 @@ struct FakeTensors {
     alignas(16) float Q[kN], K[kN], V[kN], O[kN], L[kN], dO[kN], dQ[kN], dK[kN], dV[kN];
     alignas(16) float snapshot[5][kN];
 
-    FakeTensors();
-    bool outputs_untouched() const;
+    FakeTensors();                   // fills the inputs and poisons the outputs
+    bool outputs_untouched() const;  // every output still bitwise as the constructor left it
 };
 
 // A small shape every check accepts, for the tests to spoil one field of.
