@@ -38,12 +38,12 @@ all: test_flash flash_bench
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
 # The headers beyond flash.h that objects include.
 flash.o checks.o: checks.h
-# bench.o standard.o: standard.h
+bench.o standard.o: standard.h
 $(TEST_OBJS): $(wildcard test_*.h)
 
 test_flash: $(TEST_OBJS) $(FLASH_OBJS) reference.o
 	$(NVCC) $(NVCCFLAGS) $^ -o $@
-flash_bench: bench.o $(FLASH_OBJS) reference.o
+flash_bench: bench.o standard.o $(FLASH_OBJS) reference.o
 	$(NVCC) $(NVCCFLAGS) $^ -o $@ $(LDLIBS)
 
 test: test_flash

@@ -30,6 +30,7 @@ What is measured:
 */
 
 #include "flash.h"
+#include "standard.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -49,111 +50,12 @@ What is measured:
 // Every kernel launch is followed by this: a bad launch configuration only shows up here.
 #define LAUNCH_CHECK() FLASH_CUDA_CHECK(cudaGetLastError())
 
-// cuBLAS reports through its own status type, not cudaError_t.
-#define CUBLAS_CHECK(call)                                                                      \
-    do {                                                                                        \
-        cublasStatus_t cublas_status_ = (call);                                                 \
-        if (cublas_status_ != CUBLAS_STATUS_SUCCESS)                                            \
-            throw std::runtime_error(std::string(#call) + " failed at " + __FILE__ + ":" +      \
-                                     std::to_string(__LINE__) + ": " +                          \
-                                     cublasGetStatusString(cublas_status_));                    \
-    } while (0)
-
 static constexpr int kMinTimedRuns = 10;       // never report a median of fewer runs
 static constexpr int kRowThreads = 256;        // threads per block of the row-wise kernels
 static constexpr double kTolerance = 2e-4;     // max |gpu - ref| <= kTolerance * max(1, max|ref|)
 static constexpr double kMaxCheckMacs = 1073741824.0;  // 2^30: the CPU check's size limit
 static constexpr double kMiB = 1024.0 * 1024.0;
 static constexpr double kGiB = 1024.0 * kMiB;
-
-// =============================================================================================
-// Standard attention: the baseline. The CPU reference (reference.cpp) is the ground truth for
-// both methods; these are the GPU kernels that, with cuBLAS, make up standard attention.
-// =============================================================================================
-
-// Keys that query row i sees: j < visible. Bottom-right causal rule, as in flash.h:
-// query i sees key j iff j <= i + kv_len - q_len; a row may see none.
-__host__ __device__ inline int visible_keys(int i, int q_len, int kv_len, bool causal) {
-    if (!causal) return kv_len;
-    const long long v = (long long)i + kv_len - q_len + 1;
-    return (int)(v < 0 ? 0 : (v > kv_len ? kv_len : v));
-}
-
-__device__ inline float warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
-}
-
-// Sum over the block; every thread gets it. blockDim.x must be a multiple of 32.
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    v = warp_sum(v);
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    v = warp_sum(lane < warps ? partial[lane] : 0.f);
-    __syncthreads();  // partial may be reused by the caller's next block_sum
-    return v;
-}
-
-// Merge the softmax statistics (max m, sum l of exp(x - m)) of two sets of scores.
-__device__ inline void softmax_merge(float& m, float& l, float m2, float l2) {
-    const float M = fmaxf(m, m2);
-    if (M == -INFINITY) return;  // both sets empty: keep (m, l) = (-inf, 0), avoid exp(nan)
-    l = l * expf(m - M) + l2 * expf(m2 - M);
-    m = M;
-}
-
-// One block per row of S: P = softmax(S) in place, masked entries 0; L = logsumexp(row).
-// S: (B*H, q_len, kv_len), already scaled by 1/sqrt(d) in the GEMM. L: (B*H, q_len).
-__global__ void softmax_forward_kernel(float* S, float* L, int q_len, int kv_len, bool causal) {
-    const size_t row = blockIdx.x;
-    const int visible = visible_keys(int(row % q_len), q_len, kv_len, causal);
-    float* s = S + row * kv_len;
-
-    // One pass for max and sum together (online softmax): each new maximum rescales the sum.
-    float m = -INFINITY, l = 0.f;
-    for (int j = threadIdx.x; j < visible; j += blockDim.x) {
-        const float x = s[j];
-        if (x > m) {
-            l = l * expf(m - x) + 1.f;
-            m = x;
-        } else {
-            l += expf(x - m);
-        }
-    }
-    for (int offset = 16; offset > 0; offset >>= 1)
-        softmax_merge(m, l, __shfl_xor_sync(0xffffffffu, m, offset),
-                      __shfl_xor_sync(0xffffffffu, l, offset));
-    __shared__ float part_m[32], part_l[32];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    if (lane == 0) {
-        part_m[warp] = m;
-        part_l[warp] = l;
-    }
-    __syncthreads();
-    m = -INFINITY;
-    l = 0.f;
-    for (int w = 0; w < warps; ++w) softmax_merge(m, l, part_m[w], part_l[w]);
-
-    // A row that sees nothing has l = 0: it gets P = 0 (so O = 0) and L = -inf, as flash does.
-    const float inv_l = visible > 0 ? 1.f / l : 0.f;
-    for (int j = threadIdx.x; j < kv_len; j += blockDim.x)
-        s[j] = j < visible ? expf(s[j] - m) * inv_l : 0.f;
-    if (threadIdx.x == 0) L[row] = visible > 0 ? m + logf(l) : -INFINITY;
-}
-
-// One block per row: dS = P * (dP - D), in place over dP, where D = rowsum(dP * P) (which
-// equals rowsum(dO * O), the D of FlashAttention's backward). P, dP: (B*H, q_len, kv_len).
-__global__ void softmax_backward_kernel(const float* P, float* dP, int kv_len) {
-    const size_t row = blockIdx.x;
-    const float* p = P + row * kv_len;
-    float* ds = dP + row * kv_len;
-    float acc = 0.f;
-    for (int j = threadIdx.x; j < kv_len; j += blockDim.x) acc += p[j] * ds[j];
-    const float D = block_sum(acc);
-    for (int j = threadIdx.x; j < kv_len; j += blockDim.x) ds[j] = p[j] * (ds[j] - D);
-}
 
 // Random inputs: x[i] ~ N(0, 1) from a hash of (seed, i), so any tensor is reproducible and the
 // fill never depends on the launch shape. Normal inputs give scores of standard deviation ~1.
@@ -212,65 +114,6 @@ static float max_abs_diff(const float* a, const float* b, size_t n, unsigned int
     float v;
     std::memcpy(&v, &bits, sizeof(v));
     return v;
-}
-
-// Row-major C (m, n) = alpha * op(A) (m, k) * op(B) (k, n), for `batch` heads at the given
-// strides. cuBLAS is column-major, and a row-major matrix is its column-major transpose, so we
-// ask for C^T = op(B)^T op(A)^T: the operands and m, n swap, the transpose flags stay. The
-// leading dimension of a row-major matrix is its number of columns as stored.
-static void gemm_rowmajor(cublasHandle_t cublas, bool trans_a, bool trans_b, int m, int n, int k,
-                          float alpha, const float* A, long long stride_a, const float* B,
-                          long long stride_b, float* C, long long stride_c, int batch) {
-    const float beta = 0.f;
-    const int lda = trans_a ? m : k, ldb = trans_b ? k : n, ldc = n;
-    CUBLAS_CHECK(cublasSgemmStridedBatched(cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                           trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha,
-                                           B, ldb, stride_b, A, lda, stride_a, &beta, C, ldc,
-                                           stride_c, batch));
-}
-
-static int row_blocks(const AttentionShape& s) {  // one block per query row of every head
-    if (l_elems(s) > size_t(INT_MAX))
-        throw std::invalid_argument("batch * heads * q_len exceeds the grid limit");
-    return int(l_elems(s));
-}
-
-// Standard attention forward. P: the (B*H, q_len, kv_len) workspace; it holds P afterwards,
-// which the backward needs (frameworks keep it for that). Q, O: (B, H, q_len, d);
-// K, V: (B, H, kv_len, d); L: (B, H, q_len).
-static void standard_forward(cublasHandle_t cublas, const float* Q, const float* K,
-                             const float* V, float* P, float* O, float* L,
-                             const AttentionShape& s) {
-    const int q = s.q_len, kv = s.kv_len, d = s.head_dim, heads = s.batch * s.heads;
-    const long long sq = (long long)q * d, skv = (long long)kv * d, ss = (long long)q * kv;
-    const float scale = 1.f / std::sqrt(float(d));
-    // S = Q K^T / sqrt(d): (B*H, q_len, kv_len)
-    gemm_rowmajor(cublas, false, true, q, kv, d, scale, Q, sq, K, skv, P, ss, heads);
-    // P = softmax(S) in place, and L
-    softmax_forward_kernel<<<row_blocks(s), kRowThreads>>>(P, L, q, kv, s.causal);
-    LAUNCH_CHECK();
-    // O = P V: (B*H, q_len, d)
-    gemm_rowmajor(cublas, false, false, q, d, kv, 1.f, P, ss, V, skv, O, sq, heads);
-}
-
-// Standard attention backward from the forward's P. dP: a second (B*H, q_len, kv_len)
-// workspace, which becomes dS in place.
-static void standard_backward(cublasHandle_t cublas, const float* Q, const float* K,
-                              const float* V, const float* dO, const float* P, float* dP,
-                              float* dQ, float* dK, float* dV, const AttentionShape& s) {
-    const int q = s.q_len, kv = s.kv_len, d = s.head_dim, heads = s.batch * s.heads;
-    const long long sq = (long long)q * d, skv = (long long)kv * d, ss = (long long)q * kv;
-    const float scale = 1.f / std::sqrt(float(d));
-    // dV = P^T dO: (B*H, kv_len, d)
-    gemm_rowmajor(cublas, true, false, kv, d, q, 1.f, P, ss, dO, sq, dV, skv, heads);
-    // dP = dO V^T: (B*H, q_len, kv_len)
-    gemm_rowmajor(cublas, false, true, q, kv, d, 1.f, dO, sq, V, skv, dP, ss, heads);
-    // dS = P * (dP - D), in place over dP
-    softmax_backward_kernel<<<row_blocks(s), kRowThreads>>>(P, dP, kv);
-    LAUNCH_CHECK();
-    // dQ = dS K / sqrt(d): (B*H, q_len, d); dK = dS^T Q / sqrt(d): (B*H, kv_len, d)
-    gemm_rowmajor(cublas, false, false, q, d, kv, scale, dP, ss, K, skv, dQ, sq, heads);
-    gemm_rowmajor(cublas, true, false, kv, d, q, scale, dP, ss, Q, sq, dK, skv, heads);
 }
 
 // The device buffers of one shape: the inputs, and the outputs of each method.

@@ -1,0 +1,167 @@
+// standard.cu: standard attention, the baseline FlashAttention replaces (see standard.h). Forward:
+//   S = Q K^T / sqrt(d)     a GEMM, S (B*H, q_len, kv_len) written to HBM
+//   P = softmax(S), L       a row kernel: reads S, writes P over it (in HBM)
+//   O = P V                 a GEMM, reads P back
+// Backward: dV = P^T dO, dP = dO V^T (HBM again), dS = P o (dP - D), dQ = dS K, dK = dS^T Q.
+// FlashAttention computes the same, tile by tile, without S, P or dP ever leaving the chip.
+#include "standard.h"
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <stdexcept>
+
+static constexpr int kRowThreads = 256;  // threads per block of the row kernels (one row each)
+
+// ---------------------------------------------------------------------------------------------
+// The row kernels, one block per row of S (one query row of one head).
+
+__device__ inline float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// Sum over the block; every thread gets it. blockDim.x must be a multiple of 32.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int warps = blockDim.x / 32;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = warp_sum(lane < warps ? partial[lane] : 0.f);
+    __syncthreads();  // partial may be reused by the caller's next block_sum
+    return v;
+}
+
+// Merge the softmax statistics (max m, sum l of exp(x - m)) of two sets of scores.
+__device__ inline void softmax_merge(float& m, float& l, float m2, float l2) {
+    const float M = fmaxf(m, m2);
+    if (M == -INFINITY) return;  // both sets empty: keep (m, l) = (-inf, 0), avoid exp(nan)
+    l = l * expf(m - M) + l2 * expf(m2 - M);
+    m = M;
+}
+
+// P = softmax(S) in place, masked entries 0; L = logsumexp(row). S: (B*H, q_len, kv_len), already
+// scaled by 1/sqrt(d) in the GEMM. L: (B*H, q_len).
+__global__ void softmax_forward_kernel(float* S, float* L, int q_len, int kv_len, bool causal) {
+    const size_t row = blockIdx.x;
+    const int visible = visible_keys(int(row % q_len), q_len, kv_len, causal);
+    float* s = S + row * kv_len;
+
+    // One pass for max and sum together (online softmax): each new maximum rescales the sum.
+    float m = -INFINITY;
+    float l = 0.f;
+    for (int j = threadIdx.x; j < visible; j += blockDim.x) {
+        const float x = s[j];
+        if (x > m) {
+            l = l * expf(m - x) + 1.f;
+            m = x;
+        } else {
+            l += expf(x - m);
+        }
+    }
+    for (int offset = 16; offset > 0; offset >>= 1)
+        softmax_merge(m, l, __shfl_xor_sync(0xffffffffu, m, offset),
+                      __shfl_xor_sync(0xffffffffu, l, offset));
+    __shared__ float part_m[32];
+    __shared__ float part_l[32];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int warps = blockDim.x / 32;
+    if (lane == 0) {
+        part_m[warp] = m;
+        part_l[warp] = l;
+    }
+    __syncthreads();
+    m = -INFINITY;
+    l = 0.f;
+    for (int w = 0; w < warps; ++w) softmax_merge(m, l, part_m[w], part_l[w]);
+
+    // A row that sees nothing has l = 0: it gets P = 0 (so O = 0) and L = -inf, as flash does.
+    const float inv_l = visible > 0 ? 1.f / l : 0.f;
+    for (int j = threadIdx.x; j < kv_len; j += blockDim.x)
+        s[j] = j < visible ? expf(s[j] - m) * inv_l : 0.f;
+    if (threadIdx.x == 0) L[row] = visible > 0 ? m + logf(l) : -INFINITY;
+}
+
+// dS = P o (dP - D), in place over dP, where D = rowsum(dP o P) (which equals rowsum(dO o O), the
+// D of FlashAttention's backward). P, dP: (B*H, q_len, kv_len).
+__global__ void softmax_backward_kernel(const float* P, float* dP, int kv_len) {
+    const size_t row = blockIdx.x;
+    const float* p = P + row * kv_len;
+    float* ds = dP + row * kv_len;
+    float acc = 0.f;
+    for (int j = threadIdx.x; j < kv_len; j += blockDim.x) acc += p[j] * ds[j];
+    const float D = block_sum(acc);
+    for (int j = threadIdx.x; j < kv_len; j += blockDim.x) ds[j] = p[j] * (ds[j] - D);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host
+
+// cuBLAS is column-major, and a row-major matrix is its column-major transpose, so we ask for
+// C^T = op(B)^T op(A)^T: the operands and m, n swap, the transpose flags stay. The leading
+// dimension of a row-major matrix is its number of columns as stored.
+void gemm_rowmajor(cublasHandle_t cublas, bool trans_a, bool trans_b, int m, int n, int k,
+                   float alpha, const float* A, long long stride_a, const float* B,
+                   long long stride_b, float* C, long long stride_c, int batch) {
+    const float beta = 0.f;
+    const int lda = trans_a ? m : k;
+    const int ldb = trans_b ? k : n;
+    const int ldc = n;
+    CUBLAS_CHECK(cublasSgemmStridedBatched(cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                           trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha,
+                                           B, ldb, stride_b, A, lda, stride_a, &beta, C, ldc,
+                                           stride_c, batch));
+}
+
+static int row_blocks(const AttentionShape& s) {  // one block per query row of every head
+    if (l_elems(s) > size_t(INT_MAX))
+        throw std::invalid_argument("batch * heads * q_len exceeds the grid limit");
+    return int(l_elems(s));
+}
+
+// Per head: Q, O (q_len, d); K, V (kv_len, d); S, P (q_len, kv_len). The GEMMs run over all
+// B*H heads at once (strided batched), each head's matrices `stride` elements apart.
+struct Strides {
+    long long q, kv, s;
+    explicit Strides(const AttentionShape& sh)
+        : q((long long)sh.q_len * sh.head_dim),
+          kv((long long)sh.kv_len * sh.head_dim),
+          s((long long)sh.q_len * sh.kv_len) {}
+};
+
+void standard_forward(cublasHandle_t cublas, const float* Q, const float* K, const float* V,
+                      float* P, float* O, float* L, const AttentionShape& s) {
+    const int q = s.q_len, kv = s.kv_len, d = s.head_dim, heads = s.batch * s.heads;
+    const Strides st(s);
+    const float scale = 1.f / std::sqrt(float(d));
+    // S = Q K^T / sqrt(d): (B*H, q_len, kv_len), written to P's memory
+    gemm_rowmajor(cublas, false, true, q, kv, d, scale, Q, st.q, K, st.kv, P, st.s, heads);
+    // P = softmax(S) in place, and L: (B*H, q_len)
+    softmax_forward_kernel<<<row_blocks(s), kRowThreads>>>(P, L, q, kv, s.causal);
+    FLASH_CUDA_CHECK(cudaGetLastError());
+    // O = P V: (B*H, q_len, d)
+    gemm_rowmajor(cublas, false, false, q, d, kv, 1.f, P, st.s, V, st.kv, O, st.q, heads);
+}
+
+void standard_backward(cublasHandle_t cublas, const float* Q, const float* K, const float* V,
+                       const float* dO, const float* P, float* dP, float* dQ, float* dK,
+                       float* dV, const AttentionShape& s) {
+    const int q = s.q_len, kv = s.kv_len, d = s.head_dim, heads = s.batch * s.heads;
+    const Strides st(s);
+    const float scale = 1.f / std::sqrt(float(d));
+    // dV = P^T dO: (B*H, kv_len, d)
+    gemm_rowmajor(cublas, true, false, kv, d, q, 1.f, P, st.s, dO, st.q, dV, st.kv, heads);
+    // dP = dO V^T: (B*H, q_len, kv_len)
+    gemm_rowmajor(cublas, false, true, q, kv, d, 1.f, dO, st.q, V, st.kv, dP, st.s, heads);
+    // dS = P o (dP - D), in place over dP
+    softmax_backward_kernel<<<row_blocks(s), kRowThreads>>>(P, dP, kv);
+    FLASH_CUDA_CHECK(cudaGetLastError());
+    // dQ = dS K / sqrt(d): (B*H, q_len, d); dK = dS^T Q / sqrt(d): (B*H, kv_len, d)
+    gemm_rowmajor(cublas, false, false, q, d, kv, scale, dP, st.s, K, st.kv, dQ, st.q, heads);
+    gemm_rowmajor(cublas, true, false, kv, d, q, scale, dP, st.s, Q, st.q, dK, st.kv, heads);
+}
