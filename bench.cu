@@ -5,7 +5,8 @@ the whole (q_len, kv_len) score matrix of every head in device memory).
 
 Build and run the demo (one shape, timed, checked against the CPU reference; exits 1 on FAIL):
 make flash_bench && ./flash_bench
-(by hand: nvcc -O3 -std=c++17 -arch=native bench.cu flash.cu reference.cpp -lcublas -o flash_bench)
+(by hand: nvcc -O3 -std=c++17 -arch=native bench.cu standard.cu flash.cu checks.cpp reference.cpp
+ -lcublas -o flash_bench)
 
 One shape of your own, with keys-per-tile Bc forced to 32:
 ./flash_bench --batch 2 --heads 16 --seq 4096 --dim 128 --causal 0 --tile 32
@@ -319,8 +320,16 @@ struct RowResult {
     double fwd_diff = NAN, bwd_diff = NAN;  // max |flash - standard| over O; over dQ, dK, dV
 };
 
+// The demo's default batch fills the GPU this many times over with forward blocks (see
+// default_batch): one partial wave would leave SMs idle and report a fraction of the kernel's speed.
+static constexpr int kDefaultWaves = 8;
+
 struct Options {
-    int batch = 4, heads = 8, seq = 1024, kv_seq = 0 /* 0: = seq */, dim = 64;
+    int batch = 0;   // 0: derived from the device (default_batch)
+    int heads = 16;
+    int seq = 2048;
+    int kv_seq = 0;  // 0: = seq
+    int dim = 64;
     bool causal = true;
     int tile_bc = 0;  // 0: the device-derived Bc
     int repeat = 20;
@@ -494,12 +503,16 @@ static void print_tile(const char* what, const FlashTile& t, const char* origin)
 }
 
 // The forward tile actually used: with --tile only Bc (and so the shared memory) changes.
-static void print_tiles(const cudaDeviceProp& prop, int dim, int tile_bc) {
+static FlashTile forward_tile(const cudaDeviceProp& prop, int dim, int tile_bc) {
     FlashTile fwd = flash_choose_tile(prop, dim);
     if (tile_bc > 0) {
         fwd.Bc = tile_bc;
         fwd.shared_bytes = 2 * size_t(tile_bc) * dim * sizeof(float);  // K_j and V_j
     }
+    return fwd;
+}
+static void print_tiles(const cudaDeviceProp& prop, int dim, int tile_bc) {
+    const FlashTile fwd = forward_tile(prop, dim, tile_bc);
     print_tile("forward ", fwd, tile_bc > 0 ? "Bc from --tile" : "chosen for this device");
     print_tile("backward", flash_choose_tile_backward(prop, dim), "chosen for this device");
 }
@@ -602,110 +615,114 @@ static void print_markdown_summary(const std::vector<RowResult>& rows) {
 // main
 // =============================================================================================
 
-static void usage(FILE* f) {
-    fprintf(f,
-            "usage: flash_bench [options]\n"
-            "  Times flash attention against standard attention (cuBLAS + softmax kernels), fp32.\n"
-            "  Default: one shape, timed, checked against the CPU reference; exit 1 on FAIL.\n"
-            "  --batch N       batch size (default 4)\n"
-            "  --heads N       heads (default 8)\n"
-            "  --seq N         query length q_len (default 1024)\n"
-            "  --kv-seq N      key/value length kv_len (default: --seq)\n"
-            "  --dim N         head_dim, one of %s (default 64)\n"
-            "  --causal 0|1    bottom-right causal mask (default 1)\n"
-            "  --tile BC       keys per K/V tile Bc of the flash forward (default: chosen for the "
-            "device)\n"
-            "  --repeat N      timed runs per measurement, at least %d (default 20); the median is "
-            "reported\n"
-            "  --protocol      the FlashAttention-2 benchmark: batch*seq = 16384, hidden 2048\n"
-            "                  (head_dim 64 x 32 heads, 128 x 16 heads), seq 512..16384, causal\n"
-            "                  0 and 1; the shape flags do not combine with it\n"
-            "  --csv FILE      also write the rows as CSV to FILE (for plot.gp)\n"
-            "  --no-standard   skip the standard-attention baseline\n"
-            "  --no-backward   skip the backward pass\n"
-            "  --help          this message\n",
-            flash_head_dims_string().c_str(), kMinTimedRuns);
-}
+// One command-line flag. `set` parses its value (nullptr for a switch) into the options and
+// returns why it refuses it, or "" when it accepts it. --help is printed from the same table.
+struct Flag {
+    const char* name;
+    const char* value;  // the value's name in --help, or nullptr: a switch, which takes none
+    bool shape;         // part of the shape, which --protocol fixes itself
+    std::string help;
+    std::string (*set)(Options& opt, const char* value);
+};
 
-static bool parse_positive(const char* text, int* out) {
+// text as an int >= minimum into *out, or why not
+static std::string set_int(const char* text, int* out, int minimum) {
     errno = 0;
     char* end = nullptr;
     const long v = std::strtol(text, &end, 10);
-    if (end == text || *end != '\0' || errno != 0 || v <= 0 || v > INT_MAX) return false;
+    if (end == text || *end != '\0' || errno != 0 || v < minimum || v > INT_MAX)
+        return "needs an integer >= " + std::to_string(minimum) + ", got '" + text + "'";
     *out = int(v);
-    return true;
+    return "";
+}
+
+static const std::vector<Flag>& flags() {
+    static const std::vector<Flag> table = {
+        {"--batch", "N", true,
+         "batch size (default: enough for " + std::to_string(kDefaultWaves) +
+             " full waves of forward blocks on this GPU)",
+         [](Options& o, const char* v) { return set_int(v, &o.batch, 1); }},
+        {"--heads", "N", true, "heads (default 16)",
+         [](Options& o, const char* v) { return set_int(v, &o.heads, 1); }},
+        {"--seq", "N", true, "query length q_len (default 2048)",
+         [](Options& o, const char* v) { return set_int(v, &o.seq, 1); }},
+        {"--kv-seq", "N", true, "key/value length kv_len (default: --seq)",
+         [](Options& o, const char* v) { return set_int(v, &o.kv_seq, 1); }},
+        {"--dim", "N", true, "head_dim, one of " + flash_head_dims_string() + " (default 64)",
+         [](Options& o, const char* v) {
+             const std::string why = set_int(v, &o.dim, 1);
+             if (!why.empty() || flash_head_dim_supported(o.dim)) return why;
+             return std::string(v) + " is not supported (supported: " +
+                    flash_head_dims_string() + ")";
+         }},
+        {"--causal", "0|1", true, "bottom-right causal mask (default 1)",
+         [](Options& o, const char* v) {
+             if (strcmp(v, "0") != 0 && strcmp(v, "1") != 0)
+                 return "needs 0 or 1, got '" + std::string(v) + "'";
+             o.causal = v[0] == '1';
+             return std::string();
+         }},
+        {"--tile", "BC", false,
+         "keys per K/V tile Bc of the flash forward (default: chosen for the device)",
+         [](Options& o, const char* v) { return set_int(v, &o.tile_bc, 1); }},
+        {"--repeat", "N", false,
+         "timed runs per measurement, at least " + std::to_string(kMinTimedRuns) +
+             " (default 20); the median is reported",
+         [](Options& o, const char* v) { return set_int(v, &o.repeat, kMinTimedRuns); }},
+        {"--protocol", nullptr, false,
+         "the FlashAttention-2 benchmark: batch*seq = 16384, hidden 2048\n"
+         "                  (head_dim 64 x 32 heads, 128 x 16 heads), seq 512..16384, causal\n"
+         "                  0 and 1; the shape flags do not combine with it",
+         [](Options& o, const char*) { o.protocol = true; return std::string(); }},
+        {"--csv", "FILE", false, "also write the rows as CSV to FILE (for plot.gp)",
+         [](Options& o, const char* v) {
+             o.csv = v;
+             return std::string(*v ? "" : "needs a file name");
+         }},
+        {"--no-standard", nullptr, false, "skip the standard-attention baseline",
+         [](Options& o, const char*) { o.standard = false; return std::string(); }},
+        {"--no-backward", nullptr, false, "skip the backward pass",
+         [](Options& o, const char*) { o.backward = false; return std::string(); }},
+    };
+    return table;
+}
+
+static void usage(FILE* f) {
+    fprintf(f, "usage: flash_bench [options]\n"
+               "  Times flash attention against standard attention (cuBLAS + softmax kernels), "
+               "fp32.\n"
+               "  Default: one shape, timed, checked against the CPU reference; exit 1 on FAIL.\n");
+    for (const Flag& flag : flags()) {
+        const std::string name = std::string(flag.name) + (flag.value ? " " : "") +
+                                 (flag.value ? flag.value : "");
+        fprintf(f, "  %-15s %s\n", name.c_str(), flag.help.c_str());
+    }
+    fprintf(f, "  %-15s %s\n", "--help", "this message");
 }
 
 // Returns false (after saying why on stderr) for an unknown flag or a bad value.
 static bool parse_args(int argc, char** argv, Options& opt, bool* help) {
     bool shape_flag = false;
     for (int i = 1; i < argc; ++i) {
-        const std::string a = argv[i];
-        auto value = [&]() -> const char* {
-            if (i + 1 >= argc) return nullptr;
-            return argv[++i];
-        };
-        auto number = [&](int* out, int minimum) {
-            const char* v = value();
-            if (!v || !parse_positive(v, out) || *out < minimum) {
-                fprintf(stderr, "flash_bench: %s needs an integer >= %d, got '%s'\n", a.c_str(),
-                        minimum, v ? v : "");
-                return false;
-            }
-            return true;
-        };
-        if (a == "--help" || a == "-h") {
+        const std::string arg = argv[i];
+        if (arg == "--help" || arg == "-h") {
             *help = true;
             return true;
-        } else if (a == "--batch") {
-            if (!number(&opt.batch, 1)) return false;
-            shape_flag = true;
-        } else if (a == "--heads") {
-            if (!number(&opt.heads, 1)) return false;
-            shape_flag = true;
-        } else if (a == "--seq") {
-            if (!number(&opt.seq, 1)) return false;
-            shape_flag = true;
-        } else if (a == "--kv-seq") {
-            if (!number(&opt.kv_seq, 1)) return false;
-            shape_flag = true;
-        } else if (a == "--dim") {
-            if (!number(&opt.dim, 1)) return false;
-            if (!flash_head_dim_supported(opt.dim)) {
-                fprintf(stderr, "flash_bench: --dim %d is not supported (supported: %s)\n", opt.dim,
-                        flash_head_dims_string().c_str());
-                return false;
-            }
-            shape_flag = true;
-        } else if (a == "--causal") {
-            const char* v = value();
-            if (!v || (strcmp(v, "0") != 0 && strcmp(v, "1") != 0)) {
-                fprintf(stderr, "flash_bench: --causal needs 0 or 1, got '%s'\n", v ? v : "");
-                return false;
-            }
-            opt.causal = v[0] == '1';
-            shape_flag = true;
-        } else if (a == "--tile") {
-            if (!number(&opt.tile_bc, 1)) return false;
-        } else if (a == "--repeat") {
-            if (!number(&opt.repeat, kMinTimedRuns)) return false;
-        } else if (a == "--csv") {
-            const char* v = value();
-            if (!v || !*v) {
-                fprintf(stderr, "flash_bench: --csv needs a file name\n");
-                return false;
-            }
-            opt.csv = v;
-        } else if (a == "--protocol") {
-            opt.protocol = true;
-        } else if (a == "--no-standard") {
-            opt.standard = false;
-        } else if (a == "--no-backward") {
-            opt.backward = false;
-        } else {
-            fprintf(stderr, "flash_bench: unknown flag '%s'\n", a.c_str());
+        }
+        const Flag* flag = nullptr;
+        for (const Flag& f : flags())
+            if (arg == f.name) flag = &f;
+        if (!flag) {
+            fprintf(stderr, "flash_bench: unknown flag '%s'\n", arg.c_str());
             return false;
         }
+        const char* value = flag->value ? (i + 1 < argc ? argv[++i] : "") : nullptr;
+        const std::string why = flag->set(opt, value);
+        if (!why.empty()) {
+            fprintf(stderr, "flash_bench: %s %s\n", flag->name, why.c_str());
+            return false;
+        }
+        shape_flag = shape_flag || flag->shape;
     }
     if (opt.protocol && shape_flag) {
         fprintf(stderr, "flash_bench: --protocol fixes its shapes; drop the shape flags\n");
@@ -748,9 +765,29 @@ static void warm_up(const Options& opt, int dim, cublasHandle_t cublas) {
     free_tensors(t);
 }
 
+// The demo's default batch: enough (batch, head) pairs that the forward's grid (one block per
+// Q tile per head) fills every slot of the GPU (SMs x resident blocks per SM) kDefaultWaves times.
+// Resident blocks per SM are estimated from the tile's shared memory and threads. Says why.
+static int default_batch(const cudaDeviceProp& prop, const Options& opt) {
+    const FlashTile tile = forward_tile(prop, opt.dim, opt.tile_bc);
+    const size_t block_shared = tile.shared_bytes + prop.reservedSharedMemPerBlock;
+    const int per_sm = std::max(1, std::min(int(prop.sharedMemPerMultiprocessor / block_shared),
+                                            prop.maxThreadsPerMultiProcessor / tile.threads));
+    const long long slots = (long long)prop.multiProcessorCount * per_sm;
+    const long long per_batch = (long long)opt.heads * ((opt.seq + tile.Br - 1) / tile.Br);
+    const long long batch = std::max(1LL, (kDefaultWaves * slots + per_batch - 1) / per_batch);
+    if (batch > INT_MAX) throw std::invalid_argument("--batch: the default overflows; set it");
+    printf("default batch %lld: the forward's %lld blocks (batch x %d heads x %lld Q tiles of %d "
+           "rows) fill this GPU's %d SMs x %d blocks %.1f times over (--batch sets it)\n",
+           batch, batch * per_batch, opt.heads, per_batch / opt.heads, tile.Br,
+           prop.multiProcessorCount, per_sm, double(batch * per_batch) / slots);
+    return int(batch);
+}
+
 static int run_demo(const Options& opt, const cudaDeviceProp& prop, const Peak& peak,
                     cublasHandle_t cublas, double cublas_bytes, FILE* csv) {
-    const AttentionShape s{opt.batch, opt.heads, opt.seq, opt.kv_seq, opt.dim, opt.causal};
+    const int batch = opt.batch > 0 ? opt.batch : default_batch(prop, opt);
+    const AttentionShape s{batch, opt.heads, opt.seq, opt.kv_seq, opt.dim, opt.causal};
     validate_shape(s);
     printf("shape: batch %d, heads %d, q_len %d, kv_len %d, head_dim %d, causal %d\n", s.batch,
            s.heads, s.q_len, s.kv_len, s.head_dim, int(s.causal));
@@ -761,8 +798,11 @@ static int run_demo(const Options& opt, const cudaDeviceProp& prop, const Peak& 
     alloc_tensors(t, s, opt.standard, 1234);
     const RowResult r = bench_row(s, opt, cublas, cublas_bytes, 0, t);
 
-    printf("timing: median of %d timed runs after warm-up (CUDA events); TFLOP/s count only the\n"
-           "        (query, key) pairs the mask lets through, for both methods\n", opt.repeat);
+    printf("timing: median of %d timed runs after warm-up (CUDA events)\n"
+           "TFLOP/s counts 4 * head_dim FLOPs per (query, key) pair the mask lets through, per head\n"
+           "  (2.5x that backward), for both methods; this GPU's FP32 peak is %.1f TFLOP/s, and\n"
+           "  flash runs on its CUDA cores (fp32 FMAs; tensor cores are chapter 2's)\n",
+           opt.repeat, peak.tflops);
     auto line = [&](const char* name, const Measurement& m) {
         if (m.oom)
             printf("  %-18s: OOM (its workspace needs %.2f GiB)\n", name, m.needs_bytes / kGiB);
