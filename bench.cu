@@ -321,7 +321,7 @@ struct RowResult {
 };
 
 // The demo's default batch fills the GPU this many times over with forward blocks (see
-// default_batch): one partial wave would leave SMs idle and report a fraction of the kernel's speed.
+// default_batch): one partial wave leaves SMs idle and reports a fraction of the kernel's speed.
 static constexpr int kDefaultWaves = 8;
 
 struct Options {
@@ -799,9 +799,9 @@ static int run_demo(const Options& opt, const cudaDeviceProp& prop, const Peak& 
     const RowResult r = bench_row(s, opt, cublas, cublas_bytes, 0, t);
 
     printf("timing: median of %d timed runs after warm-up (CUDA events)\n"
-           "TFLOP/s counts 4 * head_dim FLOPs per (query, key) pair the mask lets through, per head\n"
-           "  (2.5x that backward), for both methods; this GPU's FP32 peak is %.1f TFLOP/s, and\n"
-           "  flash runs on its CUDA cores (fp32 FMAs; tensor cores are chapter 2's)\n",
+           "TFLOP/s counts 4 * head_dim FLOPs per (query, key) pair the mask lets through, per\n"
+           "  head (2.5x that backward), for both methods; this GPU's FP32 peak is %.1f TFLOP/s,\n"
+           "  and flash runs on its CUDA cores (fp32 FMAs; tensor cores are chapter 2's)\n",
            opt.repeat, peak.tflops);
     auto line = [&](const char* name, const Measurement& m) {
         if (m.oom)
