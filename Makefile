@@ -1,4 +1,4 @@
-# Minimal FlashAttention in fp32 CUDA C++.
+# Minimal FlashAttention in CUDA C++: chapter 1 fp32 (CUDA cores), chapter 2 fp16 (tensor cores).
 #   make          build the test suite and the demo/benchmark
 #   make test     build and run the test suite (GPU tests skip, with one line, when there is no GPU)
 #   make run      the demo: one shape, timed, checked against the CPU reference
@@ -21,9 +21,8 @@ CPPFLAGS  ?=
 LDLIBS    ?= -lcublas
 
 # The library: the kernels of each chapter and the checks they share.
-FLASH_OBJS := flash.o checks.o
-# Chapter 2 (fp16 tensor cores, flash_fp16.cu, not written yet) goes here:
-# FLASH_OBJS += flash_fp16.o
+# Chapter 1 (fp32, CUDA cores), chapter 2 (fp16, tensor cores), and the checks both share.
+FLASH_OBJS := flash.o flash_fp16.o checks.o
 # The tests: every test_*.cpp (test_flash.cpp, and any others it is split into).
 TEST_OBJS := $(patsubst %.cpp,%.o,$(wildcard test_*.cpp))
 
@@ -37,7 +36,7 @@ all: test_flash flash_bench
 %.o: %.cpp flash.h
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
 # The headers beyond flash.h that objects include.
-flash.o checks.o: checks.h
+flash.o flash_fp16.o checks.o: checks.h
 bench.o standard.o: standard.h
 $(TEST_OBJS): $(wildcard test_*.h)
 

@@ -81,12 +81,6 @@ __device__ __forceinline__ void load_tiles(float4* A, const float4* __restrict__
     __pipeline_wait_prior(0);  // this thread's copies have landed
     __syncthreads();           // and everyone's
 }
-// Causal tile skipping: a block of query rows first_row .. first_row + rows - 1 needs the keys
-// 0 .. kv_end - 1 only: past the last key its last row sees, every K/V tile is skipped.
-__device__ __forceinline__ int kv_end(int first_row, int rows, int q_len, int kv_len, bool causal) {
-    if (!causal) return kv_len;
-    return min(kv_len, flash_last_key(min(first_row + rows, q_len) - 1, q_len, kv_len) + 1);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Forward: FlashAttention-2, Algorithm 1. One block per (Q tile Q_i, batch*head); each query row
@@ -123,7 +117,7 @@ flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
     float m = -INFINITY;                               // line 5: row max m (log2 units)
     float l = 0.f;                                     // line 5: row sum l
     for (int c = 0; c < slice4; c++) q[c] = scale4(Q[offset + c * TPR], scale_log2);  // line 4
-    const int keys = kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: the keys it needs
+    const int keys = flash_kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: the keys it needs
     for (int key0 = 0; key0 < keys; key0 += Bc) {      // line 6: for each K_j, V_j (from key0)
         load_tiles<D>(Kj, K, Vj, V, (bh * kv_len + key0) * (D / 4), min(Bc, keys - key0));  // 7
         for (int kj = 0; kj < min(Bc, keys - key0); kj++) {  // lines 8-10, one key at a time
@@ -183,7 +177,7 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
     const float Di = row_dot<TPR>(dOi, &O[offset]);   // line 4: D_i = rowsum(dO_i * O_i)
     if (query < q_len && part == 0) Dsum[bh * q_len + query] = Di;
     const float Li = L[bh * q_len + min(query, q_len - 1)] * kLog2e;  // log2 units, like q K^T
-    const int keys = kv_end(i * Br, Br, q_len, kv_len, causal);
+    const int keys = flash_kv_end(i * Br, Br, q_len, kv_len, causal);
     for (int key0 = 0; key0 < keys; key0 += Br) {      // line 5: for each K_j, V_j
         load_tiles<D>(Kj, K, Vj, V, (bh * kv_len + key0) * (D / 4), min(Br, keys - key0));  // 6
         for (int kj = 0; kj < min(Br, keys - key0); kj++) {

@@ -6,6 +6,7 @@
 // std::runtime_error for a CUDA failure (with cudaGetErrorString and file:line).
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -30,6 +31,15 @@ __host__ __device__ inline int flash_last_key(int i, int q_len, int kv_len) {
 __host__ __device__ inline int flash_first_query(int j, int q_len, int kv_len) {
     return j - flash_last_key(0, q_len, kv_len);
 }
+// The keys a tile of query rows [first_row, first_row + rows) needs: 0 .. flash_kv_end - 1. Under
+// a causal mask, past the last key its last row sees, every K/V tile can be skipped.
+__host__ __device__ inline int flash_kv_end(int first_row, int rows, int q_len, int kv_len,
+                                            bool causal) {
+    if (!causal) return kv_len;
+    const int last_row = (first_row + rows < q_len ? first_row + rows : q_len) - 1;
+    const int end = flash_last_key(last_row, q_len, kv_len) + 1;
+    return end < kv_len ? end : kv_len;
+}
 
 // Device pointers, float32, contiguous row-major. Q, O: [batch][heads][q_len][head_dim];
 // K, V: [batch][heads][kv_len][head_dim]; L: [batch][heads][q_len].
@@ -43,6 +53,13 @@ void flash_forward(const float* Q, const float* K, const float* V, float* O, flo
 void flash_backward(const float* Q, const float* K, const float* V, const float* O,
                     const float* dO, const float* L, float* dQ, float* dK, float* dV,
                     const AttentionShape& shape, cudaStream_t stream = 0);
+
+// Chapter 2 (flash_fp16.cu): the same forward on tensor cores. Q, K, V, O are fp16 (__half),
+// laid out as above; L stays fp32. The softmax statistics and every sum are fp32; only Q, K, V, O
+// and P are rounded to fp16. Same contract as flash_forward. Needs a GPU of compute capability
+// 8.0 or newer (A100, RTX 30/40, H100): on an older one it throws std::runtime_error.
+void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
+                        const AttentionShape& shape, cudaStream_t stream = 0);
 
 // ---------------------------------------------------------------------------------------------
 // The tile: how one thread block is laid out. See NOTES.md, "The tile".
@@ -70,6 +87,14 @@ FlashTile flash_choose_tile_backward(const cudaDeviceProp& prop, int head_dim);
 // (for measuring what the choice is worth). Bc must be in [1, the most that fits in shared memory].
 void flash_forward_bc(const float* Q, const float* K, const float* V, float* O, float* L,
                       const AttentionShape& shape, int Bc, cudaStream_t stream = 0);
+
+// Chapter 2's head dims (every one of chapter 1's: one kernel template covers them all), its
+// tile (Br = 64: 16 query rows per warp; Bc = 64 or 32 from shared memory; see flash_fp16.cu),
+// and flash_forward_fp16 with Bc (32 or 64) given by the caller.
+constexpr int kFlashFp16HeadDims[] = {16, 32, 64, 96, 128, 256};
+FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim);
+void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __half* O,
+                           float* L, const AttentionShape& shape, int Bc, cudaStream_t stream = 0);
 
 // Throws std::invalid_argument naming the field when a shape field is out of range or a tensor's
 // element count overflows.

@@ -5,23 +5,39 @@
 // Build and test:   make test        Demo:   ./flash_bench --dtype fp16
 //
 // What changes from chapter 1: the two matrix products of Algorithm 1, S = Q_i K_j^T (line 8) and
-// O_i += P V_j (line 10), run as mma.sync.m16n8k16 instructions, each a 16x8x16 product by one
+// O_i += P~ V_j (line 10), run as mma.sync.m16n8k16 instructions, each a 16x8x16 product by one
 // warp. Their operands and results live in registers in the layouts the PTX ISA documents
-// ("Matrix Fragments for mma.m16n8k16"); NOTES.md chapter 2 draws them. The one fact that makes
-// FA2 fit in registers: the fp32 accumulator of S, rounded to fp16, is already laid out as the A
-// operand of the next mma, so P goes from S to P V without touching shared memory.
+// ("Matrix Fragments for mma.m16n8k16"); NOTES.md chapter 2 draws them. The one fact that lets
+// FA2 keep everything in registers: the fp32 accumulator of S, rounded to fp16, is already laid
+// out as the A operand of the next mma, so P~ goes from S to P~ V without touching shared memory.
+#include "checks.h"
 #include "flash.h"
 
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <optional>
+#include <string>
 
 // The block: kWarps warps, each owning 16 query rows (the M of one mma), so Br = 16 * kWarps.
 static constexpr int kWarps = 4;
+static constexpr int kBr = 16 * kWarps;
 // Shared-memory rows are D + kPad halves long. Unpadded, the 8 rows one ldmatrix reads start a
 // multiple of 128 bytes apart and hit the same banks (an 8-way conflict); 8 halves (16 bytes) of
 // padding shift each row by 4 banks, so the 8 rows cover all 32.
 static constexpr int kPad = 8;
+static constexpr float kLog2e = 1.4426950408889634f;
+static constexpr float kLn2 = 0.6931471805599453f;
+
+// mma.sync.m16n8k16 and cp.async need compute capability 8.0. When nvcc compiles for an older GPU
+// (a build with no GPU present defaults to sm_75), the kernel still compiles, to a trap; the API
+// refuses such GPUs with a std::runtime_error before anything is launched.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define SM80_ASM(...) __trap()
+#pragma nv_diag_suppress 177  // the operands SM80_ASM drops leave some variables unused
+#else
+#define SM80_ASM(...) asm volatile(__VA_ARGS__)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Fragment helpers: one mma, one 16x16 shared-memory load, one async copy. Everything in them is
@@ -31,10 +47,9 @@ static constexpr int kPad = 8;
 // Per thread (lane = 4g + t): a: 4 registers of 2 halves; b: 2; c: rows g and g+8, cols 2t, 2t+1.
 __device__ __forceinline__ void mma_16x8x16(float c[4], const uint32_t a[4], uint32_t b0,
                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    SM80_ASM("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+             "{%8,%9}, {%0,%1,%2,%3};\n" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // The 16x16 block of a shared-memory array (row stride `ld` halves) whose top-left is `tile`, as
@@ -44,7 +59,7 @@ __device__ __forceinline__ void mma_16x8x16(float c[4], const uint32_t a[4], uin
 template <bool Trans>
 __device__ __forceinline__ void load_16x16(uint32_t r[4], const __half* tile, int ld) {
     const int lane = threadIdx.x % 32;
-    const unsigned p = unsigned(__cvta_generic_to_shared(tile + (lane % 16) * ld + lane / 16 * 8));
+    const unsigned p = unsigned(__cvta_generic_to_shared(tile + lane % 16 * ld + lane / 16 * 8));
     if constexpr (Trans)
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(p));
@@ -53,163 +68,206 @@ __device__ __forceinline__ void load_16x16(uint32_t r[4], const __half* tile, in
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(p));
 }
 
-// Two fp32 values rounded to one register of two fp16 (lo in the low half: the lower column).
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-    const __half2 h = __floats2half2_rn(lo, hi);
+// Two fp32 accumulators c[0], c[1] rounded to one register of two fp16 (c[0] in the low half).
+__device__ __forceinline__ uint32_t pack_half2(const float* c) {
+    const __half2 h = __floats2half2_rn(c[0], c[1]);
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 
 // Rows [first, first + ROWS) of a (len, D) fp16 tensor into shared memory (row stride D + kPad),
-// 16 bytes per cp.async, all in flight at once; rows at or past `len` are filled with zeros
-// (cp.async's source size 0), so padding rows never carry garbage (0 * NaN would be NaN).
+// 16 bytes per cp.async; rows at or past `len` are filled with zeros (cp.async's source size 0),
+// so padding rows never carry garbage (0 * NaN would be NaN). Not waited for: see below.
 template <int ROWS, int D>
 __device__ __forceinline__ void load_rows_async(__half* tile, const __half* src, int first,
                                                 int len) {
-    constexpr int chunks = D / 8;  // 16-byte chunks per row
-    for (int x = threadIdx.x; x < ROWS * chunks; x += blockDim.x) {
-        const int row = x / chunks;
-        const int col = x % chunks * 8;
+    for (int x = threadIdx.x; x < ROWS * D / 8; x += blockDim.x) {  // x: one 16-byte chunk
+        const int row = x / (D / 8);
+        const int col = x % (D / 8) * 8;
         const bool inside = first + row < len;
-        const __half* from = src + size_t(inside ? first + row : 0) * D + col;
         const unsigned to = unsigned(__cvta_generic_to_shared(tile + row * (D + kPad) + col));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from),
-                     "r"(inside ? 16 : 0));
+        SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to),
+                 "l"(src + size_t(inside ? first + row : 0) * D + col), "r"(inside ? 16 : 0));
     }
-    asm volatile("cp.async.commit_group;\n" ::);
 }
-// Wait until at most N of this thread's committed copy groups are still in flight.
+// The copies this thread has issued so far become one group; wait until at most N groups are
+// still in flight (N = 0: all of them have landed, for this thread; __syncthreads for the rest).
 template <int N>
-__device__ __forceinline__ void wait_copies() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+__device__ __forceinline__ void commit_and_wait() {
+    SM80_ASM("cp.async.commit_group;\n" ::);
+    SM80_ASM("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // ---------------------------------------------------------------------------------------------
 // The forward: FlashAttention-2 Algorithm 1 on tensor cores. One block per (Q tile i, batch*head);
-// warp w owns rows 16w .. 16w+15 of Q_i, and each thread two of them: r = lane / 4 and r + 8,
-// holding columns 2t, 2t+1 (t = lane % 4) of every 8-column slice of S_ij and of O_i.
+// warp w owns rows 16w .. 16w+15 of Q_i, and each thread two of them, row and row + 8 (h = 0, 1),
+// holding columns 2t, 2t+1 (t = lane % 4) of every 8-column slice of S_ij and of O_i: its c-th
+// column of a row is column 8 (c / 2) + 2t + c % 2, in accumulator S[c / 2][2h + c % 2].
 // D: head dim, fixed at compile time so that O_i's accumulators (D/2 floats a thread) are
 // registers. Bc: keys per K/V tile; S_ij's accumulators are Bc/2 floats a thread, so Bc is
-// bounded by registers and chosen by the tile rule (flash_choose_tile_fp16).
+// bounded by registers, and the tile rule (flash_choose_tile_fp16) picks it from shared memory.
 template <int D, int Bc>
 __global__ void __launch_bounds__(32 * kWarps)
 flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict__ K,
                           const __half* __restrict__ V, __half* __restrict__ O,
                           float* __restrict__ L, int q_len, int kv_len, bool causal, int Tr,
                           float scale_log2) {
-    constexpr int Br = 16 * kWarps;
     constexpr int ld = D + kPad;                       // shared-memory row stride, in halves
-    extern __shared__ __align__(16) __half smem[];
-    __half* Q_i = smem;                                // (Br, ld)
-    __half* K_j = Q_i + Br * ld;                       // (2, Bc, ld): two stages, see line 7
-    __half* V_j = K_j + 2 * Bc * ld;                   // (2, Bc, ld)
+    extern __shared__ __align__(16) __half Q_i[];      // (Br, ld), then K_j and V_j:
+    __half* K_j = Q_i + kBr * ld;                      // (2, Bc, ld) each: two stages, line 7
+    __half* V_j = K_j + 2 * Bc * ld;
     const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
+    const int t = threadIdx.x % 4;                     // lane = 4 g + t
     const int i = Tr - 1 - int(blockIdx.x % Tr);       // line 3: Q tile i, longest (causal) first
     const size_t bh = blockIdx.x / Tr;                 // which (batch, head)
-    const int first_row = i * Br;
-    const int row = first_row + 16 * warp + lane / 4;  // this thread's rows: row and row + 8
-    const int diag = kv_len - q_len;                   // causal: query q sees keys <= q + diag
-    Q += bh * q_len * D;
-    K += bh * kv_len * D;
-    V += bh * kv_len * D;
-    // Causal: keys past the block's last row's last key are never seen: those tiles are skipped.
-    const int kv_end = causal ? min(kv_len, min(first_row + Br, q_len) + diag) : kv_len;
-    const int Tc = kv_end > 0 ? (kv_end + Bc - 1) / Bc : 0;
-    load_rows_async<Br, D>(Q_i, Q, first_row, q_len);  // line 4: load Q_i
-    load_rows_async<Bc, D>(K_j, K, 0, kv_end);         // line 7 for j = 0
-    load_rows_async<Bc, D>(V_j, V, 0, kv_end);
+    const int row = i * kBr + 16 * warp + threadIdx.x % 32 / 4;  // this thread's rows: row + 8h
+    const size_t kv_head = bh * kv_len * D;            // this head's K and V start here
+    const int kv_end = flash_kv_end(i * kBr, kBr, q_len, kv_len, causal);  // causal: keys needed
+    load_rows_async<kBr, D>(Q_i, Q + bh * q_len * D, i * kBr, q_len);  // line 4: load Q_i
+    load_rows_async<Bc, D>(K_j, K + kv_head, 0, kv_end);  // line 7 for j = 0
+    load_rows_async<Bc, D>(V_j, V + kv_head, 0, kv_end);
     float O_i[D / 8][4] = {};                          // line 5: O_i = 0, m = -inf, l = 0
-    float m[2] = {-INFINITY, -INFINITY};               // (log2 units: scores carry log2(e))
-    float l[2] = {0.f, 0.f};                           // this thread's part of each row's sum
-    for (int j = 0; j < Tc; j++) {                     // line 6: for each K_j, V_j
-        const __half* K_s = K_j + (j % 2) * Bc * ld;
-        const __half* V_s = V_j + (j % 2) * Bc * ld;
-        if (j + 1 < Tc) {                              // line 7, one tile ahead: K_{j+1}, V_{j+1}
-            load_rows_async<Bc, D>(K_j + (j + 1) % 2 * Bc * ld, K, (j + 1) * Bc, kv_end);
-            load_rows_async<Bc, D>(V_j + (j + 1) % 2 * Bc * ld, V, (j + 1) * Bc, kv_end);
-            wait_copies<2>();                          // all but the two just issued have landed
-        } else {
-            wait_copies<0>();
+    float m[2] = {-1e30f, -1e30f};                     // log2 units (scores carry log2 e); -1e30
+    float l[2] = {0.f, 0.f};                           // stands in for -inf: e^(m_old - m) stays
+                                                       // 1, not NaN, while no key has been seen
+    for (int j = 0; j * Bc < kv_end; j++) {            // line 6: for each K_j, V_j
+        const int stage = j % 2 * Bc * ld;             // where tile j is in K_j, V_j
+        commit_and_wait<0>();                          // tile j has landed (this thread's part),
+        __syncthreads();                               // everyone's; the other stage is free
+        if ((j + 1) * Bc < kv_end) {                   // line 7, a tile ahead: K_{j+1}, V_{j+1}
+            load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K + kv_head, (j + 1) * Bc, kv_end);
+            load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V + kv_head, (j + 1) * Bc, kv_end);
         }
-        __syncthreads();
-        float S[Bc / 8][4] = {};                       // line 8: S_ij = Q_i K_j^T, 16 columns at
-        for (int k = 0; k < D / 16; k++) {             // a time (two mmas of 8), 16 dims a step
-            uint32_t a[4], b[4];
+        uint32_t a[4], b[4];                           // mma operands: A (16x16), two B (16x8)
+        float S[Bc / 8][4] = {};                       // line 8: S_ij = Q_i K_j^T, 16 dims a
+        for (int k = 0; k < D / 16; k++) {             // step, 16 keys (two mmas) at a time
             load_16x16<false>(a, Q_i + 16 * warp * ld + 16 * k, ld);
             for (int n = 0; n < Bc / 16; n++) {
-                load_16x16<false>(b, K_s + 16 * n * ld + 16 * k, ld);
+                load_16x16<false>(b, K_j + stage + 16 * n * ld + 16 * k, ld);
                 mma_16x8x16(S[2 * n], a, b[0], b[2]);
                 mma_16x8x16(S[2 * n + 1], a, b[1], b[3]);
             }
         }
-        for (int h = 0; h < 2; h++) {                  // line 9, for rows row (h=0), row+8 (h=1)
-            const int last_key = causal ? min(row + 8 * h + diag, kv_end - 1) : kv_end - 1;
-            float m_new = m[h];                        // m = max(m, rowmax(S_ij)), masked -inf
-            for (int n = 0; n < Bc / 8; n++)
-                for (int e = 0; e < 2; e++) {
-                    const int key = j * Bc + 8 * n + 2 * (lane % 4) + e;
-                    float& s = S[n][2 * h + e];
-                    s = key <= last_key ? s * scale_log2 : -INFINITY;
-                    m_new = fmaxf(m_new, s);
-                }
-            m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));  // the row's 4 threads
-            m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
-            const float m_ref = m_new == -INFINITY ? 0.f : m_new;  // no key seen yet: no NaN
-            const float alpha = exp2f(m[h] - m_ref);   // line 10: O_i, l rescaled by e^(m_old - m)
-            m[h] = m_new;
-            l[h] *= alpha;
-            for (int n = 0; n < D / 8; n++) {
-                O_i[n][2 * h] *= alpha;
-                O_i[n][2 * h + 1] *= alpha;
+        for (int h = 0; h < 2; h++) {                  // line 9 for row + 8h: mask, scale, max
+            const int last = causal ? flash_last_key(row + 8 * h, q_len, kv_len) : kv_len - 1;
+            const float m_old = m[h];
+            for (int c = 0; c < Bc / 4; c++) {         // column c is key j Bc + 8(c/2) + 2t + c%2
+                float& s = S[c / 2][2 * h + c % 2];
+                s = j * Bc + 8 * (c / 2) + 2 * t + c % 2 <= last ? s * scale_log2 : -INFINITY;
+                m[h] = fmaxf(m[h], s);
             }
-            for (int n = 0; n < Bc / 8; n++)           // P~_ij = exp(S_ij - m), l += rowsum
-                for (int e = 0; e < 2; e++) {
-                    S[n][2 * h + e] = exp2f(S[n][2 * h + e] - m_ref);
-                    l[h] += S[n][2 * h + e];
-                }
+            m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 1));  // over the 4 threads
+            m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 2));  // that hold the row
+            const float alpha = exp2f(m_old - m[h]);   // line 10's e^(m_old - m_new)
+            l[h] *= alpha;
+            for (int c = 0; c < D / 4; c++) O_i[c / 2][2 * h + c % 2] *= alpha;
+            for (int c = 0; c < Bc / 4; c++) {         // P~_ij = exp(S_ij - m), l += rowsum(P~)
+                S[c / 2][2 * h + c % 2] = exp2f(S[c / 2][2 * h + c % 2] - m[h]);
+                l[h] += S[c / 2][2 * h + c % 2];
+            }
         }
-        for (int k = 0; k < Bc / 16; k++) {            // line 10: O_i += P~_ij V_j: S's
-            const uint32_t p[4] = {pack_half2(S[2 * k][0], S[2 * k][1]),  // accumulators of 16
-                                   pack_half2(S[2 * k][2], S[2 * k][3]),  // keys are the A
-                                   pack_half2(S[2 * k + 1][0], S[2 * k + 1][1]),  // operand
-                                   pack_half2(S[2 * k + 1][2], S[2 * k + 1][3])};
+        for (int k = 0; k < Bc / 16; k++) {            // line 10: O_i += P~_ij V_j, 16 keys a
+            const uint32_t p[4] = {pack_half2(S[2 * k]), pack_half2(S[2 * k] + 2),  // step: S's
+                                   pack_half2(S[2 * k + 1]), pack_half2(S[2 * k + 1] + 2)};  // A
             for (int n = 0; n < D / 16; n++) {
-                uint32_t b[4];
-                load_16x16<true>(b, V_s + 16 * k * ld + 16 * n, ld);
+                load_16x16<true>(b, V_j + stage + 16 * k * ld + 16 * n, ld);
                 mma_16x8x16(O_i[2 * n], p, b[0], b[1]);
                 mma_16x8x16(O_i[2 * n + 1], p, b[2], b[3]);
             }
         }
-        __syncthreads();                               // everyone is done with this stage
     }
-    // Lines 12-15: O_i / l and L_i = m + log(l), written once; no key seen: O = 0, L = -inf.
-    for (int h = 0; h < 2; h++) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-        const int r = row + 8 * h;
-        if (r >= q_len) continue;
-        const float inv_l = l[h] > 0.f ? 1.f / l[h] : 0.f;
-        for (int n = 0; n < D / 8; n++)
-            *reinterpret_cast<__half2*>(O + (bh * q_len + r) * D + 8 * n + 2 * (lane % 4)) =
-                __floats2half2_rn(O_i[n][2 * h] * inv_l, O_i[n][2 * h + 1] * inv_l);
-        if (lane % 4 == 0)
-            L[bh * q_len + r] = l[h] > 0.f ? (m[h] + log2f(l[h])) * 0.6931471805599453f : -INFINITY;
+    commit_and_wait<0>();                              // no copy may land after the block exits
+    for (int h = 0; h < 2; h++) {                      // lines 12-15 for row + 8h, written once
+        float l_row = l[h] + __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
+        const size_t q = bh * q_len + row + 8 * h;     // this row's place in L (and O, x D)
+        // A row that saw a key has l >= 1 (its max's own term is e^0); one that saw none has
+        // l = 0 and O_i = 0: it gets O = 0 / 1 = 0 and L = -inf.
+        for (int c = 0; c < D / 8 && row + 8 * h < q_len; c++)
+            *reinterpret_cast<__half2*>(O + q * D + 8 * c + 2 * t) = __floats2half2_rn(
+                O_i[c][2 * h] / fmaxf(l_row, 1.f), O_i[c][2 * h + 1] / fmaxf(l_row, 1.f));
+        if (t == 0 && row + 8 * h < q_len)
+            L[q] = l_row > 0.f ? (m[h] + log2f(l_row)) * kLn2 : -INFINITY;
     }
 }
 
-// Raw launch, no checks (the API below validates first). Shared memory: Q_i and two stages of
-// K_j and V_j, (Br + 4 Bc) rows of D + kPad halves.
+// ---------------------------------------------------------------------------------------------
+// The tile. Br = 16 * kWarps = 64 is set by the mma (16 rows a warp). Bc is set by registers
+// (S_ij's accumulators, Bc/2 floats a thread, beside O_i's D/2): 64 at most, and a multiple of 16
+// (the k of the P~ V mma). Between 64 and 32 the SM's shared memory decides, in the spirit of the
+// paper's Bc = M/4d: a block holds Q_i and two stages of K_j and V_j, and kFp16BlocksPerSM blocks
+// should share an SM, so that while some warps do the softmax on the CUDA cores others keep the
+// tensor cores busy. Bc = 64 when that many blocks fit, otherwise 32. (Measured on the H100 in
+// NOTES.md chapter 2: at d = 128, Bc = 32 with 4 blocks an SM beat Bc = 64 with 2.)
+static constexpr int kFp16BlocksPerSM = 4;
+
+static size_t fp16_shared_bytes(int head_dim, int Bc) {  // Q_i, 2 x K_j, 2 x V_j
+    return size_t(kBr + 4 * Bc) * (head_dim + kPad) * sizeof(__half);
+}
+
+static FlashTile fp16_tile(const cudaDeviceProp& prop, int head_dim, int Bc) {
+    const FlashTile tile{kBr, Bc, 32 * kWarps, 4, fp16_shared_bytes(head_dim, Bc)};
+    if (tile.shared_bytes > prop.sharedMemPerBlockOptin)
+        throw std::runtime_error("device " + std::string(prop.name) + " has too little shared " +
+                                 "memory for the fp16 tile at head_dim " + std::to_string(head_dim));
+    return tile;
+}
+
+FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
+    require_head_dim(head_dim, kFlashFp16HeadDims);
+    if (prop.major < 8)
+        throw std::runtime_error("flash_forward_fp16 needs a GPU of compute capability 8.0 or " +
+                                 std::string("newer (mma.sync.m16n8k16, cp.async); ") +
+                                 prop.name + " is " + std::to_string(prop.major) + "." +
+                                 std::to_string(prop.minor));
+    const size_t per_block = prop.sharedMemPerMultiprocessor / kFp16BlocksPerSM;
+    const bool fits_64 = fp16_shared_bytes(head_dim, 64) + prop.reservedSharedMemPerBlock <= per_block;
+    return fp16_tile(prop, head_dim, fits_64 ? 64 : 32);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers (host): every check (checks.cpp) before anything is launched.
+
 template <int D, int Bc>
-void launch_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
-                         const AttentionShape& s, cudaStream_t stream) {
-    constexpr int Br = 16 * kWarps;
-    const size_t bytes = size_t(Br + 4 * Bc) * (D + kPad) * sizeof(__half);
+static void launch_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O,
+                                float* L, const AttentionShape& s, const FlashTile& tile,
+                                cudaStream_t stream) {
     auto kernel = flash_forward_fp16_kernel<D, Bc>;
-    FLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          int(bytes)));
-    const int Tr = (s.q_len + Br - 1) / Br;
-    const int blocks = Tr * s.batch * s.heads;
-    kernel<<<blocks, 32 * kWarps, bytes, stream>>>(Q, K, V, O, L, s.q_len, s.kv_len, s.causal, Tr,
-                                                   1.4426950408889634f / sqrtf(float(D)));
+    const int Tr = (s.q_len + kBr - 1) / kBr;  // Q tiles per head
+    const int blocks = grid_blocks(s, s.q_len, kBr, "q_len");
+    allow_shared(kernel, tile.shared_bytes);
+    kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
+        Q, K, V, O, L, s.q_len, s.kv_len, s.causal, Tr, kLog2e / sqrtf(float(D)));
     FLASH_CUDA_CHECK(cudaGetLastError());
+}
+
+// Bc: keys per K/V tile given by the caller (32 or 64), or none for the device-derived choice.
+static void forward_fp16_checked(const __half* Q, const __half* K, const __half* V, __half* O,
+                                 float* L, const AttentionShape& s, std::optional<int> Bc,
+                                 cudaStream_t stream) {
+    validate_shape(s, kFlashFp16HeadDims, sizeof(__half));
+    if (Bc)
+        require(*Bc == 32 || *Bc == 64,
+                "Bc = " + std::to_string(*Bc) + " is invalid; allowed values: 32, 64");
+    validate_pointers("flash_forward_fp16",
+                      {input_arg("Q", Q, q_elems(s)), input_arg("K", K, kv_elems(s)),
+                       input_arg("V", V, kv_elems(s)), output_arg("O", O, q_elems(s)),
+                       output_arg("L", L, l_elems(s))});
+    const cudaDeviceProp prop = flash_device_props();
+    FlashTile tile = flash_choose_tile_fp16(prop, s.head_dim);
+    if (Bc) tile = fp16_tile(prop, s.head_dim, *Bc);
+    dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
+        constexpr int D = decltype(dim)::value;
+        if (tile.Bc == 64) launch_forward_fp16<D, 64>(Q, K, V, O, L, s, tile, stream);
+        else launch_forward_fp16<D, 32>(Q, K, V, O, L, s, tile, stream);
+    });
+}
+
+void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
+                        const AttentionShape& shape, cudaStream_t stream) {
+    forward_fp16_checked(Q, K, V, O, L, shape, std::nullopt, stream);
+}
+
+void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __half* O,
+                           float* L, const AttentionShape& shape, int Bc, cudaStream_t stream) {
+    forward_fp16_checked(Q, K, V, O, L, shape, Bc, stream);
 }
