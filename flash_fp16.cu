@@ -24,8 +24,12 @@ static constexpr int kWarps = 4;
 static constexpr int kBr = 16 * kWarps;
 // Shared-memory rows are D + kPad halves long. Unpadded, the 8 rows one ldmatrix reads start a
 // multiple of 128 bytes apart and hit the same banks (an 8-way conflict); 8 halves (16 bytes) of
-// padding shift each row by 4 banks, so the 8 rows cover all 32.
-static constexpr int kPad = 8;
+// padding shift each row by 4 banks, so the 8 rows cover all 32. To see what it buys:
+// make clean all DEFINES=-DFLASH_FP16_PAD=0 (NOTES.md chapter 2 has the measurement).
+#ifndef FLASH_FP16_PAD
+#define FLASH_FP16_PAD 8
+#endif
+static constexpr int kPad = FLASH_FP16_PAD;
 static constexpr float kLog2e = 1.4426950408889634f;
 static constexpr float kLn2 = 0.6931471805599453f;
 
