@@ -75,6 +75,14 @@ Arg output_arg(const char* name, T* ptr, size_t elems) {
 // bytes at a time), an output overlapping any other argument, host memory the GPU cannot read.
 // fn names the API call in the message. Call validate_shape first: it bounds the byte counts.
 void validate_pointers(const char* fn, std::initializer_list<Arg> args);
+// The forward's tensors, in both chapters: inputs Q, K, V and outputs O (element type T) and L.
+template <typename T>
+void validate_forward_pointers(const char* fn, const T* Q, const T* K, const T* V, T* O,
+                               float* L, const AttentionShape& s) {
+    validate_pointers(fn, {input_arg("Q", Q, q_elems(s)), input_arg("K", K, kv_elems(s)),
+                           input_arg("V", V, kv_elems(s)), output_arg("O", O, q_elems(s)),
+                           output_arg("L", L, l_elems(s))});
+}
 
 // ---------------------------------------------------------------------------------------------
 // Launch helpers.

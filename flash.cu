@@ -329,10 +329,7 @@ static void forward_checked(const float* Q, const float* K, const float* V, floa
     validate_shape(s);
     if (Bc)
         require(*Bc >= 1, "Bc = " + std::to_string(*Bc) + " is invalid; allowed values: 1 or more");
-    validate_pointers("flash_forward",
-                      {input_arg("Q", Q, q_elems(s)), input_arg("K", K, kv_elems(s)),
-                       input_arg("V", V, kv_elems(s)), output_arg("O", O, q_elems(s)),
-                       output_arg("L", L, l_elems(s))});
+    validate_forward_pointers("flash_forward", Q, K, V, O, L, s);
     const cudaDeviceProp prop = flash_device_props();
     FlashTile tile = flash_choose_tile(prop, s.head_dim);
     if (Bc) {  // the caller's Bc, within what fits in the shared memory of one block

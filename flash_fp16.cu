@@ -252,10 +252,7 @@ static void forward_fp16_checked(const __half* Q, const __half* K, const __half*
     if (Bc)
         require(*Bc == 32 || *Bc == 64,
                 "Bc = " + std::to_string(*Bc) + " is invalid; allowed values: 32, 64");
-    validate_pointers("flash_forward_fp16",
-                      {input_arg("Q", Q, q_elems(s)), input_arg("K", K, kv_elems(s)),
-                       input_arg("V", V, kv_elems(s)), output_arg("O", O, q_elems(s)),
-                       output_arg("L", L, l_elems(s))});
+    validate_forward_pointers("flash_forward_fp16", Q, K, V, O, L, s);
     const cudaDeviceProp prop = flash_device_props();
     FlashTile tile = flash_choose_tile_fp16(prop, s.head_dim);
     if (Bc) tile = fp16_tile(prop, s.head_dim, *Bc);
