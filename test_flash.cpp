@@ -7,6 +7,9 @@
 //                unequal lengths, causal on and off, batched heads, every head dim); [sanitize]
 //                is the small subset `make sanitize` runs under compute-sanitizer
 //   [masking]    rows that see no key: O = 0, L = -inf, zero gradients
+//   [fp16]       chapter 2's tensor-core forward, next to each fp32 twin: its tile chooser, the
+//                forward grid, the sanitizer subset and the rows that see no key (against the
+//                reference run in double on the exact fp16 inputs, within fp16_tolerances)
 //   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
 // Everything else (argument validation, determinism, the caller-chosen Bc, extreme inputs, tensors
 // past 65535 heads and 2^31 elements, the [.timing] test) is in test_hardening.cpp; the helpers
@@ -17,13 +20,15 @@
 // line says so) unless a test spec is given on the command line. The last line printed is always
 //   flash tests: N passed, M failed, K skipped
 // Examples: ./test_flash "[cpu]"     ./test_flash "[reference]"     ./test_flash "[gpu]~[big]"
-//           ./test_flash -s "[tile]"     ./test_flash --list-tests
+//           ./test_flash -s "[tile]"     ./test_flash --list-tests     ./test_flash "[fp16]"
+//           ./test_flash "[fp16]~[big]"  (chapter 2 only; "[fp16][cpu]" without a GPU)
 
 #include "test_util.h"
 
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -248,6 +253,47 @@ TEST_CASE("The tile chooser gives valid tiles on T4, A100, RTX 4090 and H100", "
         }
 }
 
+TEST_CASE("The fp16 tile chooser gives valid tiles on A100, RTX 4090 and H100, and refuses the T4",
+          "[cpu][tile][fp16]") {
+    for (const cudaDeviceProp& prop : known_gpus()) {
+        INFO(prop.name << " (sm_" << prop.major << prop.minor << ")");
+        if (prop.major < 8) {  // the T4: no mma.m16n8k16 nor cp.async
+            for (int d : kFlashFp16HeadDims) {
+                CAPTURE(d);
+                std::string msg;  // stays empty unless a std::runtime_error is thrown
+                try {
+                    flash_choose_tile_fp16(prop, d);
+                } catch (const std::runtime_error& e) {
+                    msg = e.what();
+                }
+                CHECK_THAT(msg, Catch::Matchers::Contains("compute capability 8.0"));
+            }
+            continue;
+        }
+        for (int d : kFlashFp16HeadDims) {
+            const FlashTile t = flash_choose_tile_fp16(prop, d);
+            check_tile_fp16(t, prop, d);
+            // The rule: Bc = 64 where four blocks of the Bc = 64 tile share an SM, else 32.
+            const size_t bytes_64 = size_t(64 + 4 * 64) * (d + 8) * sizeof(__half);
+            const bool four_fit =
+                4 * (bytes_64 + prop.reservedSharedMemPerBlock) <= prop.sharedMemPerMultiprocessor;
+            INFO("head_dim " << d << ": the Bc = 64 tile needs " << bytes_64 << " bytes (+"
+                             << prop.reservedSharedMemPerBlock << " reserved) a block; the SM has "
+                             << prop.sharedMemPerMultiprocessor);
+            CHECK(t.Bc == (four_fit ? 64 : 32));
+        }
+    }
+    // The H100 figures, by hand: 4 blocks of (64 + 4*64)(d + 8) * 2 bytes (+1 KiB reserved each)
+    // fit in its 228 KiB up to d = 64 (4 * 46 KiB), not from d = 96 (4 * 66 KiB).
+    const cudaDeviceProp h100 = known_gpus().back();
+    REQUIRE(std::string(h100.name).find("H100") != std::string::npos);
+    REQUIRE(h100.major == 9);
+    for (int d : kFlashFp16HeadDims) {
+        CAPTURE(d);
+        CHECK(flash_choose_tile_fp16(h100, d).Bc == (d <= 64 ? 64 : 32));
+    }
+}
+
 // =============================================================================================
 // GPU: the kernels against the reference
 
@@ -258,6 +304,14 @@ TEST_CASE("The forward matches the reference over a grid of shapes", "[gpu][forw
     GpuAttention<float> gpu(p);
     gpu.forward();
     check_forward(gpu.outputs(false), reference_forward(p), tolerances(p, Rounding::random), s);
+}
+
+TEST_CASE("The fp16 forward matches the reference over a grid of shapes", "[gpu][forward][fp16]") {
+    // The same grid as the fp32 forward's (odd lengths, q_len != kv_len both ways, causal and
+    // not, batched heads), over the fp16 head dims; the reference runs in double on the
+    // fp16-rounded inputs.
+    const AttentionShape s = GENERATE(from_range(forward_grid(kFp16HeadDims)));
+    check_fp16_forward(s, 1100);
 }
 
 TEST_CASE("The backward matches the reference over a grid of shapes", "[gpu][backward]") {
@@ -277,6 +331,18 @@ TEST_CASE("Small shapes for the sanitizer: forward and backward match the refere
     const int d = GENERATE(from_range(kHeadDims));
     const AttentionShape s{bh == 1 ? 1 : 2, bh == 1 ? 1 : 3, qk.first, qk.second, d, causal};
     check_forward_and_backward(s, 300);
+}
+
+// The fp16 forward's share of the sanitizer's subset: the same small shapes, forward only.
+TEST_CASE("Small shapes for the sanitizer: the fp16 forward matches the reference",
+          "[gpu][sanitize][forward][fp16]") {
+    const auto qk = GENERATE(std::make_pair(1, 1), std::make_pair(17, 33), std::make_pair(33, 17),
+                             std::make_pair(100, 100));
+    const bool causal = GENERATE(false, true);
+    const int bh = GENERATE(1, 6);
+    const int d = GENERATE(from_range(kFp16HeadDims));
+    const AttentionShape s{bh == 1 ? 1 : 2, bh == 1 ? 1 : 3, qk.first, qk.second, d, causal};
+    check_fp16_forward(s, 1300);
 }
 
 TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU",
@@ -300,6 +366,23 @@ TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GP
     const Tolerances tol = tolerances(p, Rounding::random);
     check_forward(got, want, tol, s);
     check_backward(got, want, tol, s);
+}
+
+TEST_CASE("Rows that see no key get O = 0 and L = -inf from the fp16 forward",
+          "[gpu][masking][forward][hardening][fp16]") {
+    const auto qk = GENERATE(std::make_pair(5, 1), std::make_pair(100, 17), std::make_pair(257, 256),
+                             std::make_pair(1000, 1), std::make_pair(300, 64));
+    const int d = GENERATE(from_range(kFp16HeadDims));
+    const AttentionShape s{2, 3, qk.first, qk.second, d, true};
+    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
+    const auto p = random_problem_fp16(s, 1400);
+    GpuAttention<__half> gpu(p);
+    gpu.forward();
+    const auto got = gpu.outputs(false);
+    check_masked_rows("O", got.O, s, d, 0.0f);
+    check_masked_rows("L", got.L, s, 1, -std::numeric_limits<float>::infinity());
+    // And everything, masked rows included, against the reference.
+    check_against_reference_fp16(got, p);
 }
 
 // =============================================================================================

@@ -8,10 +8,14 @@
 //                  not fit in shared memory
 //   [hardening]    extreme inputs: huge, tiny, equal and one-hot scores
 //   [big]          more than 65535 batch*heads, and tensors of more than 2^31 elements (8.6 GB
-//                  each: skipped, with a warning, where the GPU has too little memory)
+//                  each, 4.3 GB in fp16: skipped, with a warning, where the GPU has too little
+//                  memory)
+//   [fp16]         chapter 2's forward (flash_forward_fp16, _bc): each test above that applies
+//                  to a forward has an fp16 twin next to it, tagged [fp16] too
 //   [.timing]      hidden: how long the CPU reference takes over the GPU grids
 // They are built into the same binary, test_flash. Examples: ./test_flash "[validation]"
 //   ./test_flash "[gpu]~[big]"     ./test_flash "[big]"     ./test_flash "[.timing]"
+//   ./test_flash "[fp16]"          ./test_flash "[fp16][cpu]"  (without a GPU)
 
 #include "test_util.h"
 
@@ -26,6 +30,24 @@
 
 using Catch::Matchers::Contains;
 
+// "16, 32, 64, 96, 128, 256": kFlashFp16HeadDims as the refusals list them.
+static std::string fp16_head_dims_string() {
+    std::string list;
+    for (int d : kFlashFp16HeadDims) list += (list.empty() ? "" : ", ") + std::to_string(d);
+    return list;
+}
+
+// A CUDA stream for the length of a scope.
+struct ScopedStream {
+    cudaStream_t stream = nullptr;
+    explicit ScopedStream(unsigned flags) {
+        FLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, flags));
+    }
+    ~ScopedStream() { cudaStreamDestroy(stream); }
+    ScopedStream(const ScopedStream&) = delete;
+    ScopedStream& operator=(const ScopedStream&) = delete;
+};
+
 // =============================================================================================
 // CPU: head dims the tile chooser and the kernels refuse
 
@@ -35,6 +57,17 @@ TEST_CASE("The tile chooser refuses head dims without a kernel", "[cpu][tile][va
     CAPTURE(d);
     CHECK_THROWS_AS(flash_choose_tile(prop, d), std::invalid_argument);
     CHECK_THROWS_AS(flash_choose_tile_backward(prop, d), std::invalid_argument);
+}
+
+TEST_CASE("The fp16 tile chooser refuses head dims without a kernel, listing the supported ones",
+          "[cpu][tile][validation][fp16]") {
+    const int d = GENERATE(0, -64, 8, 48, 100, 512);
+    CAPTURE(d);
+    for (const cudaDeviceProp& prop : known_gpus()) {  // the T4 too: the head dim is checked first
+        INFO(prop.name);
+        const std::string msg = refusal([&] { flash_choose_tile_fp16(prop, d); });
+        CHECK_THAT(msg, NamesWord("head_dim") && Contains(fp16_head_dims_string()));
+    }
 }
 
 TEST_CASE("The supported head dims are 16, 32, 64, 96, 128 and 256", "[cpu][validation]") {
@@ -72,6 +105,27 @@ TEST_CASE("Shape fields that are zero or negative are refused, naming the field"
     CHECK(t.outputs_untouched());
 }
 
+TEST_CASE("The fp16 forward refuses shape fields that are zero or negative, naming the field",
+          "[cpu][validation][fp16]") {
+    const int field = GENERATE(range(0, 5));
+    const int value = GENERATE(0, -1, INT_MIN);
+    const char* names[] = {"batch", "heads", "q_len", "kv_len", "head_dim"};
+    AttentionShape s = valid_shape();
+    int* fields[] = {&s.batch, &s.heads, &s.q_len, &s.kv_len, &s.head_dim};
+    *fields[field] = value;
+    INFO(names[field] << " = " << value);
+    FakeTensors t;
+    const NamesWord names_field(names[field]);
+    CHECK_THAT(refusal([&] { flash_forward_fp16(t.Q16, t.K16, t.V16, t.O16, t.L, s); }),
+               names_field);
+    for (int Bc : {32, 64}) {  // the shape is checked first, whatever Bc
+        CAPTURE(Bc);
+        CHECK_THAT(refusal([&] { flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, s, Bc); }),
+                   names_field);
+    }
+    CHECK(t.outputs_untouched());
+}
+
 TEST_CASE("Shapes whose tensors overflow size_t are refused", "[cpu][validation]") {
     struct Case {
         const char* what;
@@ -100,6 +154,30 @@ TEST_CASE("Shapes whose tensors overflow size_t are refused", "[cpu][validation]
     CHECK(t.outputs_untouched());
 }
 
+TEST_CASE("The fp16 forward refuses shapes whose tensors overflow size_t", "[cpu][validation][fp16]") {
+    struct Case {
+        const char* what;
+        AttentionShape s;
+        const char* field;  // the length the overflowing tensor runs along
+    };
+    // The fp32 cases, less the one that overflows only in fp32's bytes: 2^62 fp16 elements are
+    // 2^63 bytes, which fit; 2^63 of them (2^64 bytes) do not.
+    const Case c = GENERATE(
+        Case{"Q: every field huge", {INT_MAX, INT_MAX, INT_MAX, 1, 64, false}, "q_len"},
+        Case{"K, V only", {1 << 20, 1 << 20, 1, 1 << 30, 64, false}, "kv_len"},
+        Case{"Q: only the last product", {INT_MAX, INT_MAX, 4, 1, 16, false}, "q_len"},
+        Case{"Q, K, V: wraps to 0", {1 << 30, 1 << 30, 1, 1, 16, true}, "q_len"},
+        Case{"Q, K, V: the fp16 byte count only", {1 << 30, 1 << 29, 1, 1, 16, false}, "q_len"});
+    INFO(c.what << ": " << describe(c.s));
+    FakeTensors t;
+    const std::string msg = refusal([&] { flash_forward_fp16(t.Q16, t.K16, t.V16, t.O16, t.L, c.s); });
+    INFO("message: " << msg);
+    CHECK_THAT(msg, NamesWord(c.field));
+    CHECK_THAT(refusal([&] { flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, c.s, 64); }),
+               NamesWord(c.field));
+    CHECK(t.outputs_untouched());
+}
+
 TEST_CASE("Null pointers given to the forward are refused, naming the argument",
           "[cpu][validation]") {
     const AttentionShape s = valid_shape();
@@ -113,6 +191,24 @@ TEST_CASE("Null pointers given to the forward are refused, naming the argument",
     CHECK_THAT(refusal([&] { flash_forward(in[0], in[1], in[2], out[0], out[1], s); }),
                NamesWord(names[which]));
     CHECK_THAT(refusal([&] { flash_forward_bc(in[0], in[1], in[2], out[0], out[1], s, 16); }),
+               NamesWord(names[which]));
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("Null pointers given to the fp16 forward are refused, naming the argument",
+          "[cpu][validation][fp16]") {
+    const AttentionShape s = valid_shape();
+    const int which = GENERATE(range(0, 5));
+    FakeTensors t;
+    const __half* in[] = {t.Q16, t.K16, t.V16};
+    __half* O = t.O16;
+    float* L = t.L;
+    const char* names[] = {"Q", "K", "V", "O", "L"};
+    if (which < 3) in[which] = nullptr; else if (which == 3) O = nullptr; else L = nullptr;
+    INFO(names[which] << " = nullptr");
+    CHECK_THAT(refusal([&] { flash_forward_fp16(in[0], in[1], in[2], O, L, s); }),
+               NamesWord(names[which]));
+    CHECK_THAT(refusal([&] { flash_forward_fp16_bc(in[0], in[1], in[2], O, L, s, 32); }),
                NamesWord(names[which]));
     CHECK(t.outputs_untouched());
 }
@@ -161,6 +257,46 @@ TEST_CASE("Outputs overlapping another tensor, and misaligned tensors, are refus
     CHECK(all_nan(dK));
 }
 
+TEST_CASE("The fp16 forward refuses outputs overlapping another tensor, and misaligned tensors",
+          "[cpu][validation][fp16]") {
+    const AttentionShape s = valid_shape();
+    const size_t nq = q_elems(s), nkv = kv_elems(s), nl = l_elems(s);
+    // Separate heap arrays (16-byte aligned, as malloc's are), 8 halves (one float for L) longer
+    // than needed, so that a shifted pointer stays inside.
+    std::vector<__half> Q(nq + 8, __float2half(0.5f)), K(nkv + 8, __float2half(0.25f)),
+        V(nkv, __float2half(0.75f)), O(nq, quiet_nan<__half>());
+    std::vector<float> L(nl + 1, std::numeric_limits<float>::quiet_NaN());
+    // A float L laid over the start of an fp16 tensor, 16-byte aligned: the overlap is of bytes.
+    auto as_L = [](__half* p) { return reinterpret_cast<float*>(p); };
+    SECTION("O is Q") {
+        CHECK_THAT(refusal([&] { flash_forward_fp16(Q.data(), K.data(), V.data(), Q.data(), L.data(), s); }),
+                   NamesWord("O") && NamesWord("Q") && Contains("overlaps"));
+    }
+    SECTION("L lies inside V") {
+        CHECK_THAT(refusal([&] { flash_forward_fp16(Q.data(), K.data(), V.data(), O.data(), as_L(V.data() + 8), s); }),
+                   NamesWord("L") && NamesWord("V") && Contains("overlaps"));
+    }
+    SECTION("O lies inside K, with Bc given") {
+        CHECK_THAT(refusal([&] { flash_forward_fp16_bc(Q.data(), K.data(), V.data(), K.data() + 8, L.data(), s, 64); }),
+                   NamesWord("O") && NamesWord("K") && Contains("overlaps"));
+    }
+    SECTION("Q is not 16-byte aligned (2 bytes off)") {
+        CHECK_THAT(refusal([&] { flash_forward_fp16(Q.data() + 1, K.data(), V.data(), O.data(), L.data(), s); }),
+                   NamesWord("Q") && Contains("16-byte aligned"));
+    }
+    SECTION("K is not 16-byte aligned (8 bytes off)") {
+        CHECK_THAT(refusal([&] { flash_forward_fp16(Q.data(), K.data() + 4, V.data(), O.data(), L.data(), s); }),
+                   NamesWord("K") && Contains("16-byte aligned"));
+    }
+    SECTION("L is not 16-byte aligned (4 bytes off)") {
+        CHECK_THAT(refusal([&] { flash_forward_fp16_bc(Q.data(), K.data(), V.data(), O.data(), L.data() + 1, s, 32); }),
+                   NamesWord("L") && Contains("16-byte aligned"));
+    }
+    CHECK(std::all_of(O.begin(), O.end(), [](__half x) { return std::isnan(to_float(x)); }));
+    CHECK(std::all_of(L.begin(), L.end(), [](float x) { return std::isnan(x); }));
+    CHECK(std::all_of(K.begin(), K.end(), [](__half x) { return to_float(x) == 0.25f; }));
+}
+
 TEST_CASE("Null pointers given to the backward are refused, naming the argument",
           "[cpu][validation]") {
     const AttentionShape s = valid_shape();
@@ -195,12 +331,41 @@ TEST_CASE("Unsupported head dims are refused, listing the supported ones", "[cpu
     CHECK(t.outputs_untouched());
 }
 
+TEST_CASE("The fp16 forward refuses unsupported head dims, listing the supported ones",
+          "[cpu][validation][fp16]") {
+    const int d = GENERATE(48, 0, 512, 8, 24, 257);
+    AttentionShape s = valid_shape();
+    s.head_dim = d;
+    INFO(describe(s));
+    FakeTensors t;
+    for (const std::string& msg :
+         {refusal([&] { flash_forward_fp16(t.Q16, t.K16, t.V16, t.O16, t.L, s); }),
+          refusal([&] { flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, s, 32); }),
+          refusal([&] { flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, s, 64); })}) {
+        CHECK_THAT(msg, NamesWord("head_dim"));
+        CHECK_THAT(msg, Contains(fp16_head_dims_string()));
+    }
+    CHECK(t.outputs_untouched());
+}
+
 TEST_CASE("flash_forward_bc refuses Bc below 1, naming it", "[cpu][validation]") {
     const int Bc = GENERATE(0, -1, INT_MIN);
     CAPTURE(Bc);
     FakeTensors t;
     CHECK_THAT(refusal([&] { flash_forward_bc(t.Q, t.K, t.V, t.O, t.L, valid_shape(), Bc); }),
                NamesWord("Bc"));
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("flash_forward_fp16_bc refuses Bc other than 32 and 64, naming it and the allowed values",
+          "[cpu][validation][fp16]") {
+    const int Bc = GENERATE(0, -1, -32, INT_MIN, 1, 16, 31, 33, 48, 63, 65, 96, 128, INT_MAX);
+    CAPTURE(Bc);
+    FakeTensors t;
+    CHECK_THAT(refusal([&] {
+                   flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, valid_shape(), Bc);
+               }),
+               NamesWord("Bc") && NamesWord("32") && NamesWord("64"));
     CHECK(t.outputs_untouched());
 }
 
@@ -241,6 +406,31 @@ TEST_CASE("The forward gives bitwise identical O and L on every call, on any str
     const auto third = gpu.outputs(false);
     check_bitwise("O (on a stream of its own)", first.O, third.O, s, q_layout(s));
     check_bitwise("L (on a stream of its own)", first.L, third.L, s, l_layout(s));
+}
+
+TEST_CASE("The fp16 forward gives bitwise identical O and L on every call, on any stream",
+          "[gpu][forward][determinism][fp16]") {
+    const AttentionShape s = GENERATE(from_range(determinism_shapes(1000)));
+    INFO(describe(s));
+    const auto p = random_problem_fp16(s, 1500);
+    GpuAttention<__half> gpu(p);
+    gpu.forward();
+    const auto first = gpu.outputs(false);
+    REQUIRE(count_bad(first.O) == 0);  // every O written (L may be -inf in masked rows)
+    gpu.forward();
+    const auto second = gpu.outputs(false);
+    check_bitwise("O", first.O, second.O, s, q_layout(s));
+    check_bitwise("L", first.L, second.L, s, l_layout(s));
+    for (unsigned flags : {unsigned(cudaStreamDefault), unsigned(cudaStreamNonBlocking)}) {
+        const char* which = flags == cudaStreamDefault ? "a stream of its own"
+                                                       : "a non-blocking stream of its own";
+        INFO("on " << which);
+        ScopedStream stream(flags);
+        gpu.forward(0, stream.stream);
+        const auto again = gpu.outputs(false);
+        check_bitwise("O", first.O, again.O, s, q_layout(s));
+        check_bitwise("L", first.L, again.L, s, l_layout(s));
+    }
 }
 
 TEST_CASE("The backward gives bitwise identical dQ, dK and dV on every call",
@@ -284,6 +474,37 @@ TEST_CASE("flash_forward_bc matches the reference for tiles that do not divide t
     }
     gpu.forward(Bc);
     check_forward(gpu.outputs(false), reference_forward(p), tolerances(p, Rounding::random), s);
+}
+
+TEST_CASE("flash_forward_fp16_bc with Bc = 32 and 64 matches the reference for lengths the tile "
+          "does not divide", "[gpu][forward][tile][fp16]") {
+    const int Bc = GENERATE(32, 64);
+    const AttentionShape base = GENERATE(AttentionShape{1, 2, 100, 257, 0, true},
+                                         AttentionShape{2, 1, 257, 100, 0, false},
+                                         AttentionShape{1, 1, 33, 33, 0, true},
+                                         AttentionShape{1, 3, 1, 95, 0, true});
+    const int d = GENERATE(from_range(kFp16HeadDims));
+    AttentionShape s = base;
+    s.head_dim = d;
+    INFO(describe(s) << ", Bc = " << Bc);
+    const cudaDeviceProp prop = current_device_props();
+    const size_t bytes = size_t(64 + 4 * Bc) * (d + 8) * sizeof(__half);  // Q_i, 2 K_j, 2 V_j
+    if (bytes > prop.sharedMemPerBlockOptin) {
+        // Not on an H100 (232448 bytes); on an A100 or an RTX 4090, Bc = 64 at d = 256: refused
+        // with std::runtime_error, and O and L untouched.
+        INFO("the tile needs " << bytes << " bytes of shared memory; the device has "
+                               << prop.sharedMemPerBlockOptin);
+        GpuAttention<__half> gpu(random_problem_fp16(s, 1600));
+        gpu.O.poison();
+        gpu.L.poison();
+        CHECK_THROWS_AS(flash_forward_fp16_bc(gpu.Q.ptr, gpu.K.ptr, gpu.V.ptr, gpu.O.ptr,
+                                              gpu.L.ptr, s, Bc),
+                        std::runtime_error);
+        CHECK(count_bad(gpu.O.download_float()) == q_elems(s));  // all still NaN
+        CHECK(count_bad(gpu.L.download()) == l_elems(s));
+        return;
+    }
+    check_fp16_forward(s, 1600, Bc);
 }
 
 TEST_CASE("flash_forward_bc refuses a Bc that does not fit in shared memory, naming it",
@@ -339,6 +560,27 @@ TEST_CASE("100 calls of the forward and the backward give bitwise identical resu
     const Tolerances tol = tolerances(p, Rounding::random);
     check_forward(first, want, tol, s);
     check_backward(first, want, tol, s);
+}
+
+TEST_CASE("100 calls of the fp16 forward give bitwise identical results",
+          "[gpu][hardening][determinism][fp16]") {
+    const int d = GENERATE(from_range(kFp16HeadDims));
+    const AttentionShape s{1, 2, 100, 77, d, true};
+    INFO(describe(s));
+    const auto p = random_problem_fp16(s, 1700);
+    GpuAttention<__half> gpu(p);
+    gpu.forward();
+    const auto first = gpu.outputs(false);
+    for (int call = 2; call <= 100; ++call) {
+        gpu.forward();
+        const auto again = gpu.outputs(false);
+        if (bitwise_equal(again.O, first.O) && bitwise_equal(again.L, first.L)) continue;
+        INFO("call " << call << " of 100 differs from call 1");
+        check_bitwise("O", first.O, again.O, s, q_layout(s));
+        check_bitwise("L", first.L, again.L, s, l_layout(s));
+        FAIL("results changed between identical calls");
+    }
+    check_against_reference_fp16(first, p);
 }
 
 TEST_CASE("Extreme inputs give finite outputs within tolerance of the reference",
@@ -399,6 +641,71 @@ TEST_CASE("Extreme inputs give finite outputs within tolerance of the reference"
     check_backward(got, want, tol, s);
 }
 
+TEST_CASE("Extreme inputs give the fp16 forward finite outputs within tolerance of the reference",
+          "[gpu][hardening][fp16]") {
+    // The fp32 test's cases, each within fp16's range (largest finite 65504; these inputs stay
+    // below 5e4 after rounding), plus one of fp16's own: V near that range. The inputs are built
+    // in float, then rounded to fp16; the reference runs on the rounded values. fp16_tolerances
+    // assume aligned score errors (d u M), so where M is large they are loose: with Q and K
+    // scaled by 30, and with keys of +-1e4, the check on O is little more than "written and
+    // finite", and L (in the thousands, checked to about 3e-3 relative or better) carries it.
+    enum Kind { large, tiny, equal_scores, one_huge, big_keys, big_values };
+    const Kind kind = GENERATE(large, tiny, equal_scores, one_huge, big_keys, big_values);
+    const char* names[] = {"Q and K scaled by 30: scores in the hundreds and thousands",
+                           "Q and K scaled by 1e-3 (some fp16 subnormal): scores ~1e-6, attention "
+                           "almost uniform",
+                           "every key equal: all of a row's scores equal",
+                           "one huge score: Q row 5 and K row 7 of norm 100 (score 1e4/sqrt(d))",
+                           "keys of +-1e4: scores ~1e4, attention one-hot",
+                           "V scaled by 1e4: O up to ~4e4, near fp16's largest finite value"};
+    const bool causal = GENERATE(false, true);
+    const int d = GENERATE(from_range(kFp16HeadDims));
+    const AttentionShape s{1, 2, 77, 80, d, causal};
+    INFO(names[kind] << "; " << describe(s));
+    auto f = random_problem(s, 1800 + kind);
+    switch (kind) {
+        case large:
+            for (auto* t : {&f.Q, &f.K}) for (auto& x : *t) x *= 30.0f;
+            break;
+        case tiny:
+            for (auto* t : {&f.Q, &f.K}) for (auto& x : *t) x *= 1e-3f;
+            break;
+        case equal_scores:
+            for (size_t bh = 0; bh < 2; ++bh)
+                for (size_t j = 1; j < 80; ++j)
+                    for (int x = 0; x < d; ++x) f.K[(bh * 80 + j) * d + x] = f.K[bh * 80 * d + x];
+            break;
+        case one_huge:
+            for (int x = 0; x < d; ++x) {
+                f.Q[5 * d + x] = 100.0f / std::sqrt(float(d));
+                f.K[7 * d + x] = 100.0f / std::sqrt(float(d));
+            }
+            break;
+        case big_keys:
+            for (auto& x : f.K) x = x < 0 ? -1e4f : 1e4f;
+            break;
+        case big_values:
+            for (auto& x : f.V) x *= 1e4f;
+            break;
+    }
+    const Problem<__half> p = converted<__half>(f);
+    for (const auto* t : {&p.Q, &p.K, &p.V}) {  // nothing rounded to infinity
+        const std::vector<float> values = converted<float>(*t);
+        INFO(count_bad(values) << " inputs are not finite in fp16; the largest is "
+                               << max_abs(values));
+        REQUIRE(count_bad(values) == 0);
+    }
+    GpuAttention<__half> gpu(p);
+    gpu.forward();
+    const auto got = gpu.outputs(false);
+    for (const auto& out : {std::make_pair("O", &got.O), std::make_pair("L", &got.L)}) {
+        // no row is masked here: L is finite too
+        INFO(out.first << " has " << count_bad(*out.second) << " NaN or infinite elements");
+        CHECK(count_bad(*out.second) == 0);
+    }
+    check_against_reference_fp16(got, p);
+}
+
 // =============================================================================================
 // GPU: big tensors
 
@@ -450,6 +757,59 @@ TEST_CASE("Tensors of more than 2^31 elements: the heads past 2^31 are right", "
         gpu.forward();
         for (size_t bh : {size_t(0), size_t(131071), size_t(131072), size_t(131103)})
             check_big_head(gpu, bh, patterns, false);
+    }
+}
+
+TEST_CASE("More than 65535 batch*heads: the fp16 forward's heads past 65535 are right",
+          "[gpu][big][fp16]") {
+    // As the fp32 test, with two Q tiles a head (q_len 65 > Br = 64), a partial K tile, and,
+    // when causal, rows that see no key (0..31).
+    const bool causal = GENERATE(false, true);
+    const AttentionShape s{70000, 1, 65, 33, 16, causal};
+    INFO(describe(s));
+    std::vector<std::vector<__half>> patterns;
+    for (uint32_t t = 0; t < 3; ++t) patterns.push_back(converted<__half>(random_pattern(3000 + t)));
+    GpuAttention<__half> gpu(s);
+    gpu.Q.fill_repeating(patterns[0]);
+    gpu.K.fill_repeating(patterns[1]);
+    gpu.V.fill_repeating(patterns[2]);
+    gpu.forward();
+    for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
+                      size_t(69999)})
+        check_big_head(gpu, bh, patterns);
+}
+
+TEST_CASE("Tensors of more than 2^31 elements: the fp16 forward's heads past 2^31 are right",
+          "[gpu][big][fp16]") {
+    // The fp32 test's shape: Q, K, V, O of 2^31 + 2^19 fp16 elements each (4.3 GB; 17 GB in all).
+    // Head 65536 starts at element 2^30, byte 2^31 (where a 32-bit byte offset wraps); heads
+    // 131072.. lie wholly past element 2^31 (where a 32-bit element index wraps).
+    AttentionShape s{4097, 32, 128, 128, 128, false};
+    const size_t need = (2 * q_elems(s) + 2 * kv_elems(s)) * sizeof(__half) +
+                        l_elems(s) * sizeof(float);
+    REQUIRE(q_elems(s) > (size_t(1) << 31));
+    size_t free_bytes = 0, total_bytes = 0;
+    FLASH_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    const double GiB = double(1 << 30);
+    if (free_bytes < need + (size_t(1) << 30)) {
+        WARN("skipped: needs " << need / GiB << " GiB of GPU memory (+1 GiB spare), but "
+                               "cudaMemGetInfo reports " << free_bytes / GiB << " GiB free of "
+                               << total_bytes / GiB);
+        return;
+    }
+    std::vector<std::vector<__half>> patterns;
+    for (uint32_t t = 0; t < 3; ++t) patterns.push_back(converted<__half>(random_pattern(4000 + t)));
+    GpuAttention<__half> gpu(s);
+    gpu.Q.fill_repeating(patterns[0]);
+    gpu.K.fill_repeating(patterns[1]);
+    gpu.V.fill_repeating(patterns[2]);
+    for (bool causal : {false, true}) {
+        gpu.s.causal = s.causal = causal;
+        INFO(describe(s));
+        gpu.forward();
+        for (size_t bh : {size_t(0), size_t(65535), size_t(65536), size_t(131071), size_t(131072),
+                          size_t(131103)})
+            check_big_head(gpu, bh, patterns);
     }
 }
 

@@ -90,6 +90,16 @@ Tolerances tolerances(const Problem<float>& p, Rounding rounding) {
     return t;
 }
 
+Tolerances fp16_tolerances(const Problem<__half>& p) {
+    const Problem<double> x = converted<double>(p);  // the fp16 values, exactly
+    const double u = kUnitRoundoff, u16 = kHalfUnitRoundoff, d = p.s.head_dim, N = p.s.kv_len;
+    Tolerances t{};
+    t.M = max_row_norm(x.Q, p.s.head_dim) * max_row_norm(x.K, p.s.head_dim) / std::sqrt(d);
+    t.L = kSafety * u * (d * t.M + std::sqrt(N) + 8);
+    t.O = max_abs(x.V) * (3 * u16 + N * kHalfSubnormalError + t.L);
+    return t;
+}
+
 // =============================================================================================
 // Comparing tensors
 
@@ -112,6 +122,13 @@ std::string where(const Layout& l, size_t e) {
     if (l.row_len > 1) os << ", x=" << x;
     os << ")";
     return os.str();
+}
+
+void check_against_reference_fp16(const Outputs<float>& got, const Problem<__half>& p) {
+    const Tolerances tol = fp16_tolerances(p);
+    INFO("fp16 forward, score bound M = " << tol.M << ": tolerance on O " << tol.O << ", on L "
+                                          << tol.L);
+    check_forward(got, reference_forward(converted<double>(p)), tol, p.s);
 }
 
 void check_masked_rows(const char* name, const std::vector<float>& got, const AttentionShape& s,
@@ -166,6 +183,14 @@ void launch_forward(const float* Q, const float* K, const float* V, float* O, fl
         flash_forward(Q, K, V, O, L, s, stream);
 }
 
+void launch_forward(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
+                    const AttentionShape& s, int Bc, cudaStream_t stream) {
+    if (Bc > 0)
+        flash_forward_fp16_bc(Q, K, V, O, L, s, Bc, stream);
+    else
+        flash_forward_fp16(Q, K, V, O, L, s, stream);
+}
+
 void launch_backward(const float* Q, const float* K, const float* V, const float* O,
                      const float* dO, const float* L, float* dQ, float* dK, float* dV,
                      const AttentionShape& s, cudaStream_t stream) {
@@ -183,6 +208,14 @@ void check_forward_and_backward(const AttentionShape& s, uint32_t salt) {
     const Tolerances tol = tolerances(p, Rounding::random);
     check_forward(got, want, tol, s);
     check_backward(got, want, tol, s);
+}
+
+void check_fp16_forward(const AttentionShape& s, uint32_t salt, int Bc) {
+    INFO(describe(s) << (Bc > 0 ? ", Bc = " + std::to_string(Bc) : std::string()));
+    const auto p = random_problem_fp16(s, salt);
+    GpuAttention<__half> gpu(p);
+    gpu.forward(Bc);
+    check_against_reference_fp16(gpu.outputs(false), p);
 }
 
 cudaDeviceProp current_device_props() {
@@ -215,13 +248,18 @@ FakeTensors::FakeTensors() {
         std::fill(outs[t], outs[t] + kN, std::numeric_limits<float>::quiet_NaN());
         std::memcpy(snapshot[t], outs[t], sizeof(snapshot[t]));
     }
+    __half* inputs16[] = {Q16, K16, V16};
+    for (size_t t = 0; t < 3; ++t)
+        for (size_t e = 0; e < kN; ++e) inputs16[t][e] = __float2half(float(t * 100 + e) + 0.5f);
+    std::fill(O16, O16 + kN, quiet_nan<__half>());
+    std::memcpy(snapshot16, O16, sizeof(snapshot16));
 }
 
 bool FakeTensors::outputs_untouched() const {
     const float* outs[] = {O, L, dQ, dK, dV};
     for (size_t t = 0; t < 5; ++t)
         if (std::memcmp(snapshot[t], outs[t], sizeof(snapshot[t])) != 0) return false;
-    return true;
+    return std::memcmp(snapshot16, O16, sizeof(snapshot16)) == 0;
 }
 
 // =============================================================================================
@@ -276,18 +314,26 @@ void check_tile(const char* which, const FlashTile& t, const cudaDeviceProp& pro
     CHECK(t.shared_bytes + prop.reservedSharedMemPerBlock <= prop.sharedMemPerMultiprocessor);
 }
 
+void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d) {
+    INFO("fp16 tile on " << prop.name << " (sm_" << prop.major << prop.minor << "), head_dim "
+                         << d << ": Br=" << t.Br << " Bc=" << t.Bc << " threads=" << t.threads
+                         << " threads_per_row=" << t.threads_per_row
+                         << " shared_bytes=" << t.shared_bytes);
+    CHECK(t.Br == 64);               // four warps of 16 rows (the mma's M)
+    CHECK(t.threads == 128);         // four warps
+    CHECK(t.threads_per_row == 4);   // an mma fragment spreads a row over 4 threads
+    CHECK((t.Bc == 32 || t.Bc == 64));
+    CHECK(t.shared_bytes == size_t(t.Br + 4 * t.Bc) * (d + 8) * sizeof(__half));
+    CHECK(t.shared_bytes <= prop.sharedMemPerBlockOptin);
+    CHECK(t.shared_bytes + prop.reservedSharedMemPerBlock <= prop.sharedMemPerMultiprocessor);
+}
+
 // =============================================================================================
 // Big tensors
 
 std::vector<float> random_pattern(uint32_t seed) {
     std::mt19937 rng(seed);
     return normal_values<float>(kPatternLength, rng);
-}
-
-std::vector<float> pattern_slice(const std::vector<float>& pattern, size_t first, size_t n) {
-    std::vector<float> out(n);
-    for (size_t e = 0; e < n; ++e) out[e] = pattern[(first + e) % pattern.size()];
-    return out;
 }
 
 void check_big_head(const GpuAttention<float>& gpu, size_t bh,
@@ -317,6 +363,25 @@ void check_big_head(const GpuAttention<float>& gpu, size_t bh,
     check_close("dK", got.dK, want.dK, tol.grad_rel * max_abs(want.dK) + tol.dK_floor, s,
                 kv_layout(s, bh));
     check_close("dV", got.dV, want.dV, tol.grad_rel * max_abs(want.dV), s, kv_layout(s, bh));
+}
+
+void check_big_head(const GpuAttention<__half>& gpu, size_t bh,
+                    const std::vector<std::vector<__half>>& patterns) {
+    const AttentionShape& s = gpu.s;
+    const size_t d = s.head_dim, q_head = size_t(s.q_len) * d, kv_head = size_t(s.kv_len) * d;
+    Problem<__half> one{{1, 1, s.q_len, s.kv_len, s.head_dim, s.causal}, {}, {}, {}, {}};
+    one.Q = pattern_slice(patterns[0], bh * q_head, q_head);
+    one.K = pattern_slice(patterns[1], bh * kv_head, kv_head);
+    one.V = pattern_slice(patterns[2], bh * kv_head, kv_head);
+    const Outputs<double> want = reference_forward(converted<double>(one));
+    Outputs<float> got;
+    got.O = gpu.O.download_float(bh * q_head, q_head);
+    got.L = gpu.L.download(bh * s.q_len, s.q_len);
+    const Tolerances tol = fp16_tolerances(one);
+    INFO("fp16 forward, head " << bh << " of " << size_t(s.batch) * s.heads << " (elements from "
+                               << bh * q_head << ")");
+    check_close("O", got.O, want.O, tol.O, s, q_layout(s, bh));
+    check_close("L", got.L, want.L, tol.L, s, l_layout(s, bh));
 }
 
 // =============================================================================================

@@ -1,15 +1,19 @@
 // test_util.h: what the test files share (Catch2 v2). Nothing here is a test: the tests are in
 // test_flash.cpp (the classroom core) and test_hardening.cpp; main() is in test_util.cpp.
 //
-//   Element types      float (chapter 1's tensors) and double (the reference); fp16's __half has
-//                      its two lines here too, for a chapter 2 that tests an fp16 kernel
-//   Shapes, inputs     describe(), masked_rows(), seeds, random problems, the reference's outputs
-//   Shape lists        the head dims, the forward and backward grids, the determinism shapes
-//   Tolerances         fp32's error bounds, with their derivation
-//   Comparing          check_close (the one comparison every test uses), masked rows, bitwise
+//   Element types      float (chapter 1's tensors), __half (chapter 2's) and double (the
+//                      reference): NaN and the conversion to float for each
+//   Shapes, inputs     describe(), masked_rows(), seeds, random problems (fp32, and rounded to
+//                      fp16), the reference's outputs
+//   Shape lists        the head dims (fp32's, fp16's), the forward and backward grids, the
+//                      determinism shapes
+//   Tolerances         fp32's error bounds and fp16's, each with its derivation
+//   Comparing          check_close (the one comparison every test uses), masked rows, bitwise;
+//                      the fp16 forward against the reference run on its exact inputs
 //   Device memory      DeviceBuffer<T> and GpuAttention<T>: upload, poison with NaN, run, download
+//                      (T = float runs chapter 1's kernels, T = __half chapter 2's forward)
 //   Validation         refusal(), NamesWord, FakeTensors: for the argument-validation tests
-//   Tile chooser       four real GPUs' properties, and what every tile must satisfy
+//   Tile chooser       four real GPUs' properties, and what every tile (fp32, fp16) must satisfy
 //   Big tensors        inputs built from a repeating pattern, checked one head at a time
 //   Source files       the lines of NOTES.md and flash.cu, for the [notes] test
 #pragma once
@@ -97,15 +101,26 @@ Problem<T> random_problem(const AttentionShape& s, uint32_t salt) {
     return p;
 }
 
+// v with every element converted to To: float to __half rounds to nearest; __half to float or
+// double, and float to double, are exact.
+template <typename To, typename From>
+std::vector<To> converted(const std::vector<From>& v) {
+    std::vector<To> out(v.size());
+    for (size_t e = 0; e < v.size(); ++e) out[e] = static_cast<To>(v[e]);
+    return out;
+}
+
 // The same problem with every element converted to To (e.g. float inputs, exactly, in double).
 template <typename To, typename From>
 Problem<To> converted(const Problem<From>& p) {
-    auto convert = [](const std::vector<From>& v) {
-        std::vector<To> out(v.size());
-        for (size_t e = 0; e < v.size(); ++e) out[e] = static_cast<To>(v[e]);
-        return out;
-    };
-    return {p.s, convert(p.Q), convert(p.K), convert(p.V), convert(p.dO)};
+    return {p.s, converted<To>(p.Q), converted<To>(p.K), converted<To>(p.V), converted<To>(p.dO)};
+}
+
+// The fp16 forward's problem of shape s for this salt: random_problem's N(0, 1) floats, rounded
+// to fp16 (to nearest). The reference runs on these very values (converted<double>, exact), so
+// the rounding of the inputs is no part of the error the fp16 tests measure.
+inline Problem<__half> random_problem_fp16(const AttentionShape& s, uint32_t salt) {
+    return converted<__half>(random_problem(s, salt));
 }
 
 // A problem's outputs on the host: the reference's (in float or double), or the GPU's (as float).
@@ -164,6 +179,9 @@ double max_row_norm(const std::vector<T>& v, int d) {
 
 // Every head dim with a kernel (flash.h's kFlashHeadDims), for GENERATE(from_range(kHeadDims)).
 inline const std::vector<int> kHeadDims(std::begin(kFlashHeadDims), std::end(kFlashHeadDims));
+// The same for the fp16 forward (kFlashFp16HeadDims), for GENERATE(from_range(kFp16HeadDims)).
+inline const std::vector<int> kFp16HeadDims(std::begin(kFlashFp16HeadDims),
+                                            std::end(kFlashFp16HeadDims));
 
 // The forward grid's lengths, each paired with itself: odd lengths, and the tile edges 32 and 256
 // with a neighbour on each side (31, 33, 255, 257). Then unequal pairs on both sides: q_len <
@@ -217,8 +235,7 @@ std::vector<AttentionShape> determinism_shapes(int long_kv_len);
 // these very tests, stays below 1/12 of every tolerance (1/25 for the N(0, 1) grids), while the
 // bugs these tests exist for (a wrong mask, a lost tile, a wrong scale, even O off by 1e-4
 // relative) exceed them.
-// (An fp16 kernel needs its own derivation, from fp16's rounding; the comparisons below take any
-// tolerance.)
+// (The fp16 kernel has its own derivation, from fp16's rounding: below, fp16_tolerances.)
 constexpr double kUnitRoundoff = 1.0 / (1 << 24);
 constexpr double kSafety = 32.0;
 
@@ -233,6 +250,42 @@ struct Tolerances {
 
 // The fp32 tolerances for problem p (see above).
 Tolerances tolerances(const Problem<float>& p, Rounding rounding);
+
+// ---------------------------------------------------------------------------------------------
+// Tolerances of the fp16 forward (chapter 2) against the reference, which runs in double on
+// exactly the fp16-rounded inputs (random_problem_fp16, then converted<double>): the rounding of
+// the inputs is not an error here, only the kernel's own arithmetic is. u16 = 2^-11 is fp16's
+// unit roundoff, u = 2^-24 fp32's; M = max|Q_i| max|K_j| / sqrt(d) as above; N = kv_len.
+//  - S = Q K^T on the tensor cores: an fp16 x fp16 product is exact in fp32, and the products
+//    are summed in fp32, but the tensor cores' fp32 accumulation is not guaranteed to round to
+//    nearest (it may truncate), so the errors can all have one sign: the aligned case above,
+//    |error of S_ij| <= d u M. From S on, m, l and L are fp32, as in chapter 1, so
+//        tol_L = 32 u (d M + sqrt(N) + 8)
+//    (the fp32 formula with the aligned score term; 32 = kSafety, as there).
+//  - O: P~ = exp(S - m) <= 1 is rounded to fp16 before P~ V. Each weight is off by at most u16
+//    relative, plus 2^-25 absolute where it is subnormal (below 2^-14 ~ 6.1e-5), and the weights
+//    (divided by l) sum to 1, so O moves by at most u16 max|V| + N 2^-25 max|V|. l is summed from
+//    the unrounded fp32 P~, so the rounded weights sum to 1 only within u16: another u16 max|V|.
+//    O itself is rounded to fp16 (|O| <= max|V|): u16 max|V|. A score error e moves each weight
+//    by a relative e: tol_L max|V|. So
+//        tol_O = max|V| (3 u16 + N 2^-25 + tol_L).
+//    The P~ V products are exact in fp32 (fp16 x fp16) and their fp32 sums add about N u, far
+//    below u16. This bound is a worst case (every error aligned), not a statistical estimate, so
+//    it needs no safety factor beyond tol_L's. Its u16 terms alone are about 7 times the worst
+//    |error| on O an H100 showed on N(0, 1) inputs (9e-4, with max|V| ~ 4.5); the bugs the tests
+//    exist for (a wrong mask, a lost tile, a wrong scale) give errors of 0.1 to 1. The aligned
+//    score term d M makes tol_L the larger part at large d and large scores: on N(0, 1) inputs
+//    tol_L is about 4e-4 at d = 16 and 1e-2 at d = 256 (tol_O about 7e-3 and 5e-2), and with Q
+//    and K scaled by 30 (the hardening test) tol_O exceeds max|V|: there L, whose values are in
+//    the thousands, carries the check.
+// Never loosen these to make a test pass: a test that fails them has found a bug, or a flaw in
+// this derivation (then fix the derivation, here, first).
+constexpr double kHalfUnitRoundoff = 1.0 / (1 << 11);  // u16
+constexpr double kHalfSubnormalError = 1.0 / (1 << 25);  // half the spacing of fp16's subnormals
+
+// The fp16 tolerances for problem p (its fp16 values, exactly): M, L and O (see above); the
+// gradient fields stay 0 (there is no fp16 backward).
+Tolerances fp16_tolerances(const Problem<__half>& p);
 
 // =============================================================================================
 // Comparing tensors
@@ -319,6 +372,10 @@ void check_backward(const Outputs<float>& got, const Outputs<W>& want, const Tol
     check_close("dV", got.dV, want.dV, tol.grad_rel * max_abs(want.dV), s, kv_layout(s));
 }
 
+// The fp16 forward's outputs (the GPU's, as float: exact) against the reference run in double on
+// p's exact fp16 values, within fp16_tolerances(p).
+void check_against_reference_fp16(const Outputs<float>& got, const Problem<__half>& p);
+
 // Rows 0 .. masked-1 of every head must hold exactly `value` (0 for O and dQ, -inf for L).
 void check_masked_rows(const char* name, const std::vector<float>& got, const AttentionShape& s,
                        int row_len, float value);
@@ -400,9 +457,12 @@ struct DeviceBuffer {
 };
 
 // The kernels under test, one overload per element type: Bc = 0 runs flash_forward (the device's
-// own tile), Bc > 0 flash_forward_bc. An fp16 chapter adds overloads taking __half tensors (and a
-// float L), and GpuAttention<__half> works unchanged.
+// own tile), Bc > 0 flash_forward_bc; with __half tensors (and a float L), flash_forward_fp16 and
+// flash_forward_fp16_bc, so that GpuAttention<__half> runs chapter 2's forward. (There is no fp16
+// backward: GpuAttention<__half>::backward() is never instantiated.)
 void launch_forward(const float* Q, const float* K, const float* V, float* O, float* L,
+                    const AttentionShape& s, int Bc, cudaStream_t stream);
+void launch_forward(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
                     const AttentionShape& s, int Bc, cudaStream_t stream);
 void launch_backward(const float* Q, const float* K, const float* V, const float* O,
                      const float* dO, const float* L, float* dQ, float* dK, float* dV,
@@ -471,6 +531,11 @@ struct GpuAttention {
 // reference (the backward grid and the sanitizer subset share it).
 void check_forward_and_backward(const AttentionShape& s, uint32_t salt);
 
+// The same for the fp16 forward: fresh random inputs rounded to fp16 (random_problem_fp16), the
+// forward on the GPU (Bc = 0: the device's own tile; 32 or 64: flash_forward_fp16_bc), and O and
+// L against the reference (the fp16 grid, the sanitizer subset and the Bc test share it).
+void check_fp16_forward(const AttentionShape& s, uint32_t salt, int Bc = 0);
+
 // The device's properties (of the current device), for the tests that depend on its shared memory.
 cudaDeviceProp current_device_props();
 
@@ -503,11 +568,14 @@ public:
 
 // Stand-ins for tensors in the validation tests: real, separate, 16-byte-aligned host arrays
 // (never read: validation refuses the call first). The inputs hold a pattern, the outputs NaN,
-// and the outputs must be bitwise unchanged afterwards.
+// and the outputs must be bitwise unchanged afterwards. Q16, K16, V16, O16 stand in for the fp16
+// forward's tensors (its L is the float L).
 struct FakeTensors {
     static constexpr size_t kN = 64;
     alignas(16) float Q[kN], K[kN], V[kN], O[kN], L[kN], dO[kN], dQ[kN], dK[kN], dV[kN];
+    alignas(16) __half Q16[kN], K16[kN], V16[kN], O16[kN];
     alignas(16) float snapshot[5][kN];
+    alignas(16) __half snapshot16[kN];
 
     FakeTensors();                   // fills the inputs and poisons the outputs
     bool outputs_untouched() const;  // every output still bitwise as the constructor left it
@@ -527,6 +595,12 @@ std::vector<cudaDeviceProp> known_gpus();
 // K_j and V_j in shared memory, ...).
 void check_tile(const char* which, const FlashTile& t, const cudaDeviceProp& prop, int d);
 
+// The same for the fp16 forward's tile: Br = 64 (four warps of 16 rows, the mma's M), 128
+// threads, 4 threads a row (an mma fragment's row), Bc 32 or 64, and shared memory for Q_i and
+// two stages of K_j and V_j, rows padded by 8 halves: (Br + 4 Bc) (d + 8) halves, within the
+// device's opt-in limit.
+void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d);
+
 // =============================================================================================
 // The big tests' inputs: tensors filled on the GPU with a random pattern of prime length, so
 // that no two heads hold the same data (a kernel that reads the wrong head is caught), while
@@ -537,12 +611,20 @@ constexpr size_t kPatternLength = 1000003;
 std::vector<float> random_pattern(uint32_t seed);
 
 // Elements [first, first + n) of a tensor filled with `pattern`.
-std::vector<float> pattern_slice(const std::vector<float>& pattern, size_t first, size_t n);
+template <typename T>
+std::vector<T> pattern_slice(const std::vector<T>& pattern, size_t first, size_t n) {
+    std::vector<T> out(n);
+    for (size_t e = 0; e < n; ++e) out[e] = pattern[(first + e) % pattern.size()];
+    return out;
+}
 
 // Checks head `bh` of a big problem: rebuilds its inputs, runs the reference on it alone, and
 // compares with that head's slice of the GPU's outputs.
 void check_big_head(const GpuAttention<float>& gpu, size_t bh,
                     const std::vector<std::vector<float>>& patterns, bool with_gradients);
+// The same for the fp16 forward (O and L; patterns: random_pattern's values rounded to fp16).
+void check_big_head(const GpuAttention<__half>& gpu, size_t bh,
+                    const std::vector<std::vector<__half>>& patterns);
 
 // =============================================================================================
 // Source files
