@@ -3,42 +3,68 @@
 # make bench && make plot
 # (by hand: gnuplot -e "csv='bench.csv'; out='bench.png'" plot.gp)
 #
-# Left: forward time against sequence length, flash against standard attention, for each head_dim
-# with and without the causal mask. Right: the extra device memory each method needs (beyond its
-# inputs and outputs) against sequence length; where the standard method ran out of memory, the
-# size it asked for is drawn as an open square: that is the memory wall. Both axes are log scale:
-# the protocol doubles seq_len each row, and memory spans from megabytes to tens of gigabytes.
-# Rows a method did not run (OOM, --no-standard, --no-backward) hold "nan" and are left out.
+# Panels, left to right (a panel whose dtype has no rows in the file is left out):
+# - fp32 forward time against sequence length, flash against standard attention, for each
+#   head_dim with and without the causal mask (chapter 1: both on the CUDA cores);
+# - the same for fp16 (chapter 2: flash and cuBLAS on the tensor cores), on the same time axis,
+#   so that the two panels compare at a glance;
+# - the extra device memory each method needs (beyond its inputs and outputs) against sequence
+#   length, fp32 and fp16's standard forward; where the standard method ran out of memory, the
+#   size it asked for is drawn as an open square: that is the memory wall.
+# Both axes are log scale: the protocol doubles seq_len each row, and memory spans from megabytes
+# to tens of gigabytes. Rows a method did not run (OOM, --no-standard, --no-backward, fp16's
+# backward) hold "nan" and are left out. Needs gnuplot >= 5.4 (set datafile columnheaders).
 
 if (!exists("csv")) csv = 'bench.csv'
 if (!exists("out")) out = 'bench.png'
 
+set datafile separator comma
+# The first line names the columns, so the columns below are picked by name, not position.
+set datafile columnheaders
+
+# Rows of each dtype, and the time range over both, which the two time panels share.
+stats csv using (strcol("dtype") eq "fp32") nooutput
+n32 = STATS_sum
+stats csv using (strcol("dtype") eq "fp16") nooutput
+n16 = STATS_sum
+stats csv using "flash_fwd_ms" nooutput
+tmin = STATS_min
+tmax = STATS_max
+stats csv using "std_fwd_ms" nooutput
+tmin = STATS_min < tmin ? STATS_min : tmin
+tmax = STATS_max > tmax ? STATS_max : tmax
+panels = (n32 > 0) + (n16 > 0) + 1
+
 # pngcairo draws smoother lines; plain png (libgd) is the fallback where cairo is missing.
 if (strstrt(GPVAL_TERMINALS, "pngcairo") > 0) {
-    set terminal pngcairo size 1600,650 enhanced font "sans,11"
+    set terminal pngcairo size 800 * panels, 650 enhanced font "sans,11"
 } else {
-    set terminal png size 1600,650 font "sans,11"
+    set terminal png size 800 * panels, 650 font "sans,11"
 }
 set output out
 
-set datafile separator comma
-# The first line names the columns, so the columns below are picked by name, not position.
-set key autotitle columnhead
-
-# A value of column `name` for the rows of one head_dim (and one causal setting when causal >= 0),
-# NaN (skipped) elsewhere, so each series draws only its own rows.
-pick(name, d, c) = (column("dim") == d && (c < 0 || column("causal") == c)) ? column(name) : NaN
+# A value of column `name` for the rows of one dtype and head_dim (and one causal setting when
+# causal >= 0), NaN (skipped) elsewhere, so each series draws only its own rows.
+mine(t, d) = strcol("dtype") eq t && column("dim") == d
+pick(t, name, d, c) = (mine(t, d) && (c < 0 || column("causal") == c)) ? column(name) : NaN
 # The standard method's requested workspace, on rows where it did not run (its time is "nan";
 # compared as text, because gnuplot's NaN != NaN is itself NaN, not true).
 did_not_run(name) = strcol(name) eq "nan" || strcol(name) eq ""
-wall(name, time, d) = (column("dim") == d && column("causal") == 0 && did_not_run(time)) \
-                      ? column(name) : NaN
+wall(t, name, time, d) = (mine(t, d) && column("causal") == 0 && did_not_run(time)) \
+                         ? column(name) : NaN
 # flash's forward takes no extra memory: a 0 cannot sit on a log axis, so it is drawn at `floor`.
 floor = 0.1
-lifted(name, d) = (column("dim") == d && column("causal") == 0) ? \
-                  (column(name) < floor ? floor : column(name)) : NaN
+lifted(t, name, d) = (mine(t, d) && column("causal") == 0) ? \
+                     (column(name) < floor ? floor : column(name)) : NaN
 
-set multiplot layout 1, 2 title "FlashAttention vs standard attention, fp32 (batch x seq = 16384, hidden 2048; at 32768: batch 1)"
+# Line styles: colour by method and head_dim, solid without the mask, dashed with it.
+LP = 'with linespoints lw 2'
+SQ = 'with points ps 2.5 pt 4'
+blue = '#1f77b4'; green = '#2ca02c'; red = '#d62728'; orange = '#ff7f0e'
+cyan = '#17becf'; purple = '#9467bd'; brown = '#8c564b'
+
+set multiplot layout 1, panels title "FlashAttention vs standard attention " . \
+    "(batch x seq = 16384, hidden 2048; at 32768: batch 1)"
 
 set logscale xy 2
 set logscale y 10
@@ -48,36 +74,73 @@ set grid xtics ytics mytics
 set xlabel "sequence length"
 set key box opaque font ",9"
 
-set title "forward time (median)"
+# The forward-time panel of dtype t.
 set key bottom right
 set ylabel "ms"
-plot csv using "seq":(pick("flash_fwd_ms", 64, 0))    with linespoints lw 2 pt 7  lc rgb "#1f77b4" dt 1 title "flash, d 64", \
-     csv using "seq":(pick("flash_fwd_ms", 64, 1))    with linespoints lw 2 pt 7  lc rgb "#1f77b4" dt 2 title "flash, d 64, causal", \
-     csv using "seq":(pick("flash_fwd_ms", 128, 0))   with linespoints lw 2 pt 5  lc rgb "#2ca02c" dt 1 title "flash, d 128", \
-     csv using "seq":(pick("flash_fwd_ms", 128, 1))   with linespoints lw 2 pt 5  lc rgb "#2ca02c" dt 2 title "flash, d 128, causal", \
-     csv using "seq":(pick("std_fwd_ms", 64, 0))      with linespoints lw 2 pt 6  lc rgb "#d62728" dt 1 title "standard, d 64", \
-     csv using "seq":(pick("std_fwd_ms", 64, 1))      with linespoints lw 2 pt 6  lc rgb "#d62728" dt 2 title "standard, d 64, causal", \
-     csv using "seq":(pick("std_fwd_ms", 128, 0))     with linespoints lw 2 pt 4  lc rgb "#ff7f0e" dt 1 title "standard, d 128", \
-     csv using "seq":(pick("std_fwd_ms", 128, 1))     with linespoints lw 2 pt 4  lc rgb "#ff7f0e" dt 2 title "standard, d 128, causal"
+set yrange [tmin / 1.5 : tmax * 1.5]
+do for [t in "fp32 fp16"] {
+    if ((t eq "fp32" && n32 > 0) || (t eq "fp16" && n16 > 0)) {
+        set title sprintf("%s forward time (median)", t)
+        plot csv using "seq":(pick(t, "flash_fwd_ms", 64, 0))  @LP pt 7 lc rgb blue   dt 1 \
+                 title "flash, d 64", \
+             csv using "seq":(pick(t, "flash_fwd_ms", 64, 1))  @LP pt 7 lc rgb blue   dt 2 \
+                 title "flash, d 64, causal", \
+             csv using "seq":(pick(t, "flash_fwd_ms", 128, 0)) @LP pt 5 lc rgb green  dt 1 \
+                 title "flash, d 128", \
+             csv using "seq":(pick(t, "flash_fwd_ms", 128, 1)) @LP pt 5 lc rgb green  dt 2 \
+                 title "flash, d 128, causal", \
+             csv using "seq":(pick(t, "std_fwd_ms", 64, 0))    @LP pt 6 lc rgb red    dt 1 \
+                 title "standard, d 64", \
+             csv using "seq":(pick(t, "std_fwd_ms", 64, 1))    @LP pt 6 lc rgb red    dt 2 \
+                 title "standard, d 64, causal", \
+             csv using "seq":(pick(t, "std_fwd_ms", 128, 0))   @LP pt 4 lc rgb orange dt 1 \
+                 title "standard, d 128", \
+             csv using "seq":(pick(t, "std_fwd_ms", 128, 1))   @LP pt 4 lc rgb orange dt 2 \
+                 title "standard, d 128, causal"
+    }
+}
 
 # Memory does not depend on the mask (standard attention stores every score either way), so
-# only the causal = 0 rows are drawn.
+# only the causal = 0 rows are drawn. flash's fp16 forward, like its fp32 one, takes none, and
+# fp16 has no backward yet: of fp16, only the standard forward (scores at half the bytes) is drawn.
 set title sprintf("extra device memory (flash forward: 0 MiB, drawn at %g)", floor)
 set ylabel "MiB"
-set yrange [0.05:*]
-set key at graph 0.99, graph 0.5 right center  # the band between flash's and standard's lines
-plot csv using "seq":(lifted("flash_fwd_extra_mib", 64))     with linespoints lw 2 pt 7  lc rgb "#1f77b4" dt 1 title "flash fwd, d 64", \
-     csv using "seq":(pick("flash_bwd_extra_mib", 64, 0))    with linespoints lw 2 pt 7  lc rgb "#17becf" dt 1 title "flash bwd, d 64", \
-     csv using "seq":(lifted("flash_fwd_extra_mib", 128))    with linespoints lw 2 pt 5  lc rgb "#1f77b4" dt 2 title "flash fwd, d 128", \
-     csv using "seq":(pick("flash_bwd_extra_mib", 128, 0))   with linespoints lw 2 pt 5  lc rgb "#17becf" dt 2 title "flash bwd, d 128", \
-     csv using "seq":(pick("std_fwd_extra_mib", 64, 0))      with linespoints lw 2 pt 7  lc rgb "#d62728" dt 1 title "standard fwd, d 64", \
-     csv using "seq":(pick("std_bwd_extra_mib", 64, 0))      with linespoints lw 2 pt 7  lc rgb "#9467bd" dt 1 title "standard bwd, d 64", \
-     csv using "seq":(pick("std_fwd_extra_mib", 128, 0))     with linespoints lw 2 pt 5  lc rgb "#d62728" dt 2 title "standard fwd, d 128", \
-     csv using "seq":(pick("std_bwd_extra_mib", 128, 0))     with linespoints lw 2 pt 5  lc rgb "#9467bd" dt 2 title "standard bwd, d 128", \
-     csv using "seq":(wall("std_fwd_needs_mib", "std_fwd_ms", 64))  with points ps 2.5 pt 4 lc rgb "#d62728" title "standard fwd: OOM, needed", \
-     csv using "seq":(wall("std_bwd_needs_mib", "std_bwd_ms", 64))  with points ps 2.5 pt 4 lc rgb "#9467bd" title "standard bwd: OOM, needed", \
-     csv using "seq":(wall("std_fwd_needs_mib", "std_fwd_ms", 128)) with points ps 2.5 pt 4 lc rgb "#d62728" notitle, \
-     csv using "seq":(wall("std_bwd_needs_mib", "std_bwd_ms", 128)) with points ps 2.5 pt 4 lc rgb "#9467bd" notitle
+# Top left, above where the lines start: the band between flash's and standard's lines, where
+# the key sat before fp16, now holds fp16's standard forward. Headroom above the largest wall.
+set yrange [0.05:1e7]
+set key top left
+plot csv using "seq":(lifted("fp32", "flash_fwd_extra_mib", 64))   @LP pt 7 lc rgb blue   dt 1 \
+         title "flash fwd, d 64", \
+     csv using "seq":(pick("fp32", "flash_bwd_extra_mib", 64, 0))  @LP pt 7 lc rgb cyan   dt 1 \
+         title "flash bwd, d 64", \
+     csv using "seq":(lifted("fp32", "flash_fwd_extra_mib", 128))  @LP pt 5 lc rgb blue   dt 2 \
+         title "flash fwd, d 128", \
+     csv using "seq":(pick("fp32", "flash_bwd_extra_mib", 128, 0)) @LP pt 5 lc rgb cyan   dt 2 \
+         title "flash bwd, d 128", \
+     csv using "seq":(pick("fp32", "std_fwd_extra_mib", 64, 0))    @LP pt 7 lc rgb red    dt 1 \
+         title "standard fwd, d 64", \
+     csv using "seq":(pick("fp32", "std_bwd_extra_mib", 64, 0))    @LP pt 7 lc rgb purple dt 1 \
+         title "standard bwd, d 64", \
+     csv using "seq":(pick("fp32", "std_fwd_extra_mib", 128, 0))   @LP pt 5 lc rgb red    dt 2 \
+         title "standard fwd, d 128", \
+     csv using "seq":(pick("fp32", "std_bwd_extra_mib", 128, 0))   @LP pt 5 lc rgb purple dt 2 \
+         title "standard bwd, d 128", \
+     csv using "seq":(pick("fp16", "std_fwd_extra_mib", 64, 0))    @LP pt 7 lc rgb brown  dt 1 \
+         title "standard fwd fp16, d 64", \
+     csv using "seq":(pick("fp16", "std_fwd_extra_mib", 128, 0))   @LP pt 5 lc rgb brown  dt 2 \
+         title "standard fwd fp16, d 128", \
+     csv using "seq":(wall("fp32", "std_fwd_needs_mib", "std_fwd_ms", 64))  @SQ lc rgb red \
+         title "standard fwd: OOM, needed", \
+     csv using "seq":(wall("fp32", "std_bwd_needs_mib", "std_bwd_ms", 64))  @SQ lc rgb purple \
+         title "standard bwd: OOM, needed", \
+     csv using "seq":(wall("fp32", "std_fwd_needs_mib", "std_fwd_ms", 128)) @SQ lc rgb red \
+         notitle, \
+     csv using "seq":(wall("fp32", "std_bwd_needs_mib", "std_bwd_ms", 128)) @SQ lc rgb purple \
+         notitle, \
+     csv using "seq":(wall("fp16", "std_fwd_needs_mib", "std_fwd_ms", 64))  @SQ lc rgb brown \
+         title "standard fwd fp16: OOM, needed", \
+     csv using "seq":(wall("fp16", "std_fwd_needs_mib", "std_fwd_ms", 128)) @SQ lc rgb brown \
+         notitle
 
 unset multiplot
 set output

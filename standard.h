@@ -1,16 +1,19 @@
 // standard.h: standard attention, the baseline: what FlashAttention replaces. The way frameworks
 // compute attention without it: cuBLAS GEMMs around softmax kernels, with the whole score matrix
-// of every head, S and then P = softmax(S), (B*H, q_len, kv_len) floats, written to and read back
-// from device memory (HBM). Read standard.cu beside flash.cu: the same math, in three passes over
-// HBM instead of one. fp32 (chapter 1); a chapter 2 fp16 version would change the GEMM call and
-// the element type, not the structure.
+// of every head, S and then P = softmax(S), (B*H, q_len, kv_len) elements, written to and read
+// back from device memory (HBM). Read standard.cu beside flash.cu: the same math, in three passes
+// over HBM instead of one.
+// Two element types, one code: fp32 (chapter 1: plain fp32 GEMMs on the CUDA cores) and fp16
+// (chapter 2: fp16 GEMMs on the tensor cores, accumulated in fp32, S and P stored in fp16 as
+// frameworks store them). Only the element type changes, not the structure.
 // Layouts as in flash.h: Q, O, dQ, dO (B, H, q_len, d); K, V, dK, dV (B, H, kv_len, d);
-// L (B, H, q_len).
+// L (B, H, q_len), always fp32.
 #pragma once
 
 #include "flash.h"
 
 #include <cublas_v2.h>
+#include <cuda_fp16.h>
 
 #include <stdexcept>
 #include <string>
@@ -33,18 +36,32 @@ __host__ __device__ inline int visible_keys(int i, int q_len, int kv_len, bool c
     return last < 0 ? 0 : last + 1;
 }
 
+// The element types to and from fp32, where all arithmetic happens: widening is exact, narrowing
+// rounds to nearest (even).
+__host__ __device__ inline float to_float(float x) { return x; }
+__host__ __device__ inline float to_float(__half x) { return __half2float(x); }
+template <typename T> __host__ __device__ inline T from_float(float x);
+template <> __host__ __device__ inline float from_float<float>(float x) { return x; }
+template <> __host__ __device__ inline __half from_float<__half>(float x) {
+    return __float2half_rn(x);
+}
+
 // Forward. P: a (B*H, q_len, kv_len) workspace; it holds P afterwards, which the backward needs
 // (frameworks keep it for that). Fills O and L (natural-log logsumexp, as flash_forward's).
-void standard_forward(cublasHandle_t cublas, const float* Q, const float* K, const float* V,
-                      float* P, float* O, float* L, const AttentionShape& shape);
+// T is float or __half (instantiated for those two in standard.cu).
+template <typename T>
+void standard_forward(cublasHandle_t cublas, const T* Q, const T* K, const T* V, T* P, T* O,
+                      float* L, const AttentionShape& shape);
 
 // Backward from the forward's P. dP: a second (B*H, q_len, kv_len) workspace, which becomes dS.
-void standard_backward(cublasHandle_t cublas, const float* Q, const float* K, const float* V,
-                       const float* dO, const float* P, float* dP, float* dQ, float* dK,
-                       float* dV, const AttentionShape& shape);
+template <typename T>
+void standard_backward(cublasHandle_t cublas, const T* Q, const T* K, const T* V, const T* dO,
+                       const T* P, T* dP, T* dQ, T* dK, T* dV, const AttentionShape& shape);
 
 // Row-major C (m, n) = alpha * op(A) (m, k) * op(B) (k, n), for `batch` matrices at the given
-// strides (elements), with cuBLAS's fp32 SGEMM.
+// strides (elements), with cuBLAS's GemmStridedBatchedEx: inputs and output of type T, products
+// summed in fp32 (for float: plain fp32 SGEMM math; for __half: the tensor cores).
+template <typename T>
 void gemm_rowmajor(cublasHandle_t cublas, bool trans_a, bool trans_b, int m, int n, int k,
-                   float alpha, const float* A, long long stride_a, const float* B,
-                   long long stride_b, float* C, long long stride_c, int batch);
+                   float alpha, const T* A, long long stride_a, const T* B, long long stride_b,
+                   T* C, long long stride_c, int batch);
