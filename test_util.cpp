@@ -95,7 +95,7 @@ Tolerances fp16_tolerances(const Problem<__half>& p) {
     const double u = kUnitRoundoff, u16 = kHalfUnitRoundoff, d = p.s.head_dim, N = p.s.kv_len;
     Tolerances t{};
     t.M = max_row_norm(x.Q, p.s.head_dim) * max_row_norm(x.K, p.s.head_dim) / std::sqrt(d);
-    t.L = kSafety * u * (d * t.M + std::sqrt(N) + 8);
+    t.L = 2 * d * u * t.M + kSafety * u * (std::sqrt(N) + 8);
     t.O = max_abs(x.V) * (3 * u16 + N * kHalfSubnormalError + t.L);
     return t;
 }
