@@ -259,9 +259,11 @@ Tolerances tolerances(const Problem<float>& p, Rounding rounding);
 //  - S = Q K^T on the tensor cores: an fp16 x fp16 product is exact in fp32, and the products
 //    are summed in fp32, but the tensor cores' fp32 accumulation is not guaranteed to round to
 //    nearest (it may truncate), so the errors can all have one sign: the aligned case above,
-//    |error of S_ij| <= d u M. From S on, m, l and L are fp32, as in chapter 1, so
-//        tol_L = 32 u (d M + sqrt(N) + 8)
-//    (the fp32 formula with the aligned score term; 32 = kSafety, as there).
+//    |error of S_ij| <= d u M. That is already a worst case, so it takes no statistical safety
+//    factor, only 2 (the fp32 scaling of S by log2(e)/sqrt(d) and exp2f's few ulp add about one
+//    more u M). From S on, m, l and L are fp32, as in chapter 1, so
+//        tol_L = 2 d u M + 32 u (sqrt(N) + 8)
+//    (the fp32 formula's random-rounding terms, 32 = kSafety as there, and the score term).
 //  - O: P~ = exp(S - m) <= 1 is rounded to fp16 before P~ V. Each weight is off by at most u16
 //    relative, plus 2^-25 absolute where it is subnormal (below 2^-14 ~ 6.1e-5), and the weights
 //    (divided by l) sum to 1, so O moves by at most u16 max|V| + N 2^-25 max|V|. l is summed from
@@ -273,11 +275,11 @@ Tolerances tolerances(const Problem<float>& p, Rounding rounding);
 //    below u16. This bound is a worst case (every error aligned), not a statistical estimate, so
 //    it needs no safety factor beyond tol_L's. Its u16 terms alone are about 7 times the worst
 //    |error| on O an H100 showed on N(0, 1) inputs (9e-4, with max|V| ~ 4.5); the bugs the tests
-//    exist for (a wrong mask, a lost tile, a wrong scale) give errors of 0.1 to 1. The aligned
-//    score term d M makes tol_L the larger part at large d and large scores: on N(0, 1) inputs
-//    tol_L is about 4e-4 at d = 16 and 1e-2 at d = 256 (tol_O about 7e-3 and 5e-2), and with Q
-//    and K scaled by 30 (the hardening test) tol_O exceeds max|V|: there L, whose values are in
-//    the thousands, carries the check.
+//    exist for (a wrong mask, a lost tile, a wrong scale) give errors of 0.1 to 1. The score
+//    term 2 d u M grows with d and with the scores: on N(0, 1) inputs tol_L is about 1e-4 at
+//    d = 16 and 8e-4 at d = 256 (tol_O about 7e-3 and 1e-2), and with Q and K scaled by 30 (the
+//    hardening test) tol_O approaches max|V|: there L, whose values are in the thousands, carries
+//    the check.
 // Never loosen these to make a test pass: a test that fails them has found a bug, or a flaw in
 // this derivation (then fix the derivation, here, first).
 constexpr double kHalfUnitRoundoff = 1.0 / (1 << 11);  // u16
