@@ -60,6 +60,12 @@ void flash_backward(const float* Q, const float* K, const float* V, const float*
 // 8.0 or newer (A100, RTX 30/40, H100): on an older one it throws std::runtime_error.
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
                         const AttentionShape& shape, cudaStream_t stream = 0);
+// The fp16 backward: given dO, fills dQ, dK, dV (fp16, shaped as Q, K, V) from the forward's O
+// and fp32 L. Deterministic (no atomics: bitwise-identical gradients on every call); P and dS are
+// rounded to fp16 for the tensor-core products, every sum is fp32. Head dims: see below.
+void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
+                         const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
+                         const AttentionShape& shape, cudaStream_t stream = 0);
 
 // ---------------------------------------------------------------------------------------------
 // The tile: how one thread block is laid out. See NOTES.md, "The tile".
@@ -95,6 +101,11 @@ constexpr int kFlashFp16HeadDims[] = {16, 32, 64, 96, 128, 256};
 FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim);
 void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __half* O,
                            float* L, const AttentionShape& shape, int Bc, cudaStream_t stream = 0);
+// The fp16 backward's head dims: all but 256, where kernel 2's dK_j and dV_j accumulators alone
+// would need 256 registers a thread. Its tile: Br = 64 query rows a tile (both kernels), Bc = 32
+// keys a K/V tile (kernel 1); shared_bytes, the larger kernel's. Throws as the forward's does.
+constexpr int kFlashFp16BackwardHeadDims[] = {16, 32, 64, 96, 128};
+FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_dim);
 
 // Throws std::invalid_argument naming the field when a shape field is out of range or a tensor's
 // element count overflows.

@@ -15,6 +15,7 @@
 
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -195,6 +196,218 @@ flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict
 }
 
 // ---------------------------------------------------------------------------------------------
+// The backward: FlashAttention-2 Algorithm 2 on tensor cores, split in two kernels as in chapter 1
+// so that no sum needs atomics (deterministic: every gradient element is summed by one thread, in
+// a fixed order). Kernel 1 swaps the paper's loops (one block per Q tile: dQ_i and D_i); kernel 2
+// keeps them (one block per K/V tile: dK_j, dV_j). Both recompute S and P from L (line 11), so
+// the backward does 7 products where FA2 with atomics does 5.
+// Tiles (measured on the H100, NOTES.md section 15): kernel 1 streams K/V tiles of Bc = 32 keys
+// past a 64-row Q tile; kernel 2 streams Q tiles of Br = 64 queries past a 64-key K/V tile.
+static constexpr int kBwdBc = 32;  // kernel 1: keys per K/V tile
+static constexpr int kBwdBr = 64;  // kernel 2: queries per Q tile
+static constexpr int kBc = 16 * kWarps;  // kernel 2: keys per block (16 per warp)
+// Registers: at d <= 64 three blocks of 128 threads fit an SM (<= 168 registers a thread); above,
+// kernel 2's dK_j and dV_j accumulators (D floats a thread) need up to 248, so two.
+template <int D>
+constexpr int kBwdMinBlocks = D <= 64 ? 3 : 2;
+
+// The same for N floats of a vector (4 bytes per cp.async): entries at or past `len` become 0.
+template <int N>
+__device__ __forceinline__ void load_floats_async(float* to, const float* src, int first,
+                                                  int len) {
+    for (int x = threadIdx.x; x < N; x += blockDim.x) {
+        const bool inside = first + x < len;
+        SM80_ASM("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(unsigned(
+                     __cvta_generic_to_shared(to + x))),
+                 "l"(src + (inside ? first + x : 0)), "r"(inside ? 4 : 0));
+    }
+}
+// The two shapes of product in Algorithm 2, each the loop the forward writes out inline, for one
+// warp. acc (16 x N, fp32 accumulators) += A B^T: A the warp's 16 rows of a shared-memory tile,
+// B N rows of another, both K columns wide (the forward's S = Q_i K_j^T: B's rows are the mma's
+// columns, so no transpose).
+template <int N, int K>
+__device__ __forceinline__ void mma_ABt(float (&acc)[N / 8][4], const __half* A, const __half* B,
+                                        int ld) {
+    uint32_t a[4], b[4];
+    for (int k = 0; k < K / 16; k++) {
+        load_16x16<false>(a, A + 16 * k, ld);
+        for (int n = 0; n < N / 16; n++) {
+            load_16x16<false>(b, B + 16 * n * ld + 16 * k, ld);
+            mma_16x8x16(acc[2 * n], a, b[0], b[2]);
+            mma_16x8x16(acc[2 * n + 1], a, b[1], b[3]);
+        }
+    }
+}
+// acc (16 x N) += P B: P (16 x K) the accumulators of an earlier product, rounded to fp16 where
+// they are (two 16x8 C tiles are one 16x16 A tile), B K rows of a tile, N columns (the forward's
+// O_i += P~ V_j: B's rows are the mma's k, so .trans).
+template <int K, int N>
+__device__ __forceinline__ void mma_PB(float (&acc)[N / 8][4], float (&P)[K / 8][4],
+                                       const __half* B, int ld) {
+    uint32_t b[4];
+    for (int k = 0; k < K / 16; k++) {
+        const uint32_t p[4] = {pack_half2(P[2 * k]), pack_half2(P[2 * k] + 2),
+                               pack_half2(P[2 * k + 1]), pack_half2(P[2 * k + 1] + 2)};
+        for (int n = 0; n < N / 16; n++) {
+            load_16x16<true>(b, B + 16 * k * ld + 16 * n, ld);
+            mma_16x8x16(acc[2 * n], p, b[0], b[1]);
+            mma_16x8x16(acc[2 * n + 1], p, b[2], b[3]);
+        }
+    }
+}
+
+// Kernel 1 of 2: dQ (and D). One block per (Q tile i, batch*head), warp w owns rows 16w..16w+15
+// of Q_i, a thread rows `row` and row + 8 (h = 0, 1) and, of every 8-column slice of S, dP, dS
+// and dQ_i, columns 2t, 2t+1 (as in the forward). Q_i and dO_i stay in shared memory; K_j, V_j
+// stream through it, two stages (cp.async). Bc: keys per K/V tile.
+template <int D, int Bc>
+__global__ void __launch_bounds__(32 * kWarps, kBwdMinBlocks<D>)
+flash_backward_dq_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict__ K,
+                              const __half* __restrict__ V, const __half* __restrict__ O,
+                              const __half* __restrict__ dO, const float* __restrict__ L,
+                              float* __restrict__ Dsum, __half* __restrict__ dQ, int q_len,
+                              int kv_len, bool causal, int Tr, float scale_log2) {
+    constexpr int ld = D + kPad;
+    extern __shared__ __align__(16) __half Q_i[];      // (Br, ld); then dO_i (Br, ld);
+    __half* dO_i = Q_i + kBr * ld;                     // then K_j, V_j: (2, Bc, ld) each
+    __half* K_j = dO_i + kBr * ld;
+    __half* V_j = K_j + 2 * Bc * ld;
+    const int warp = threadIdx.x / 32;
+    const int t = threadIdx.x % 4;                     // lane = 4 g + t
+    const int i = Tr - 1 - int(blockIdx.x % Tr);       // Q tile i, longest (causal) first
+    const size_t bh = blockIdx.x / Tr;
+    const int row = i * kBr + 16 * warp + threadIdx.x % 32 / 4;  // this thread's rows: row + 8h
+    const size_t q_head = bh * q_len * D, kv_head = bh * kv_len * D;
+    const int kv_end = flash_kv_end(i * kBr, kBr, q_len, kv_len, causal);  // causal: keys needed
+    load_rows_async<kBr, D>(Q_i, Q + q_head, i * kBr, q_len);    // line 9: load Q_i, dO_i
+    load_rows_async<kBr, D>(dO_i, dO + q_head, i * kBr, q_len);
+    load_rows_async<Bc, D>(K_j, K + kv_head, 0, kv_end);         // line 6 for j = 0
+    load_rows_async<Bc, D>(V_j, V + kv_head, 0, kv_end);
+    float L_i[2], D_i[2];                              // line 9: L_i (log2 units) and ...
+    for (int h = 0; h < 2; h++) {                      // line 4: D_i = rowsum(dO_i o O_i), fp32
+        const bool inside = row + 8 * h < q_len;       // (read from global while Q_i, dO_i land)
+        const size_t q = bh * q_len + (inside ? row + 8 * h : 0);
+        const __half2* O_q = reinterpret_cast<const __half2*>(O + q * D) + t;  // columns 8c + 2t,
+        const __half2* dO_q = reinterpret_cast<const __half2*>(dO + q * D) + t;  // 8c + 2t + 1
+        float sum = 0.f;
+        for (int c = 0; c < D / 8; c++) {
+            const float2 o = __half22float2(O_q[4 * c]), g = __half22float2(dO_q[4 * c]);
+            sum += o.x * g.x + o.y * g.y;
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);   // over the quad that holds the row
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        D_i[h] = inside ? sum : 0.f;
+        L_i[h] = inside ? L[q] * kLog2e : 0.f;         // -inf for a row that sees no key
+        if (inside && t == 0) Dsum[q] = sum;           // for kernel 2
+    }
+    float dQ_i[D / 8][4] = {};                         // dQ_i, accumulated in registers
+    for (int j = 0; j * Bc < kv_end; j++) {            // line 5: for each K_j, V_j
+        const int stage = j % 2 * Bc * ld;             // where tile j is in K_j, V_j
+        commit_and_wait<0>();                          // tile j (and Q_i, dO_i) landed; the
+        __syncthreads();                               // other stage is free
+        if ((j + 1) * Bc < kv_end) {                   // line 6, a tile ahead: K_{j+1}, V_{j+1}
+            load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K + kv_head, (j + 1) * Bc, kv_end);
+            load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V + kv_head, (j + 1) * Bc, kv_end);
+        }
+        float S[Bc / 8][4] = {}, dP[Bc / 8][4] = {};
+        mma_ABt<Bc, D>(S, Q_i + 16 * warp * ld, K_j + stage, ld);    // line 10: S = Q_i K_j^T
+        mma_ABt<Bc, D>(dP, dO_i + 16 * warp * ld, V_j + stage, ld);  // line 13: dP = dO_i V_j^T
+        for (int h = 0; h < 2; h++) {                  // row + 8h sees keys 0 .. last
+            const int last = causal ? min(flash_last_key(row + 8 * h, q_len, kv_len), kv_len - 1)
+                                    : kv_len - 1;
+            for (int c = 0; c < Bc / 4; c++) {         // column c is key j Bc + 8(c/2) + 2t + c%2
+                float& s = S[c / 2][2 * h + c % 2];
+                const bool seen = j * Bc + 8 * (c / 2) + 2 * t + c % 2 <= last;
+                const float P = seen ? exp2f(s * scale_log2 - L_i[h]) : 0.f;  // line 11
+                s = P * (dP[c / 2][2 * h + c % 2] - D_i[h]);  // line 14: dS = P o (dP - D_i),
+            }                                          // in S's registers
+        }
+        mma_PB<Bc, D>(dQ_i, S, K_j + stage, ld);        // line 15: dQ_i += dS K_j
+    }
+    commit_and_wait<0>();                              // no copy may land after the block exits
+    for (int h = 0; h < 2; h++)                        // dQ = dQ_i / sqrt(d) (S was unscaled)
+        for (int c = 0; c < D / 8 && row + 8 * h < q_len; c++)
+            *reinterpret_cast<__half2*>(dQ + q_head + size_t(row + 8 * h) * D + 8 * c + 2 * t) =
+                __floats2half2_rn(dQ_i[c][2 * h] * rsqrtf(D), dQ_i[c][2 * h + 1] * rsqrtf(D));
+}
+
+// Kernel 2 of 2: dK and dV, in Algorithm 2's order. One block per (K/V tile j, batch*head), warp
+// w owns keys 16w..16w+15 of K_j, a thread keys `key` and key + 8 (h = 0, 1). Everything is
+// transposed: S^T = K_j Q_i^T has a key per row and a query per column, so each thread needs L
+// and D of its columns' queries: they are staged in shared memory beside Q_i and dO_i, which
+// stream through it in tiles of Br queries, two stages. K_j, V_j stay in shared memory.
+template <int D, int Br>
+__global__ void __launch_bounds__(32 * kWarps, kBwdMinBlocks<D>)
+flash_backward_dkdv_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict__ K,
+                                const __half* __restrict__ V, const __half* __restrict__ dO,
+                                const float* __restrict__ L, const float* __restrict__ Dsum,
+                                __half* __restrict__ dK, __half* __restrict__ dV, int q_len,
+                                int kv_len, bool causal, int Tc, float scale_log2) {
+    constexpr int ld = D + kPad;
+    extern __shared__ __align__(16) __half K_j[];      // (Bc, ld); then V_j (Bc, ld); then
+    __half* V_j = K_j + kBc * ld;                      // Q_i, dO_i (2, Br, ld) each; then
+    __half* Q_i = V_j + kBc * ld;                      // L_i, D_i (2, Br) floats each
+    __half* dO_i = Q_i + 2 * Br * ld;
+    float* L_i = reinterpret_cast<float*>(dO_i + 2 * Br * ld);
+    float* D_i = L_i + 2 * Br;
+    const int warp = threadIdx.x / 32;
+    const int t = threadIdx.x % 4;
+    const int j = int(blockIdx.x % Tc);                // line 5: for each K_j, V_j (the grid;
+    const size_t bh = blockIdx.x / Tc;                 // causal: the longest, j = 0, first)
+    const int key = j * kBc + 16 * warp + threadIdx.x % 32 / 4;  // this thread's keys: key + 8h
+    const size_t q_head = bh * q_len * D, kv_head = bh * kv_len * D;
+    const int q_begin = causal ? max(0, flash_first_query(j * kBc, q_len, kv_len)) : 0;
+    load_rows_async<kBc, D>(K_j, K + kv_head, j * kBc, kv_len);  // line 6: load K_j, V_j
+    load_rows_async<kBc, D>(V_j, V + kv_head, j * kBc, kv_len);
+    load_rows_async<Br, D>(Q_i, Q + q_head, q_begin, q_len);     // line 9 for the first Q_i
+    load_rows_async<Br, D>(dO_i, dO + q_head, q_begin, q_len);
+    load_floats_async<Br>(L_i, L + bh * q_len, q_begin, q_len);
+    load_floats_async<Br>(D_i, Dsum + bh * q_len, q_begin, q_len);
+    float dK_j[D / 8][4] = {}, dV_j[D / 8][4] = {};    // line 7: dK_j = 0, dV_j = 0
+    for (int it = 0; q_begin + it * Br < q_len; it++) {  // line 8: for each Q_i (from q_begin)
+        const int q0 = q_begin + it * Br, stage = it % 2 * Br * ld, fstage = it % 2 * Br;
+        commit_and_wait<0>();
+        __syncthreads();
+        if (q0 + Br < q_len) {                         // line 9, a tile ahead: Q_i, dO_i, L_i, D_i
+            load_rows_async<Br, D>(Q_i + (Br * ld - stage), Q + q_head, q0 + Br, q_len);
+            load_rows_async<Br, D>(dO_i + (Br * ld - stage), dO + q_head, q0 + Br, q_len);
+            load_floats_async<Br>(L_i + (Br - fstage), L + bh * q_len, q0 + Br, q_len);
+            load_floats_async<Br>(D_i + (Br - fstage), Dsum + bh * q_len, q0 + Br, q_len);
+        }
+        float S[Br / 8][4] = {}, dP[Br / 8][4] = {};
+        mma_ABt<Br, D>(S, K_j + 16 * warp * ld, Q_i + stage, ld);  // line 10: S^T = K_j Q_i^T
+        for (int h = 0; h < 2; h++) {                  // line 11: P^T = exp(S^T - L_i), masked:
+            const int first = key + 8 * h >= kv_len ? q_len  // key + 8h is seen by queries
+                              : causal ? flash_first_query(key + 8 * h, q_len, kv_len) : 0;
+            const int lo = first - q0 - 2 * t, hi = q_len - q0 - 2 * t;  // first .. q_len - 1
+            for (int c = 0; c < Br / 4; c++) {         // column c is query q0 + 2t + x, x below
+                const int x = 8 * (c / 2) + c % 2;
+                float& s = S[c / 2][2 * h + c % 2];
+                s = x >= lo && x < hi ? exp2f(s * scale_log2 - L_i[fstage + 2 * t + x] * kLog2e)
+                                      : 0.f;
+            }
+        }
+        mma_PB<Br, D>(dV_j, S, dO_i + stage, ld);                  // line 12: dV_j += P^T dO_i
+        mma_ABt<Br, D>(dP, V_j + 16 * warp * ld, dO_i + stage, ld);  // line 13: dP^T = V_j dO_i^T
+        for (int h = 0; h < 2; h++)                    // line 14: dS^T = P^T o (dP^T - D_i),
+            for (int c = 0; c < Br / 4; c++)           // in dP's registers
+                dP[c / 2][2 * h + c % 2] = S[c / 2][2 * h + c % 2] *
+                    (dP[c / 2][2 * h + c % 2] - D_i[fstage + 8 * (c / 2) + 2 * t + c % 2]);
+        mma_PB<Br, D>(dK_j, dP, Q_i + stage, ld);                 // line 16: dK_j += dS^T Q_i
+    }
+    commit_and_wait<0>();
+    for (int h = 0; h < 2; h++)                        // line 18: write dK_j / sqrt(d), dV_j
+        for (int c = 0; c < D / 8 && key + 8 * h < kv_len; c++) {
+            const size_t at = kv_head + size_t(key + 8 * h) * D + 8 * c + 2 * t;
+            *reinterpret_cast<__half2*>(dK + at) =
+                __floats2half2_rn(dK_j[c][2 * h] * rsqrtf(D), dK_j[c][2 * h + 1] * rsqrtf(D));
+            *reinterpret_cast<__half2*>(dV + at) =
+                __floats2half2_rn(dV_j[c][2 * h], dV_j[c][2 * h + 1]);
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The tile. Br = 16 * kWarps = 64 is set by the mma (16 rows a warp). Bc is set by registers
 // (S_ij's accumulators, Bc/2 floats a thread, beside O_i's D/2): 64 at most, and a multiple of 16
 // (the k of the P~ V mma). Between 64 and 32 the SM's shared memory decides, in the spirit of the
@@ -216,13 +429,17 @@ static FlashTile fp16_tile(const cudaDeviceProp& prop, int head_dim, int Bc) {
     return tile;
 }
 
+// Chapter 2's instructions (mma.sync.m16n8k16, cp.async) need compute capability 8.0.
+static void require_sm80(const cudaDeviceProp& prop, const char* fn) {
+    if (prop.major < 8)
+        throw std::runtime_error(std::string(fn) + " needs a GPU of compute capability 8.0 or " +
+                                 "newer (mma.sync.m16n8k16, cp.async); " + prop.name + " is " +
+                                 std::to_string(prop.major) + "." + std::to_string(prop.minor));
+}
+
 FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
     require_head_dim(head_dim, kFlashFp16HeadDims);
-    if (prop.major < 8)
-        throw std::runtime_error("flash_forward_fp16 needs a GPU of compute capability 8.0 or " +
-                                 std::string("newer (mma.sync.m16n8k16, cp.async); ") +
-                                 prop.name + " is " + std::to_string(prop.major) + "." +
-                                 std::to_string(prop.minor));
+    require_sm80(prop, "flash_forward_fp16");
     const size_t per_block = prop.sharedMemPerMultiprocessor / kFp16BlocksPerSM;
     const bool fits_64 = fp16_shared_bytes(head_dim, 64) + prop.reservedSharedMemPerBlock <= per_block;
     return fp16_tile(prop, head_dim, fits_64 ? 64 : 32);
@@ -271,4 +488,70 @@ void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __hal
 void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __half* O,
                            float* L, const AttentionShape& shape, int Bc, cudaStream_t stream) {
     forward_fp16_checked(Q, K, V, O, L, shape, Bc, stream);
+}
+
+// The backward's tile: Br = 64 query rows a tile in both kernels, Bc = kBwdBc keys a K/V tile in
+// kernel 1 (kernel 2's blocks own kBc = 64 keys). Shared memory: kernel 1 holds Q_i, dO_i and two
+// stages of K_j, V_j; kernel 2 holds K_j, V_j and two stages of Q_i, dO_i and of L_i, D_i.
+static size_t dq_shared_bytes(int head_dim) {
+    return size_t(2 * kBr + 4 * kBwdBc) * (head_dim + kPad) * sizeof(__half);
+}
+static size_t dkdv_shared_bytes(int head_dim) {
+    return size_t(2 * kBc + 4 * kBwdBr) * (head_dim + kPad) * sizeof(__half) +
+           4 * kBwdBr * sizeof(float);
+}
+
+FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_dim) {
+    require_head_dim(head_dim, kFlashFp16BackwardHeadDims);
+    require_sm80(prop, "flash_backward_fp16");
+    const size_t bytes = std::max(dq_shared_bytes(head_dim), dkdv_shared_bytes(head_dim));
+    if (bytes > prop.sharedMemPerBlockOptin)
+        throw std::runtime_error("device " + std::string(prop.name) + " has too little shared " +
+                                 "memory for the fp16 backward at head_dim " +
+                                 std::to_string(head_dim));
+    return {kBwdBr, kBwdBc, 32 * kWarps, 4, bytes};
+}
+
+template <int D>
+static void launch_backward_fp16(const __half* Q, const __half* K, const __half* V,
+                                 const __half* O, const __half* dO, const float* L, __half* dQ,
+                                 __half* dK, __half* dV, const AttentionShape& s,
+                                 cudaStream_t stream) {
+    auto dq_kernel = flash_backward_dq_fp16_kernel<D, kBwdBc>;
+    auto dkdv_kernel = flash_backward_dkdv_fp16_kernel<D, kBwdBr>;
+    const int Tr = (s.q_len + kBr - 1) / kBr;  // Q tiles per head (kernel 1's blocks)
+    const int Tc = (s.kv_len + kBc - 1) / kBc;  // K/V tiles per head (kernel 2's blocks)
+    const int q_blocks = grid_blocks(s, s.q_len, kBr, "q_len");
+    const int kv_blocks = grid_blocks(s, s.kv_len, kBc, "kv_len");
+    allow_shared(dq_kernel, dq_shared_bytes(D));
+    allow_shared(dkdv_kernel, dkdv_shared_bytes(D));
+    const float scale_log2 = kLog2e / sqrtf(float(D));
+    float* Dsum = nullptr;  // D_i = rowsum(dO_i * O_i): (B, H, q_len) floats, the only extra memory
+    FLASH_CUDA_CHECK(cudaMallocAsync(&Dsum, l_elems(s) * sizeof(float), stream));
+    dq_kernel<<<q_blocks, 32 * kWarps, dq_shared_bytes(D), stream>>>(
+        Q, K, V, O, dO, L, Dsum, dQ, s.q_len, s.kv_len, s.causal, Tr, scale_log2);
+    cudaError_t launch = cudaGetLastError();
+    if (launch == cudaSuccess) {  // same stream: kernel 2 starts after kernel 1 wrote D
+        dkdv_kernel<<<kv_blocks, 32 * kWarps, dkdv_shared_bytes(D), stream>>>(
+            Q, K, V, dO, L, Dsum, dK, dV, s.q_len, s.kv_len, s.causal, Tc, scale_log2);
+        launch = cudaGetLastError();
+    }
+    FLASH_CUDA_CHECK(cudaFreeAsync(Dsum, stream));  // stream-ordered: after both kernels
+    FLASH_CUDA_CHECK(launch);
+}
+
+void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
+                         const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
+                         const AttentionShape& s, cudaStream_t stream) {
+    validate_shape(s, kFlashFp16BackwardHeadDims, sizeof(__half));
+    validate_pointers("flash_backward_fp16",
+                      {input_arg("Q", Q, q_elems(s)), input_arg("K", K, kv_elems(s)),
+                       input_arg("V", V, kv_elems(s)), input_arg("O", O, q_elems(s)),
+                       input_arg("dO", dO, q_elems(s)), input_arg("L", L, l_elems(s)),
+                       output_arg("dQ", dQ, q_elems(s)), output_arg("dK", dK, kv_elems(s)),
+                       output_arg("dV", dV, kv_elems(s))});
+    flash_choose_tile_fp16_backward(flash_device_props(), s.head_dim);  // refuses what cannot run
+    dispatch_head_dim<kFlashFp16BackwardHeadDims>(s.head_dim, [&](auto dim) {
+        launch_backward_fp16<decltype(dim)::value>(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+    });
 }
