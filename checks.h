@@ -96,6 +96,19 @@ cudaDeviceProp flash_device_props();
 // `what` (the field the tiles run along).
 int grid_blocks(const AttentionShape& shape, int rows, int tile, const char* what);
 
+// The backwards' scratch: calls launch(Dsum), which launches kernels on `stream` and returns the
+// first launch error (cudaSuccess if none), with Dsum a (B*H*q_len)-float buffer taken from the
+// stream-ordered memory pool and given back after those kernels, in stream order, whatever
+// happened; then throws that launch error, if any.
+template <typename Launch>
+void with_row_scratch(const AttentionShape& s, cudaStream_t stream, Launch launch) {
+    float* Dsum = nullptr;
+    FLASH_CUDA_CHECK(cudaMallocAsync(&Dsum, l_elems(s) * sizeof(float), stream));
+    const cudaError_t launched = launch(Dsum);
+    FLASH_CUDA_CHECK(cudaFreeAsync(Dsum, stream));
+    FLASH_CUDA_CHECK(launched);
+}
+
 // Lets `kernel` use `bytes` of dynamic shared memory (above 48 KiB needs the opt-in).
 template <typename Kernel>
 void allow_shared(Kernel kernel, size_t bytes) {

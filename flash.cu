@@ -368,20 +368,18 @@ static void launch_backward(const float* Q, const float* K, const float* V, cons
     auto dkdv_kernel = flash_backward_dkdv_kernel<D, TPR>;
     allow_shared(dq_kernel, tile.shared_bytes);
     allow_shared(dkdv_kernel, tile.shared_bytes);
-    float* Dsum = nullptr;  // D_i = rowsum(dO_i * O_i): (B, H, q_len), the only extra memory
-    FLASH_CUDA_CHECK(cudaMallocAsync(&Dsum, l_elems(s) * sizeof(float), stream));
-    dq_kernel<<<q_blocks, kThreads, tile.shared_bytes, stream>>>(
-        f4(Q), f4(K), f4(V), f4(O), f4(dO), L, Dsum, f4(dQ), s.q_len, s.kv_len, s.causal, Tr,
-        scale_log2);
-    cudaError_t launch = cudaGetLastError();
-    if (launch == cudaSuccess) {
-        dkdv_kernel<<<kv_blocks, kThreads, tile.shared_bytes, stream>>>(
+    // Dsum: D_i = rowsum(dO_i * O_i), (B, H, q_len) floats, the backward's only extra memory.
+    with_row_scratch(s, stream, [&](float* Dsum) {
+        dq_kernel<<<q_blocks, kThreads, tile.shared_bytes, stream>>>(
+            f4(Q), f4(K), f4(V), f4(O), f4(dO), L, Dsum, f4(dQ), s.q_len, s.kv_len, s.causal,
+            Tr, scale_log2);
+        const cudaError_t launched = cudaGetLastError();
+        if (launched != cudaSuccess) return launched;
+        dkdv_kernel<<<kv_blocks, kThreads, tile.shared_bytes, stream>>>(  // after dq_kernel
             f4(Q), f4(K), f4(V), f4(dO), L, Dsum, f4(dK), f4(dV), s.q_len, s.kv_len, s.causal,
             Tc, scale_log2);
-        launch = cudaGetLastError();
-    }
-    FLASH_CUDA_CHECK(cudaFreeAsync(Dsum, stream));  // stream-ordered: after both kernels
-    FLASH_CUDA_CHECK(launch);
+        return cudaGetLastError();
+    });
 }
 
 void flash_backward(const float* Q, const float* K, const float* V, const float* O,

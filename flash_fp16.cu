@@ -526,18 +526,16 @@ static void launch_backward_fp16(const __half* Q, const __half* K, const __half*
     allow_shared(dq_kernel, dq_shared_bytes(D));
     allow_shared(dkdv_kernel, dkdv_shared_bytes(D));
     const float scale_log2 = kLog2e / sqrtf(float(D));
-    float* Dsum = nullptr;  // D_i = rowsum(dO_i * O_i): (B, H, q_len) floats, the only extra memory
-    FLASH_CUDA_CHECK(cudaMallocAsync(&Dsum, l_elems(s) * sizeof(float), stream));
-    dq_kernel<<<q_blocks, 32 * kWarps, dq_shared_bytes(D), stream>>>(
-        Q, K, V, O, dO, L, Dsum, dQ, s.q_len, s.kv_len, s.causal, Tr, scale_log2);
-    cudaError_t launch = cudaGetLastError();
-    if (launch == cudaSuccess) {  // same stream: kernel 2 starts after kernel 1 wrote D
-        dkdv_kernel<<<kv_blocks, 32 * kWarps, dkdv_shared_bytes(D), stream>>>(
+    // Dsum: D_i = rowsum(dO_i * O_i), (B, H, q_len) floats, the backward's only extra memory.
+    with_row_scratch(s, stream, [&](float* Dsum) {
+        dq_kernel<<<q_blocks, 32 * kWarps, dq_shared_bytes(D), stream>>>(
+            Q, K, V, O, dO, L, Dsum, dQ, s.q_len, s.kv_len, s.causal, Tr, scale_log2);
+        const cudaError_t launched = cudaGetLastError();
+        if (launched != cudaSuccess) return launched;
+        dkdv_kernel<<<kv_blocks, 32 * kWarps, dkdv_shared_bytes(D), stream>>>(  // after dq_kernel
             Q, K, V, dO, L, Dsum, dK, dV, s.q_len, s.kv_len, s.causal, Tc, scale_log2);
-        launch = cudaGetLastError();
-    }
-    FLASH_CUDA_CHECK(cudaFreeAsync(Dsum, stream));  // stream-ordered: after both kernels
-    FLASH_CUDA_CHECK(launch);
+        return cudaGetLastError();
+    });
 }
 
 void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
