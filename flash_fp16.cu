@@ -1,8 +1,10 @@
-// flash_fp16.cu: chapter 2, the FlashAttention-2 forward on tensor cores: fp16 Q, K, V, O; the
-// softmax statistics (m, l, L) and every accumulation in fp32. Same contract as chapter 1's
-// flash_forward (flash.h); read it beside flash.cu and FA2's Algorithm 1.
+// flash_fp16.cu: chapter 2, FlashAttention-2 on tensor cores, forward and backward: fp16 Q, K,
+// V, O and gradients; the softmax statistics (m, l, L), D and every accumulation in fp32. The same
+// contract as chapter 1 (flash.h); read it beside flash.cu and FA2's Algorithms 1 and 2.
 //
 // Build and test:   make test        Demo:   ./flash_bench --dtype fp16
+// Sections, in order: constants, fragment helpers, the forward kernel, the backward's helpers and
+// two kernels, the tiles, the launchers.
 //
 // What changes from chapter 1: the two matrix products of Algorithm 1, S = Q_i K_j^T (line 8) and
 // O_i += P~ V_j (line 10), run as mma.sync.m16n8k16 instructions, each a 16x8x16 product by one
@@ -201,7 +203,7 @@ flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict
 // a fixed order). Kernel 1 swaps the paper's loops (one block per Q tile: dQ_i and D_i); kernel 2
 // keeps them (one block per K/V tile: dK_j, dV_j). Both recompute S and P from L (line 11), so
 // the backward does 7 products where FA2 with atomics does 5.
-// Tiles (measured on the H100, NOTES.md section 15): kernel 1 streams K/V tiles of Bc = 32 keys
+// Tiles (measured on the H100, NOTES.md section 14): kernel 1 streams K/V tiles of Bc = 32 keys
 // past a 64-row Q tile; kernel 2 streams Q tiles of Br = 64 queries past a 64-key K/V tile.
 static constexpr int kBwdBc = 32;  // kernel 1: keys per K/V tile
 static constexpr int kBwdBr = 64;  // kernel 2: queries per Q tile
@@ -425,7 +427,8 @@ static FlashTile fp16_tile(const cudaDeviceProp& prop, int head_dim, int Bc) {
     const FlashTile tile{kBr, Bc, 32 * kWarps, 4, fp16_shared_bytes(head_dim, Bc)};
     if (tile.shared_bytes > prop.sharedMemPerBlockOptin)
         throw std::runtime_error("device " + std::string(prop.name) + " has too little shared " +
-                                 "memory for the fp16 tile at head_dim " + std::to_string(head_dim));
+                                 "memory for the fp16 tile at head_dim " +
+                                 std::to_string(head_dim));
     return tile;
 }
 
@@ -441,7 +444,8 @@ FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
     require_head_dim(head_dim, kFlashFp16HeadDims);
     require_sm80(prop, "flash_forward_fp16");
     const size_t per_block = prop.sharedMemPerMultiprocessor / kFp16BlocksPerSM;
-    const bool fits_64 = fp16_shared_bytes(head_dim, 64) + prop.reservedSharedMemPerBlock <= per_block;
+    const bool fits_64 =
+        fp16_shared_bytes(head_dim, 64) + prop.reservedSharedMemPerBlock <= per_block;
     return fp16_tile(prop, head_dim, fits_64 ? 64 : 32);
 }
 
