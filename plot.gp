@@ -7,13 +7,14 @@
 # - fp32 forward time against sequence length, flash against standard attention, for each
 #   head_dim with and without the causal mask (chapter 1: both on the CUDA cores);
 # - the same for fp16 (chapter 2: flash and cuBLAS on the tensor cores), on the same time axis,
-#   so that the two panels compare at a glance;
+#   so that the two panels compare at a glance, with fp16's backward time beside its forward
+#   (same colours, triangles, thinner lines; drawn when the file has fp16 backward times);
 # - the extra device memory each method needs (beyond its inputs and outputs) against sequence
 #   length, fp32 and fp16's standard forward; where the standard method ran out of memory, the
 #   size it asked for is drawn as an open square: that is the memory wall.
 # Both axes are log scale: the protocol doubles seq_len each row, and memory spans from megabytes
-# to tens of gigabytes. Rows a method did not run (OOM, --no-standard, --no-backward, fp16's
-# backward) hold "nan" and are left out. Needs gnuplot >= 5.4 (set datafile columnheaders).
+# to tens of gigabytes. Rows a method did not run (OOM, --no-standard, --no-backward) hold "nan"
+# and are left out. Needs gnuplot >= 5.4 (set datafile columnheaders).
 
 if (!exists("csv")) csv = 'bench.csv'
 if (!exists("out")) out = 'bench.png'
@@ -22,17 +23,33 @@ set datafile separator comma
 # The first line names the columns, so the columns below are picked by name, not position.
 set datafile columnheaders
 
-# Rows of each dtype, and the time range over both, which the two time panels share.
+# A method's time is "nan" on rows where it did not run: compared as text, because
+# gnuplot's NaN != NaN is itself NaN, not true.
+did_not_run(name) = strcol(name) eq "nan" || strcol(name) eq ""
+
+# Rows of each dtype, fp16 rows with a backward time, and the time range over what the two time
+# panels draw (both forwards, fp16's backward), which they share.
 stats csv using (strcol("dtype") eq "fp32") nooutput
 n32 = STATS_sum
 stats csv using (strcol("dtype") eq "fp16") nooutput
 n16 = STATS_sum
+stats csv using (strcol("dtype") eq "fp16" && !did_not_run("flash_bwd_ms")) nooutput
+nb16 = STATS_sum
 stats csv using "flash_fwd_ms" nooutput
 tmin = STATS_min
 tmax = STATS_max
 stats csv using "std_fwd_ms" nooutput
 tmin = STATS_min < tmin ? STATS_min : tmin
 tmax = STATS_max > tmax ? STATS_max : tmax
+# fp16's backward times; other rows give their flash forward time, already in the range, so that
+# stats always has points (it stops the script on a column without any).
+fp16_or_fwd(name) = (strcol("dtype") eq "fp16" && !did_not_run(name)) ? column(name) \
+                    : column("flash_fwd_ms")
+do for [name in "flash_bwd_ms std_bwd_ms"] {
+    stats csv using (fp16_or_fwd(name)) nooutput
+    tmin = STATS_min < tmin ? STATS_min : tmin
+    tmax = STATS_max > tmax ? STATS_max : tmax
+}
 panels = (n32 > 0) + (n16 > 0) + 1
 
 # pngcairo draws smoother lines; plain png (libgd) is the fallback where cairo is missing.
@@ -47,9 +64,7 @@ set output out
 # causal >= 0), NaN (skipped) elsewhere, so each series draws only its own rows.
 mine(t, d) = strcol("dtype") eq t && column("dim") == d
 pick(t, name, d, c) = (mine(t, d) && (c < 0 || column("causal") == c)) ? column(name) : NaN
-# The standard method's requested workspace, on rows where it did not run (its time is "nan";
-# compared as text, because gnuplot's NaN != NaN is itself NaN, not true).
-did_not_run(name) = strcol(name) eq "nan" || strcol(name) eq ""
+# The standard method's requested workspace, on rows where it did not run (its time is "nan").
 wall(t, name, time, d) = (mine(t, d) && column("causal") == 0 && did_not_run(time)) \
                          ? column(name) : NaN
 # flash's forward takes no extra memory: a 0 cannot sit on a log axis, so it is drawn at `floor`.
@@ -57,8 +72,10 @@ floor = 0.1
 lifted(t, name, d) = (mine(t, d) && column("causal") == 0) ? \
                      (column(name) < floor ? floor : column(name)) : NaN
 
-# Line styles: colour by method and head_dim, solid without the mask, dashed with it.
+# Line styles: colour by method and head_dim, solid without the mask, dashed with it; backward
+# times in the same colours, thinner, with triangles.
 LP = 'with linespoints lw 2'
+LB = 'with linespoints lw 1 ps 1.2'
 SQ = 'with points ps 2.5 pt 4'
 blue = '#1f77b4'; green = '#2ca02c'; red = '#d62728'; orange = '#ff7f0e'
 cyan = '#17becf'; purple = '#9467bd'; brown = '#8c564b'
@@ -74,35 +91,65 @@ set grid xtics ytics mytics
 set xlabel "sequence length"
 set key box opaque font ",9"
 
-# The forward-time panel of dtype t.
+# The time panel of dtype t: forward, and in fp16 (where the file has them) backward as well. The
+# forward series are one macro, so that the panel with the backward adds to it, not repeats it.
 set key bottom right
 set ylabel "ms"
 set yrange [tmin / 1.5 : tmax * 1.5]
+FWD = 'csv using "seq":(pick(t, "flash_fwd_ms", 64, 0))  @LP pt 7 lc rgb blue   dt 1 ' . \
+          'title "flash fwd, d 64", ' . \
+      'csv using "seq":(pick(t, "flash_fwd_ms", 64, 1))  @LP pt 7 lc rgb blue   dt 2 ' . \
+          'title "flash fwd, d 64, causal", ' . \
+      'csv using "seq":(pick(t, "flash_fwd_ms", 128, 0)) @LP pt 5 lc rgb green  dt 1 ' . \
+          'title "flash fwd, d 128", ' . \
+      'csv using "seq":(pick(t, "flash_fwd_ms", 128, 1)) @LP pt 5 lc rgb green  dt 2 ' . \
+          'title "flash fwd, d 128, causal", ' . \
+      'csv using "seq":(pick(t, "std_fwd_ms", 64, 0))    @LP pt 6 lc rgb red    dt 1 ' . \
+          'title "standard fwd, d 64", ' . \
+      'csv using "seq":(pick(t, "std_fwd_ms", 64, 1))    @LP pt 6 lc rgb red    dt 2 ' . \
+          'title "standard fwd, d 64, causal", ' . \
+      'csv using "seq":(pick(t, "std_fwd_ms", 128, 0))   @LP pt 4 lc rgb orange dt 1 ' . \
+          'title "standard fwd, d 128", ' . \
+      'csv using "seq":(pick(t, "std_fwd_ms", 128, 1))   @LP pt 4 lc rgb orange dt 2 ' . \
+          'title "standard fwd, d 128, causal"'
+BWD = 'csv using "seq":(pick(t, "flash_bwd_ms", 64, 0))  @LB pt 9  lc rgb blue   dt 1 ' . \
+          'title "flash bwd, d 64", ' . \
+      'csv using "seq":(pick(t, "flash_bwd_ms", 64, 1))  @LB pt 9  lc rgb blue   dt 2 ' . \
+          'title "flash bwd, d 64, causal", ' . \
+      'csv using "seq":(pick(t, "flash_bwd_ms", 128, 0)) @LB pt 11 lc rgb green  dt 1 ' . \
+          'title "flash bwd, d 128", ' . \
+      'csv using "seq":(pick(t, "flash_bwd_ms", 128, 1)) @LB pt 11 lc rgb green  dt 2 ' . \
+          'title "flash bwd, d 128, causal", ' . \
+      'csv using "seq":(pick(t, "std_bwd_ms", 64, 0))    @LB pt 8  lc rgb red    dt 1 ' . \
+          'title "standard bwd, d 64", ' . \
+      'csv using "seq":(pick(t, "std_bwd_ms", 64, 1))    @LB pt 8  lc rgb red    dt 2 ' . \
+          'title "standard bwd, d 64, causal", ' . \
+      'csv using "seq":(pick(t, "std_bwd_ms", 128, 0))   @LB pt 10 lc rgb orange dt 1 ' . \
+          'title "standard bwd, d 128", ' . \
+      'csv using "seq":(pick(t, "std_bwd_ms", 128, 1))   @LB pt 10 lc rgb orange dt 2 ' . \
+          'title "standard bwd, d 128, causal"'
 do for [t in "fp32 fp16"] {
     if ((t eq "fp32" && n32 > 0) || (t eq "fp16" && n16 > 0)) {
-        set title sprintf("%s forward time (median)", t)
-        plot csv using "seq":(pick(t, "flash_fwd_ms", 64, 0))  @LP pt 7 lc rgb blue   dt 1 \
-                 title "flash, d 64", \
-             csv using "seq":(pick(t, "flash_fwd_ms", 64, 1))  @LP pt 7 lc rgb blue   dt 2 \
-                 title "flash, d 64, causal", \
-             csv using "seq":(pick(t, "flash_fwd_ms", 128, 0)) @LP pt 5 lc rgb green  dt 1 \
-                 title "flash, d 128", \
-             csv using "seq":(pick(t, "flash_fwd_ms", 128, 1)) @LP pt 5 lc rgb green  dt 2 \
-                 title "flash, d 128, causal", \
-             csv using "seq":(pick(t, "std_fwd_ms", 64, 0))    @LP pt 6 lc rgb red    dt 1 \
-                 title "standard, d 64", \
-             csv using "seq":(pick(t, "std_fwd_ms", 64, 1))    @LP pt 6 lc rgb red    dt 2 \
-                 title "standard, d 64, causal", \
-             csv using "seq":(pick(t, "std_fwd_ms", 128, 0))   @LP pt 4 lc rgb orange dt 1 \
-                 title "standard, d 128", \
-             csv using "seq":(pick(t, "std_fwd_ms", 128, 1))   @LP pt 4 lc rgb orange dt 2 \
-                 title "standard, d 128, causal"
+        if (t eq "fp16" && nb16 > 0) {
+            # Two columns of keys, forward on the left, backward on the right, top left: at the
+            # bottom right they would cover flash's forward at short lengths.
+            set title sprintf("%s forward and backward time (median)", t)
+            set key top left maxrows 8
+            plot @FWD, @BWD
+        } else {
+            set title sprintf("%s forward time (median)", t)
+            set key bottom right maxrows auto
+            plot @FWD
+        }
     }
 }
+set key maxrows auto
 
 # Memory does not depend on the mask (standard attention stores every score either way), so
-# only the causal = 0 rows are drawn. flash's fp16 forward, like its fp32 one, takes none, and
-# fp16 has no backward yet: of fp16, only the standard forward (scores at half the bytes) is drawn.
+# only the causal = 0 rows are drawn. flash's fp16 forward, like its fp32 one, takes none. Of fp16
+# only the standard forward (scores at half the bytes) is drawn, to keep the panel readable: its
+# backward repeats fp32's pattern (flash: the same D buffer; standard: P and dP at half the
+# bytes), and the CSV has it.
 set title sprintf("extra device memory (flash forward: 0 MiB, drawn at %g)", floor)
 set ylabel "MiB"
 # Top left, above where the lines start: the band between flash's and standard's lines, where
