@@ -7,9 +7,10 @@
 //                unequal lengths, causal on and off, batched heads, every head dim); [sanitize]
 //                is the small subset `make sanitize` runs under compute-sanitizer
 //   [masking]    rows that see no key: O = 0, L = -inf, zero gradients
-//   [fp16]       chapter 2's tensor-core forward, next to each fp32 twin: its tile chooser, the
-//                forward grid, the sanitizer subset and the rows that see no key (against the
-//                reference run in double on the exact fp16 inputs, within fp16_tolerances)
+//   [fp16]       chapter 2's tensor-core forward and backward, next to each fp32 twin: their tile
+//                choosers, the forward and backward grids, the sanitizer subset and the rows that
+//                see no key (against the reference run in double on the exact fp16 inputs,
+//                within fp16_tolerances and fp16_backward_tolerances)
 //   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
 // Everything else (argument validation, determinism, the caller-chosen Bc, extreme inputs, tensors
 // past 65535 heads and 2^31 elements, the [.timing] test) is in test_hardening.cpp; the helpers
@@ -22,6 +23,7 @@
 // Examples: ./test_flash "[cpu]"     ./test_flash "[reference]"     ./test_flash "[gpu]~[big]"
 //           ./test_flash -s "[tile]"     ./test_flash --list-tests     ./test_flash "[fp16]"
 //           ./test_flash "[fp16]~[big]"  (chapter 2 only; "[fp16][cpu]" without a GPU)
+//           ./test_flash "[fp16][backward]"  (the fp16 backward's tests, both files)
 
 #include "test_util.h"
 
@@ -294,6 +296,53 @@ TEST_CASE("The fp16 tile chooser gives valid tiles on A100, RTX 4090 and H100, a
     }
 }
 
+TEST_CASE("The fp16 backward tile chooser gives valid tiles where kernel 2's shared memory fits, "
+          "and refuses the T4", "[cpu][tile][fp16][backward]") {
+    // Kernel 2 (dK, dV) always needs more shared memory than kernel 1 (dQ), and it decides. By
+    // hand: (128 + 256)(d + 8) * 2 + 1024 bytes is 19456, 31744, 56320, 80896 and 105472 at
+    // d = 16, 32, 64, 96, 128. Opt-in limits: A100 166912, H100 232448: every head dim fits;
+    // RTX 4090 101376: every one but d = 128, which is refused with std::runtime_error naming
+    // the device (on sm_89 the fp16 backward runs up to d = 96). The T4 (sm_75) is refused
+    // before any of that: compute capability 8.0.
+    const std::pair<int, size_t> by_hand[] = {
+        {16, 19456}, {32, 31744}, {64, 56320}, {96, 80896}, {128, 105472}};
+    for (const auto& db : by_hand) {
+        CAPTURE(db.first);
+        CHECK(fp16_backward_dkdv_bytes(db.first) == db.second);
+        CHECK(fp16_backward_dq_bytes(db.first) < db.second);
+    }
+    for (const cudaDeviceProp& prop : known_gpus()) {
+        INFO(prop.name << " (sm_" << prop.major << prop.minor << "), opt-in limit "
+                       << prop.sharedMemPerBlockOptin << " bytes");
+        const bool rtx4090 = std::string(prop.name).find("4090") != std::string::npos;
+        for (int d : kFlashFp16BackwardHeadDims) {
+            CAPTURE(d);
+            std::string msg;  // stays empty unless a std::runtime_error is thrown
+            FlashTile t{};
+            try {
+                t = flash_choose_tile_fp16_backward(prop, d);
+            } catch (const std::runtime_error& e) {
+                msg = e.what();
+            }
+            INFO("message: " << msg);
+            if (prop.major < 8) {  // the T4: no mma.m16n8k16 nor cp.async
+                CHECK_THAT(msg, Catch::Matchers::Contains("compute capability 8.0"));
+                continue;
+            }
+            const size_t bytes = fp16_backward_dkdv_bytes(d);
+            const bool fits = bytes <= prop.sharedMemPerBlockOptin;
+            CHECK(fits == !(rtx4090 && d == 128));  // the by-hand figures above
+            if (fits) {
+                CHECK(msg.empty());
+                check_tile_fp16_backward(t, prop, d);
+            } else {
+                CHECK_THAT(msg, Catch::Matchers::Contains(prop.name) &&
+                                    Catch::Matchers::Contains("shared memory"));
+            }
+        }
+    }
+}
+
 // =============================================================================================
 // GPU: the kernels against the reference
 
@@ -317,6 +366,16 @@ TEST_CASE("The fp16 forward matches the reference over a grid of shapes", "[gpu]
 TEST_CASE("The backward matches the reference over a grid of shapes", "[gpu][backward]") {
     const AttentionShape s = GENERATE(from_range(backward_grid(kHeadDims)));
     check_forward_and_backward(s, 200);
+}
+
+TEST_CASE("The fp16 backward matches the reference over a grid of shapes",
+          "[gpu][backward][fp16]") {
+    // The fp32 backward's grid (odd lengths, q_len != kv_len both ways, causal and not, batched
+    // heads) over the fp16 backward's head dims. Q, K, V and a random dO are rounded to fp16; the
+    // kernels run the fp16 forward for their own O and L, then the backward; the reference runs
+    // in double on the same fp16 values and computes its own O and L.
+    const AttentionShape s = GENERATE(from_range(backward_grid(kFp16BackwardHeadDims)));
+    check_fp16_backward(s, 2100);
 }
 
 // The subset `make sanitize` runs under compute-sanitizer (which slows kernels 10-100x): small
@@ -343,6 +402,18 @@ TEST_CASE("Small shapes for the sanitizer: the fp16 forward matches the referenc
     const int d = GENERATE(from_range(kFp16HeadDims));
     const AttentionShape s{bh == 1 ? 1 : 2, bh == 1 ? 1 : 3, qk.first, qk.second, d, causal};
     check_fp16_forward(s, 1300);
+}
+
+// The fp16 backward's share: the same small shapes, forward then backward.
+TEST_CASE("Small shapes for the sanitizer: the fp16 backward matches the reference",
+          "[gpu][sanitize][backward][fp16]") {
+    const auto qk = GENERATE(std::make_pair(1, 1), std::make_pair(17, 33), std::make_pair(33, 17),
+                             std::make_pair(100, 100));
+    const bool causal = GENERATE(false, true);
+    const int bh = GENERATE(1, 6);
+    const int d = GENERATE(from_range(kFp16BackwardHeadDims));
+    const AttentionShape s{bh == 1 ? 1 : 2, bh == 1 ? 1 : 3, qk.first, qk.second, d, causal};
+    check_fp16_backward(s, 2300);
 }
 
 TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU",
@@ -383,6 +454,26 @@ TEST_CASE("Rows that see no key get O = 0 and L = -inf from the fp16 forward",
     check_masked_rows("L", got.L, s, 1, -std::numeric_limits<float>::infinity());
     // And everything, masked rows included, against the reference.
     check_against_reference_fp16(got, p);
+}
+
+TEST_CASE("Rows that see no key get zero gradients from the fp16 backward",
+          "[gpu][masking][backward][hardening][fp16]") {
+    const auto qk = GENERATE(std::make_pair(5, 1), std::make_pair(100, 17), std::make_pair(257, 256),
+                             std::make_pair(1000, 1), std::make_pair(300, 64));
+    const int d = GENERATE(from_range(kFp16BackwardHeadDims));
+    const AttentionShape s{2, 3, qk.first, qk.second, d, true};
+    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
+    const auto p = random_problem_fp16(s, 2400);
+    GpuAttention<__half> gpu(p);
+    gpu.forward();
+    gpu.backward();
+    const auto got = gpu.outputs(true);
+    check_masked_rows("O", got.O, s, d, 0.0f);
+    check_masked_rows("L", got.L, s, 1, -std::numeric_limits<float>::infinity());
+    check_masked_rows("dQ", got.dQ, s, d, 0.0f);
+    // And everything, masked rows included, against the reference (dK and dV get nothing from
+    // the masked rows: the reference's contributions are exactly zero there).
+    check_against_reference_fp16_backward(got, p);
 }
 
 // =============================================================================================

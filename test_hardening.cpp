@@ -10,12 +10,14 @@
 //   [big]          more than 65535 batch*heads, and tensors of more than 2^31 elements (8.6 GB
 //                  each, 4.3 GB in fp16: skipped, with a warning, where the GPU has too little
 //                  memory)
-//   [fp16]         chapter 2's forward (flash_forward_fp16, _bc): each test above that applies
-//                  to a forward has an fp16 twin next to it, tagged [fp16] too
+//   [fp16]         chapter 2's forward (flash_forward_fp16, _bc) and backward
+//                  (flash_backward_fp16): each test above that applies to them has an fp16 twin
+//                  next to it, tagged [fp16] too (and [backward] for the backward's)
 //   [.timing]      hidden: how long the CPU reference takes over the GPU grids
 // They are built into the same binary, test_flash. Examples: ./test_flash "[validation]"
 //   ./test_flash "[gpu]~[big]"     ./test_flash "[big]"     ./test_flash "[.timing]"
 //   ./test_flash "[fp16]"          ./test_flash "[fp16][cpu]"  (without a GPU)
+//   ./test_flash "[fp16][backward]"
 
 #include "test_util.h"
 
@@ -34,6 +36,13 @@ using Catch::Matchers::Contains;
 static std::string fp16_head_dims_string() {
     std::string list;
     for (int d : kFlashFp16HeadDims) list += (list.empty() ? "" : ", ") + std::to_string(d);
+    return list;
+}
+
+// "16, 32, 64, 96, 128": kFlashFp16BackwardHeadDims as the refusals list them.
+static std::string fp16_backward_head_dims_string() {
+    std::string list;
+    for (int d : kFlashFp16BackwardHeadDims) list += (list.empty() ? "" : ", ") + std::to_string(d);
     return list;
 }
 
@@ -67,6 +76,20 @@ TEST_CASE("The fp16 tile chooser refuses head dims without a kernel, listing the
         INFO(prop.name);
         const std::string msg = refusal([&] { flash_choose_tile_fp16(prop, d); });
         CHECK_THAT(msg, NamesWord("head_dim") && Contains(fp16_head_dims_string()));
+    }
+}
+
+TEST_CASE("The fp16 backward tile chooser refuses 256 and other head dims without a kernel, "
+          "listing the supported ones", "[cpu][tile][validation][fp16][backward]") {
+    REQUIRE(fp16_backward_head_dims_string() == "16, 32, 64, 96, 128");
+    const int d = GENERATE(256, 0, -64, 8, 48, 100, 512);
+    CAPTURE(d);
+    for (const cudaDeviceProp& prop : known_gpus()) {  // the T4 too: the head dim is checked first
+        INFO(prop.name);
+        const std::string msg = refusal([&] { flash_choose_tile_fp16_backward(prop, d); });
+        INFO("message: " << msg);
+        CHECK_THAT(msg, NamesWord("head_dim") && Contains(fp16_backward_head_dims_string()));
+        CHECK_THAT(msg, !Contains("128, 256"));  // 256 is not among the supported
     }
 }
 
@@ -126,6 +149,24 @@ TEST_CASE("The fp16 forward refuses shape fields that are zero or negative, nami
     CHECK(t.outputs_untouched());
 }
 
+TEST_CASE("The fp16 backward refuses shape fields that are zero or negative, naming the field",
+          "[cpu][validation][fp16][backward]") {
+    const int field = GENERATE(range(0, 5));
+    const int value = GENERATE(0, -1, INT_MIN);
+    const char* names[] = {"batch", "heads", "q_len", "kv_len", "head_dim"};
+    AttentionShape s = valid_shape();
+    int* fields[] = {&s.batch, &s.heads, &s.q_len, &s.kv_len, &s.head_dim};
+    *fields[field] = value;
+    INFO(names[field] << " = " << value);
+    FakeTensors t;
+    CHECK_THAT(refusal([&] {
+                   flash_backward_fp16(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16,
+                                       t.dV16, s);
+               }),
+               NamesWord(names[field]));
+    CHECK(t.outputs_untouched());
+}
+
 TEST_CASE("Shapes whose tensors overflow size_t are refused", "[cpu][validation]") {
     struct Case {
         const char* what;
@@ -175,6 +216,30 @@ TEST_CASE("The fp16 forward refuses shapes whose tensors overflow size_t", "[cpu
     CHECK_THAT(msg, NamesWord(c.field));
     CHECK_THAT(refusal([&] { flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, c.s, 64); }),
                NamesWord(c.field));
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("The fp16 backward refuses shapes whose tensors overflow size_t",
+          "[cpu][validation][fp16][backward]") {
+    struct Case {
+        const char* what;
+        AttentionShape s;
+        const char* field;  // the length the overflowing tensor runs along
+    };
+    // The fp16 forward's cases (every head dim here has a backward kernel).
+    const Case c = GENERATE(
+        Case{"Q: every field huge", {INT_MAX, INT_MAX, INT_MAX, 1, 64, false}, "q_len"},
+        Case{"K, V only", {1 << 20, 1 << 20, 1, 1 << 30, 64, false}, "kv_len"},
+        Case{"Q: only the last product", {INT_MAX, INT_MAX, 4, 1, 16, false}, "q_len"},
+        Case{"Q, K, V: wraps to 0", {1 << 30, 1 << 30, 1, 1, 16, true}, "q_len"},
+        Case{"Q, K, V: the fp16 byte count only", {1 << 30, 1 << 29, 1, 1, 16, false}, "q_len"});
+    INFO(c.what << ": " << describe(c.s));
+    FakeTensors t;
+    const std::string msg = refusal([&] {
+        flash_backward_fp16(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16, t.dV16, c.s);
+    });
+    INFO("message: " << msg);
+    CHECK_THAT(msg, NamesWord(c.field));
     CHECK(t.outputs_untouched());
 }
 
@@ -315,6 +380,97 @@ TEST_CASE("Null pointers given to the backward are refused, naming the argument"
     CHECK(t.outputs_untouched());
 }
 
+TEST_CASE("Null pointers given to the fp16 backward are refused, naming the argument",
+          "[cpu][validation][fp16][backward]") {
+    const AttentionShape s = valid_shape();
+    const int which = GENERATE(range(0, 9));
+    FakeTensors t;
+    const __half* in[] = {t.Q16, t.K16, t.V16, t.O16, t.dO16};
+    const float* L = t.L;
+    __half* out[] = {t.dQ16, t.dK16, t.dV16};
+    const char* names[] = {"Q", "K", "V", "O", "dO", "L", "dQ", "dK", "dV"};
+    if (which < 5) in[which] = nullptr; else if (which == 5) L = nullptr; else out[which - 6] = nullptr;
+    INFO(names[which] << " = nullptr");
+    CHECK_THAT(refusal([&] {
+                   flash_backward_fp16(in[0], in[1], in[2], in[3], in[4], L, out[0], out[1],
+                                       out[2], s);
+               }),
+               NamesWord(names[which]));
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("The fp16 backward refuses outputs overlapping another tensor, and misaligned tensors",
+          "[cpu][validation][fp16][backward]") {
+    const AttentionShape s = valid_shape();
+    const size_t nq = q_elems(s), nkv = kv_elems(s), nl = l_elems(s);
+    // Separate heap arrays (16-byte aligned, as malloc's are), 8 halves (one float for L) longer
+    // than needed where a shifted pointer must stay inside.
+    const __half nan16 = quiet_nan<__half>();
+    std::vector<__half> Q(nq, __float2half(0.5f)), K(nkv + 8, __float2half(0.25f)),
+        V(nkv, __float2half(0.75f)), O(nq, __float2half(0.375f)), dO(nq + 8, __float2half(0.125f));
+    std::vector<float> L(nl + 1, 1.5f);
+    std::vector<__half> dQ(nq + 8, nan16), dK(nkv, nan16), dV(nkv, nan16);
+    SECTION("dK is dV") {
+        CHECK_THAT(refusal([&] {
+                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
+                                           L.data(), dQ.data(), dV.data(), dV.data(), s);
+                   }),
+                   NamesWord("dK") && NamesWord("dV") && Contains("overlaps"));
+    }
+    SECTION("dQ is dO") {
+        CHECK_THAT(refusal([&] {
+                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
+                                           L.data(), dO.data(), dK.data(), dV.data(), s);
+                   }),
+                   NamesWord("dQ") && NamesWord("dO") && Contains("overlaps"));
+    }
+    SECTION("dV lies inside K") {
+        CHECK_THAT(refusal([&] {
+                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
+                                           L.data(), dQ.data(), dK.data(), K.data() + 8, s);
+                   }),
+                   NamesWord("dV") && NamesWord("K") && Contains("overlaps"));
+    }
+    SECTION("L lies inside dQ (a float L over fp16 dQ: the overlap is of bytes)") {
+        CHECK_THAT(refusal([&] {
+                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
+                                           reinterpret_cast<const float*>(dQ.data() + 8),
+                                           dQ.data(), dK.data(), dV.data(), s);
+                   }),
+                   NamesWord("dQ") && NamesWord("L") && Contains("overlaps"));
+    }
+    SECTION("dO is not 16-byte aligned (2 bytes off)") {
+        CHECK_THAT(refusal([&] {
+                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data() + 1,
+                                           L.data(), dQ.data(), dK.data(), dV.data(), s);
+                   }),
+                   NamesWord("dO") && Contains("16-byte aligned"));
+    }
+    SECTION("dQ is not 16-byte aligned (8 bytes off)") {
+        CHECK_THAT(refusal([&] {
+                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
+                                           L.data(), dQ.data() + 4, dK.data(), dV.data(), s);
+                   }),
+                   NamesWord("dQ") && Contains("16-byte aligned"));
+    }
+    SECTION("L is not 16-byte aligned (4 bytes off)") {
+        CHECK_THAT(refusal([&] {
+                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
+                                           L.data() + 1, dQ.data(), dK.data(), dV.data(), s);
+                   }),
+                   NamesWord("L") && Contains("16-byte aligned"));
+    }
+    auto all_nan = [](const std::vector<__half>& v) {
+        return std::all_of(v.begin(), v.end(), [](__half x) { return std::isnan(to_float(x)); });
+    };
+    CHECK(all_nan(dQ));
+    CHECK(all_nan(dK));
+    CHECK(all_nan(dV));
+    CHECK(std::all_of(K.begin(), K.end(), [](__half x) { return to_float(x) == 0.25f; }));
+    CHECK(std::all_of(dO.begin(), dO.end(), [](__half x) { return to_float(x) == 0.125f; }));
+    CHECK(std::all_of(L.begin(), L.end(), [](float x) { return x == 1.5f; }));
+}
+
 TEST_CASE("Unsupported head dims are refused, listing the supported ones", "[cpu][validation]") {
     const int d = GENERATE(48, 0, 512, 8, 24, 257);
     AttentionShape s = valid_shape();
@@ -345,6 +501,24 @@ TEST_CASE("The fp16 forward refuses unsupported head dims, listing the supported
         CHECK_THAT(msg, NamesWord("head_dim"));
         CHECK_THAT(msg, Contains(fp16_head_dims_string()));
     }
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("The fp16 backward refuses head_dim 256 and other unsupported head dims, listing "
+          "16, 32, 64, 96, 128", "[cpu][validation][fp16][backward]") {
+    // 256 has a forward kernel (fp32 and fp16) but no fp16 backward one.
+    const int d = GENERATE(256, 48, 0, 512, 8, 24, 257);
+    AttentionShape s = valid_shape();
+    s.head_dim = d;
+    INFO(describe(s));
+    FakeTensors t;
+    const std::string msg = refusal([&] {
+        flash_backward_fp16(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16, t.dV16, s);
+    });
+    INFO("message: " << msg);
+    CHECK_THAT(msg, NamesWord("head_dim"));
+    CHECK_THAT(msg, Contains("16, 32, 64, 96, 128"));
+    CHECK_THAT(msg, !Contains("128, 256"));
     CHECK(t.outputs_untouched());
 }
 
@@ -447,6 +621,36 @@ TEST_CASE("The backward gives bitwise identical dQ, dK and dV on every call",
     check_bitwise("dQ", first.dQ, second.dQ, s, q_layout(s));
     check_bitwise("dK", first.dK, second.dK, s, kv_layout(s));
     check_bitwise("dV", first.dV, second.dV, s, kv_layout(s));
+}
+
+TEST_CASE("The fp16 backward gives bitwise identical dQ, dK and dV on every call, on any stream",
+          "[gpu][backward][determinism][fp16]") {
+    // The fp32 backward's shapes (256 -> 128, the fp16 backward's largest head dim), and, as in
+    // the fp16 forward's test, two streams of its own: the backward allocates its D on the stream.
+    const AttentionShape s = GENERATE(from_range(fp16_backward_determinism_shapes(300)));
+    INFO(describe(s));
+    const auto p = random_problem_fp16(s, 2500);
+    GpuAttention<__half> gpu(p);
+    gpu.forward();
+    gpu.backward();
+    const auto first = gpu.outputs(true);
+    for (const auto* g : {&first.dQ, &first.dK, &first.dV}) REQUIRE(count_bad(*g) == 0);
+    gpu.backward();
+    const auto second = gpu.outputs(true);
+    check_bitwise("dQ", first.dQ, second.dQ, s, q_layout(s));
+    check_bitwise("dK", first.dK, second.dK, s, kv_layout(s));
+    check_bitwise("dV", first.dV, second.dV, s, kv_layout(s));
+    for (unsigned flags : {unsigned(cudaStreamDefault), unsigned(cudaStreamNonBlocking)}) {
+        const char* which = flags == cudaStreamDefault ? "a stream of its own"
+                                                       : "a non-blocking stream of its own";
+        INFO("on " << which);
+        ScopedStream stream(flags);
+        gpu.backward(stream.stream);
+        const auto again = gpu.outputs(true);
+        check_bitwise("dQ", first.dQ, again.dQ, s, q_layout(s));
+        check_bitwise("dK", first.dK, again.dK, s, kv_layout(s));
+        check_bitwise("dV", first.dV, again.dV, s, kv_layout(s));
+    }
 }
 
 TEST_CASE("flash_forward_bc matches the reference for tiles that do not divide the length",
@@ -581,6 +785,35 @@ TEST_CASE("100 calls of the fp16 forward give bitwise identical results",
         FAIL("results changed between identical calls");
     }
     check_against_reference_fp16(first, p);
+}
+
+TEST_CASE("100 calls of the fp16 forward and backward give bitwise identical results",
+          "[gpu][hardening][determinism][backward][fp16]") {
+    const int d = GENERATE(from_range(kFp16BackwardHeadDims));
+    const AttentionShape s{1, 2, 100, 77, d, true};
+    INFO(describe(s));
+    const auto p = random_problem_fp16(s, 2700);
+    GpuAttention<__half> gpu(p);
+    gpu.forward();
+    gpu.backward();
+    const auto first = gpu.outputs(true);
+    for (int call = 2; call <= 100; ++call) {
+        gpu.forward();
+        gpu.backward();
+        const auto again = gpu.outputs(true);
+        const bool same = bitwise_equal(again.O, first.O) && bitwise_equal(again.L, first.L) &&
+                          bitwise_equal(again.dQ, first.dQ) && bitwise_equal(again.dK, first.dK) &&
+                          bitwise_equal(again.dV, first.dV);
+        if (same) continue;
+        INFO("call " << call << " of 100 differs from call 1");
+        check_bitwise("O", first.O, again.O, s, q_layout(s));
+        check_bitwise("L", first.L, again.L, s, l_layout(s));
+        check_bitwise("dQ", first.dQ, again.dQ, s, q_layout(s));
+        check_bitwise("dK", first.dK, again.dK, s, kv_layout(s));
+        check_bitwise("dV", first.dV, again.dV, s, kv_layout(s));
+        FAIL("results changed between identical calls");
+    }
+    check_against_reference_fp16_backward(first, p);
 }
 
 TEST_CASE("Extreme inputs give finite outputs within tolerance of the reference",
@@ -777,6 +1010,29 @@ TEST_CASE("More than 65535 batch*heads: the fp16 forward's heads past 65535 are 
     for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
                       size_t(69999)})
         check_big_head(gpu, bh, patterns);
+}
+
+TEST_CASE("More than 65535 batch*heads: the fp16 backward's heads past 65535 are right",
+          "[gpu][big][backward][fp16]") {
+    // The fp32 test runs the backward too; this is its fp16 twin, on the fp16 forward's shape:
+    // two Q tiles a head (q_len 65 > Br = 64) for kernel 1, one partial K/V tile (kv_len 33 < 64)
+    // for kernel 2, and, when causal, rows that see no key (0..31).
+    const bool causal = GENERATE(false, true);
+    const AttentionShape s{70000, 1, 65, 33, 16, causal};
+    INFO(describe(s));
+    std::vector<std::vector<__half>> patterns;
+    for (uint32_t t = 0; t < 4; ++t) patterns.push_back(converted<__half>(random_pattern(5000 + t)));
+    GpuAttention<__half> gpu(s);
+    gpu.Q.fill_repeating(patterns[0]);
+    gpu.K.fill_repeating(patterns[1]);
+    gpu.V.fill_repeating(patterns[2]);
+    gpu.dO = DeviceBuffer<__half>(q_elems(s));
+    gpu.dO.fill_repeating(patterns[3]);
+    gpu.forward();
+    gpu.backward();
+    for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
+                      size_t(69999)})
+        check_big_head(gpu, bh, patterns, true);
 }
 
 TEST_CASE("Tensors of more than 2^31 elements: the fp16 forward's heads past 2^31 are right",

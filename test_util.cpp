@@ -70,6 +70,16 @@ std::vector<AttentionShape> determinism_shapes(int long_kv_len) {
             {1, 2, 200, 31, 32, false},  {1, 3, 96, 96, 96, true}};
 }
 
+std::vector<AttentionShape> fp16_backward_determinism_shapes(int long_kv_len) {
+    std::vector<AttentionShape> shapes = determinism_shapes(long_kv_len);
+    const int largest = kFp16BackwardHeadDims.back();
+    for (AttentionShape& s : shapes)
+        if (std::find(kFp16BackwardHeadDims.begin(), kFp16BackwardHeadDims.end(), s.head_dim) ==
+            kFp16BackwardHeadDims.end())
+            s.head_dim = largest;
+    return shapes;
+}
+
 // =============================================================================================
 // Tolerances (derived in test_util.h)
 
@@ -97,6 +107,25 @@ Tolerances fp16_tolerances(const Problem<__half>& p) {
     t.M = max_row_norm(x.Q, p.s.head_dim) * max_row_norm(x.K, p.s.head_dim) / std::sqrt(d);
     t.L = 2 * d * u * t.M + kSafety * u * (std::sqrt(N) + 8);
     t.O = max_abs(x.V) * (3 * u16 + N * kHalfSubnormalError + t.L);
+    return t;
+}
+
+Tolerances fp16_backward_tolerances(const Problem<__half>& p) {
+    Tolerances t = fp16_tolerances(p);  // M; the errors of the forward's L and O the kernels read
+    const Problem<double> x = converted<double>(p);
+    const int dim = p.s.head_dim;
+    const double u = kUnitRoundoff, u16 = kHalfUnitRoundoff, d = dim, q = p.s.q_len;
+    REQUIRE(x.dO.size() == q_elems(p.s));
+    // (a) P recomputed from S (aligned fp32 sums) and from the forward's L: relative error eps.
+    const double eps = t.L + 2 * d * u * t.M;
+    // (b) P, dS and each gradient rounded to fp16: 3 u16, with the statistical margin.
+    t.grad_rel = kSafety16 * (3 * u16 + eps);
+    // (c) and cancellation: the noise of D_i (the rounding of the fp16 O over a row of dO, and
+    // O's own error), which is all of dS_ij where dP_ij ~ D_i.
+    const double D_noise = u16 * max_row_norm(x.dO, dim) * max_abs(x.V) +
+                           max_row_l1(x.dO, dim) * t.O;
+    t.dQ_floor = 4 * D_noise * max_abs(x.K) / std::sqrt(d);
+    t.dK_floor = 4 * D_noise * max_abs(x.Q) / std::sqrt(d) * std::sqrt(q);
     return t;
 }
 
@@ -129,6 +158,17 @@ void check_against_reference_fp16(const Outputs<float>& got, const Problem<__hal
     INFO("fp16 forward, score bound M = " << tol.M << ": tolerance on O " << tol.O << ", on L "
                                           << tol.L);
     check_forward(got, reference_forward(converted<double>(p)), tol, p.s);
+}
+
+void check_against_reference_fp16_backward(const Outputs<float>& got, const Problem<__half>& p) {
+    const Tolerances tol = fp16_backward_tolerances(p);
+    INFO("fp16 backward, score bound M = " << tol.M << ": tolerance on O " << tol.O << ", on L "
+                                           << tol.L << "; gradients: " << tol.grad_rel
+                                           << " of the largest entry, + " << tol.dQ_floor
+                                           << " on dQ, + " << tol.dK_floor << " on dK");
+    const auto want = reference_backward(converted<double>(p));
+    check_forward(got, want, tol, p.s);
+    check_backward(got, want, tol, p.s);
 }
 
 void check_masked_rows(const char* name, const std::vector<float>& got, const AttentionShape& s,
@@ -197,6 +237,12 @@ void launch_backward(const float* Q, const float* K, const float* V, const float
     flash_backward(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
 }
 
+void launch_backward(const __half* Q, const __half* K, const __half* V, const __half* O,
+                     const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
+                     const AttentionShape& s, cudaStream_t stream) {
+    flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+}
+
 void check_forward_and_backward(const AttentionShape& s, uint32_t salt) {
     INFO(describe(s));
     const auto p = random_problem(s, salt);
@@ -216,6 +262,15 @@ void check_fp16_forward(const AttentionShape& s, uint32_t salt, int Bc) {
     GpuAttention<__half> gpu(p);
     gpu.forward(Bc);
     check_against_reference_fp16(gpu.outputs(false), p);
+}
+
+void check_fp16_backward(const AttentionShape& s, uint32_t salt) {
+    INFO(describe(s));
+    const auto p = random_problem_fp16(s, salt);
+    GpuAttention<__half> gpu(p);
+    gpu.forward();   // the kernel's own O (fp16) and L (fp32), which the backward reads
+    gpu.backward();  // dQ, dK, dV poisoned with NaN first
+    check_against_reference_fp16_backward(gpu.outputs(true), p);
 }
 
 cudaDeviceProp current_device_props() {
@@ -248,18 +303,24 @@ FakeTensors::FakeTensors() {
         std::fill(outs[t], outs[t] + kN, std::numeric_limits<float>::quiet_NaN());
         std::memcpy(snapshot[t], outs[t], sizeof(snapshot[t]));
     }
-    __half* inputs16[] = {Q16, K16, V16};
-    for (size_t t = 0; t < 3; ++t)
+    __half* inputs16[] = {Q16, K16, V16, dO16};
+    for (size_t t = 0; t < 4; ++t)
         for (size_t e = 0; e < kN; ++e) inputs16[t][e] = __float2half(float(t * 100 + e) + 0.5f);
-    std::fill(O16, O16 + kN, quiet_nan<__half>());
-    std::memcpy(snapshot16, O16, sizeof(snapshot16));
+    __half* outs16[] = {O16, dQ16, dK16, dV16};
+    for (size_t t = 0; t < 4; ++t) {
+        std::fill(outs16[t], outs16[t] + kN, quiet_nan<__half>());
+        std::memcpy(snapshot16[t], outs16[t], sizeof(snapshot16[t]));
+    }
 }
 
 bool FakeTensors::outputs_untouched() const {
     const float* outs[] = {O, L, dQ, dK, dV};
     for (size_t t = 0; t < 5; ++t)
         if (std::memcmp(snapshot[t], outs[t], sizeof(snapshot[t])) != 0) return false;
-    return std::memcmp(snapshot16, O16, sizeof(snapshot16)) == 0;
+    const __half* outs16[] = {O16, dQ16, dK16, dV16};
+    for (size_t t = 0; t < 4; ++t)
+        if (std::memcmp(snapshot16[t], outs16[t], sizeof(snapshot16[t])) != 0) return false;
+    return true;
 }
 
 // =============================================================================================
@@ -328,6 +389,28 @@ void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d) {
     CHECK(t.shared_bytes + prop.reservedSharedMemPerBlock <= prop.sharedMemPerMultiprocessor);
 }
 
+size_t fp16_backward_dq_bytes(int d) {
+    return size_t(2 * 64 + 4 * 32) * (d + 8) * sizeof(__half);
+}
+
+size_t fp16_backward_dkdv_bytes(int d) {
+    return size_t(2 * 64 + 4 * 64) * (d + 8) * sizeof(__half) + 4 * 64 * sizeof(float);
+}
+
+void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, int d) {
+    INFO("fp16 backward tile on " << prop.name << " (sm_" << prop.major << prop.minor
+                                  << "), head_dim " << d << ": Br=" << t.Br << " Bc=" << t.Bc
+                                  << " threads=" << t.threads << " threads_per_row="
+                                  << t.threads_per_row << " shared_bytes=" << t.shared_bytes);
+    CHECK(t.Br == 64);              // four warps of 16 query rows (the mma's M), both kernels
+    CHECK(t.Bc == 32);              // kernel 1's keys per K/V tile
+    CHECK(t.threads == 128);        // four warps
+    CHECK(t.threads_per_row == 4);  // an mma fragment spreads a row over 4 threads
+    CHECK(t.shared_bytes == std::max(fp16_backward_dq_bytes(d), fp16_backward_dkdv_bytes(d)));
+    CHECK(t.shared_bytes <= prop.sharedMemPerBlockOptin);
+    CHECK(t.shared_bytes + prop.reservedSharedMemPerBlock <= prop.sharedMemPerMultiprocessor);
+}
+
 // =============================================================================================
 // Big tensors
 
@@ -366,22 +449,35 @@ void check_big_head(const GpuAttention<float>& gpu, size_t bh,
 }
 
 void check_big_head(const GpuAttention<__half>& gpu, size_t bh,
-                    const std::vector<std::vector<__half>>& patterns) {
+                    const std::vector<std::vector<__half>>& patterns, bool with_gradients) {
     const AttentionShape& s = gpu.s;
     const size_t d = s.head_dim, q_head = size_t(s.q_len) * d, kv_head = size_t(s.kv_len) * d;
     Problem<__half> one{{1, 1, s.q_len, s.kv_len, s.head_dim, s.causal}, {}, {}, {}, {}};
     one.Q = pattern_slice(patterns[0], bh * q_head, q_head);
     one.K = pattern_slice(patterns[1], bh * kv_head, kv_head);
     one.V = pattern_slice(patterns[2], bh * kv_head, kv_head);
-    const Outputs<double> want = reference_forward(converted<double>(one));
+    if (with_gradients) one.dO = pattern_slice(patterns[3], bh * q_head, q_head);
+    const Problem<double> exact = converted<double>(one);
+    const Outputs<double> want = with_gradients ? reference_backward(exact)
+                                                : reference_forward(exact);
     Outputs<float> got;
     got.O = gpu.O.download_float(bh * q_head, q_head);
     got.L = gpu.L.download(bh * s.q_len, s.q_len);
-    const Tolerances tol = fp16_tolerances(one);
-    INFO("fp16 forward, head " << bh << " of " << size_t(s.batch) * s.heads << " (elements from "
-                               << bh * q_head << ")");
+    const Tolerances tol = with_gradients ? fp16_backward_tolerances(one) : fp16_tolerances(one);
+    INFO("fp16 " << (with_gradients ? "forward and backward" : "forward") << ", head " << bh
+                 << " of " << size_t(s.batch) * s.heads << " (elements from " << bh * q_head
+                 << ")");
     check_close("O", got.O, want.O, tol.O, s, q_layout(s, bh));
     check_close("L", got.L, want.L, tol.L, s, l_layout(s, bh));
+    if (!with_gradients) return;
+    got.dQ = gpu.dQ.download_float(bh * q_head, q_head);
+    got.dK = gpu.dK.download_float(bh * kv_head, kv_head);
+    got.dV = gpu.dV.download_float(bh * kv_head, kv_head);
+    check_close("dQ", got.dQ, want.dQ, tol.grad_rel * max_abs(want.dQ) + tol.dQ_floor, s,
+                q_layout(s, bh));
+    check_close("dK", got.dK, want.dK, tol.grad_rel * max_abs(want.dK) + tol.dK_floor, s,
+                kv_layout(s, bh));
+    check_close("dV", got.dV, want.dV, tol.grad_rel * max_abs(want.dV), s, kv_layout(s, bh));
 }
 
 // =============================================================================================

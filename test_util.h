@@ -5,15 +5,18 @@
 //                      reference): NaN and the conversion to float for each
 //   Shapes, inputs     describe(), masked_rows(), seeds, random problems (fp32, and rounded to
 //                      fp16), the reference's outputs
-//   Shape lists        the head dims (fp32's, fp16's), the forward and backward grids, the
-//                      determinism shapes
-//   Tolerances         fp32's error bounds and fp16's, each with its derivation
+//   Shape lists        the head dims (fp32's, the fp16 forward's and backward's), the forward and
+//                      backward grids, the determinism shapes (and the fp16 backward's version)
+//   Tolerances         fp32's error bounds, the fp16 forward's and the fp16 backward's, each with
+//                      its derivation
 //   Comparing          check_close (the one comparison every test uses), masked rows, bitwise;
-//                      the fp16 forward against the reference run on its exact inputs
+//                      the fp16 forward and backward against the reference run on their exact
+//                      inputs
 //   Device memory      DeviceBuffer<T> and GpuAttention<T>: upload, poison with NaN, run, download
-//                      (T = float runs chapter 1's kernels, T = __half chapter 2's forward)
+//                      (T = float runs chapter 1's kernels, T = __half chapter 2's)
 //   Validation         refusal(), NamesWord, FakeTensors: for the argument-validation tests
-//   Tile chooser       four real GPUs' properties, and what every tile (fp32, fp16) must satisfy
+//   Tile chooser       four real GPUs' properties, and what every tile (fp32, fp16 forward and
+//                      backward) must satisfy
 //   Big tensors        inputs built from a repeating pattern, checked one head at a time
 //   Source files       the lines of NOTES.md and flash.cu, for the [notes] test
 #pragma once
@@ -172,6 +175,18 @@ double max_row_norm(const std::vector<T>& v, int d) {
     return m;
 }
 
+// The largest L1 norm (sum of |entries|) of a row of length d.
+template <typename T>
+double max_row_l1(const std::vector<T>& v, int d) {
+    double m = 0;
+    for (size_t r = 0; r < v.size() / size_t(d); ++r) {
+        double sum = 0;
+        for (int x = 0; x < d; ++x) sum += std::fabs(double(v[r * d + x]));
+        m = std::max(m, sum);
+    }
+    return m;
+}
+
 // =============================================================================================
 // Shape lists, named once. The CPU reference costs about batch*heads * q_len * kv_len * head_dim,
 // so the long sequences get one head only: the whole [gpu] suite's reference work stays a few
@@ -182,6 +197,9 @@ inline const std::vector<int> kHeadDims(std::begin(kFlashHeadDims), std::end(kFl
 // The same for the fp16 forward (kFlashFp16HeadDims), for GENERATE(from_range(kFp16HeadDims)).
 inline const std::vector<int> kFp16HeadDims(std::begin(kFlashFp16HeadDims),
                                             std::end(kFlashFp16HeadDims));
+// And for the fp16 backward (kFlashFp16BackwardHeadDims: no 256).
+inline const std::vector<int> kFp16BackwardHeadDims(std::begin(kFlashFp16BackwardHeadDims),
+                                                    std::end(kFlashFp16BackwardHeadDims));
 
 // The forward grid's lengths, each paired with itself: odd lengths, and the tile edges 32 and 256
 // with a neighbour on each side (31, 33, 255, 257). Then unequal pairs on both sides: q_len <
@@ -208,6 +226,9 @@ std::vector<AttentionShape> backward_grid(const std::vector<int>& head_dims);
 // The determinism tests' shapes: odd and unequal lengths, batched heads, causal on and off, every
 // head dim once. long_kv_len is the kv_len of the one long case, (1, 2, 100, long_kv_len, 128).
 std::vector<AttentionShape> determinism_shapes(int long_kv_len);
+// The same shapes for the fp16 backward: its one unsupported head dim, 256, becomes 128, so the
+// shape (333 queries against 77 keys, causal: leading rows that see nothing) stays in the list.
+std::vector<AttentionShape> fp16_backward_determinism_shapes(int long_kv_len);
 
 // =============================================================================================
 // Tolerances: the fp32 kernels against the reference, which accumulates in double and so is
@@ -286,8 +307,59 @@ constexpr double kHalfUnitRoundoff = 1.0 / (1 << 11);  // u16
 constexpr double kHalfSubnormalError = 1.0 / (1 << 25);  // half the spacing of fp16's subnormals
 
 // The fp16 tolerances for problem p (its fp16 values, exactly): M, L and O (see above); the
-// gradient fields stay 0 (there is no fp16 backward).
+// gradient fields stay 0 (fp16_backward_tolerances fills them).
 Tolerances fp16_tolerances(const Problem<__half>& p);
+
+// ---------------------------------------------------------------------------------------------
+// Tolerances of the fp16 backward (flash_backward_fp16) against the reference, which runs in
+// double on exactly the fp16 inputs Q, K, V and dO and computes its own exact O and L, while the
+// kernels read the fp16 forward's O (fp16) and L (fp32). So the forward's errors, tol_L and tol_O
+// of fp16_tolerances, are errors of the backward here too. u16, u, M, d as above.
+//  (a) P_ij = exp(S_ij - L_i) is recomputed: S_ij once more from exact fp16 products summed in
+//      fp32 (aligned at worst, as in the forward: d u M, and 2 d u M with the scaling and exp2f),
+//      L_i from the forward (off by tol_L). An absolute error e of the exponent is a relative
+//      error e of P, so every P_ij is off by at most
+//          eps = tol_L + 2 d u M   (relative).
+//  (b) Three fp16 roundings, each u16 relative to the element it rounds: P to fp16 for
+//      dV = P^T dO; dS = P o (dP - D) to fp16 for dQ = dS K and dK = dS^T Q; each gradient to fp16
+//      when it is written. dP = dO V^T itself is fp32 sums of exact fp16 products: d u M_dP with
+//      M_dP = max|dO_i| max|V_j|, far below u16, so it adds nothing worth a term.
+//  (c) D_i = rowsum(dO_i o O_i) is computed from the forward's fp16 O, whose every element is off
+//      by up to tol_O: D_i is off by up to ||dO_i||_1 tol_O.
+//  Each gradient element is a sum of many terms (over keys for dQ, over queries for dK and dV),
+//  each term carrying its own, independent roundings from (a) and (b). Measured against the
+//  reference gradient's largest entry, the error is then a few u16 plus the error of P:
+//      grad_rel = kSafety16 (3 u16 + eps).
+//  kSafety16 = 8 is a statistical margin, not a worst case. The terms' rounding errors have
+//  random signs, so they add up as a random walk (the square root of their sum of squares), just
+//  as random terms themselves do: a sum's error stays a few u16 of the sum's typical size, not of
+//  the sum of the terms' sizes. 8 covers the tail: the worst of the many thousand elements one
+//  test compares sits some 5 standard deviations out. (A worst case, every rounding of a sum's
+//  terms aligned, would grow with the number of terms, and at u16 = 4.9e-4 would leave no test.)
+//  Cancellation, as in the fp32 derivation: where dP_ij ~ D_i (e.g. kv_len = 1, where the exact
+//  dQ and dK are 0), dS_ij is nothing but the noise of D_i, and no bound relative to the (tiny)
+//  reference gradient can cover it. That noise is
+//      |dD_i| ~ u16 ||dO_i||_2 max|O| + ||dO_i||_1 tol_O
+//  (the rounding of the fp16 O, random signs over the row: u16 ||dO_i||_2 max|O|, with
+//  max|O| <= max|V|; and O's error, bounded element by element, from (c)). So the floors:
+//      dQ_floor = 4 (u16 max_i ||dO_i||_2 max|V| + max_i ||dO_i||_1 tol_O) max|K| / sqrt(d)
+//  (dQ_i sums that noise over keys with weights P_ij that add up to 1, times K_j / sqrt(d)), and
+//      dK_floor = the same with max|Q| in place of max|K|, times sqrt(q_len)
+//  (dK_j sums it over queries with weights P_ij <= 1, random signs); 4 is the margin on these.
+// How tight they are (a CPU emulation of the kernels' roundings, not an H100 run: fp16 P, dS,
+// O and gradients, fp32 sums, over the batch-1 shapes of backward_grid(kFp16BackwardHeadDims)):
+// the worst error is 1/19 of the tolerance on dV, but 1/330 of it on dQ and 1/960 on dK. The
+// floors decide there: ||dO_i||_1 tol_O takes O's worst-case (aligned) bound element by element,
+// and the floors exceed the largest reference entry on 34 of those 120 shapes for dQ and 97 for
+// dK (up to 5 and 38 times it), so the dQ and dK checks catch unwritten elements and gross
+// errors, not small ones. A tighter floor needs a statistical bound on O's error; not done here.
+// As above: never loosen these to make a test pass; fix the derivation first if it is wrong.
+constexpr double kSafety16 = 8.0;
+
+// The fp16 backward's tolerances for problem p (its fp16 values, dO included): the forward's M, L
+// and O (fp16_tolerances, for the O and L the backward reads), then grad_rel, dQ_floor and
+// dK_floor as derived above.
+Tolerances fp16_backward_tolerances(const Problem<__half>& p);
 
 // =============================================================================================
 // Comparing tensors
@@ -377,6 +449,9 @@ void check_backward(const Outputs<float>& got, const Outputs<W>& want, const Tol
 // The fp16 forward's outputs (the GPU's, as float: exact) against the reference run in double on
 // p's exact fp16 values, within fp16_tolerances(p).
 void check_against_reference_fp16(const Outputs<float>& got, const Problem<__half>& p);
+// The fp16 forward's and backward's outputs (O, L, dQ, dK, dV) against the reference's, run in
+// double on p's exact fp16 values (dO included), within fp16_backward_tolerances(p).
+void check_against_reference_fp16_backward(const Outputs<float>& got, const Problem<__half>& p);
 
 // Rows 0 .. masked-1 of every head must hold exactly `value` (0 for O and dQ, -inf for L).
 void check_masked_rows(const char* name, const std::vector<float>& got, const AttentionShape& s,
@@ -460,14 +535,17 @@ struct DeviceBuffer {
 
 // The kernels under test, one overload per element type: Bc = 0 runs flash_forward (the device's
 // own tile), Bc > 0 flash_forward_bc; with __half tensors (and a float L), flash_forward_fp16 and
-// flash_forward_fp16_bc, so that GpuAttention<__half> runs chapter 2's forward. (There is no fp16
-// backward: GpuAttention<__half>::backward() is never instantiated.)
+// flash_forward_fp16_bc, and flash_backward_fp16, so that GpuAttention<__half> runs chapter 2's
+// forward and backward.
 void launch_forward(const float* Q, const float* K, const float* V, float* O, float* L,
                     const AttentionShape& s, int Bc, cudaStream_t stream);
 void launch_forward(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
                     const AttentionShape& s, int Bc, cudaStream_t stream);
 void launch_backward(const float* Q, const float* K, const float* V, const float* O,
                      const float* dO, const float* L, float* dQ, float* dK, float* dV,
+                     const AttentionShape& s, cudaStream_t stream);
+void launch_backward(const __half* Q, const __half* K, const __half* V, const __half* O,
+                     const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
                      const AttentionShape& s, cudaStream_t stream);
 
 // One problem on the GPU, tensors of T (L is always float): inputs uploaded once; forward() and
@@ -538,6 +616,12 @@ void check_forward_and_backward(const AttentionShape& s, uint32_t salt);
 // L against the reference (the fp16 grid, the sanitizer subset and the Bc test share it).
 void check_fp16_forward(const AttentionShape& s, uint32_t salt, int Bc = 0);
 
+// The same for the fp16 backward: fresh random inputs and dO rounded to fp16, flash_forward_fp16
+// for the kernel's own O and L, then flash_backward_fp16 with them (its outputs poisoned with NaN
+// first), and O, L, dQ, dK, dV against the reference (the fp16 backward grid and its sanitizer
+// subset share it).
+void check_fp16_backward(const AttentionShape& s, uint32_t salt);
+
 // The device's properties (of the current device), for the tests that depend on its shared memory.
 cudaDeviceProp current_device_props();
 
@@ -570,14 +654,14 @@ public:
 
 // Stand-ins for tensors in the validation tests: real, separate, 16-byte-aligned host arrays
 // (never read: validation refuses the call first). The inputs hold a pattern, the outputs NaN,
-// and the outputs must be bitwise unchanged afterwards. Q16, K16, V16, O16 stand in for the fp16
-// forward's tensors (its L is the float L).
+// and the outputs must be bitwise unchanged afterwards. Q16 .. dV16 stand in for the fp16
+// forward's and backward's tensors (their L is the float L).
 struct FakeTensors {
     static constexpr size_t kN = 64;
     alignas(16) float Q[kN], K[kN], V[kN], O[kN], L[kN], dO[kN], dQ[kN], dK[kN], dV[kN];
-    alignas(16) __half Q16[kN], K16[kN], V16[kN], O16[kN];
+    alignas(16) __half Q16[kN], K16[kN], V16[kN], O16[kN], dO16[kN], dQ16[kN], dK16[kN], dV16[kN];
     alignas(16) float snapshot[5][kN];
-    alignas(16) __half snapshot16[kN];
+    alignas(16) __half snapshot16[4][kN];  // O16, dQ16, dK16, dV16
 
     FakeTensors();                   // fills the inputs and poisons the outputs
     bool outputs_untouched() const;  // every output still bitwise as the constructor left it
@@ -603,6 +687,17 @@ void check_tile(const char* which, const FlashTile& t, const cudaDeviceProp& pro
 // device's opt-in limit.
 void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d);
 
+// The fp16 backward's bytes of shared memory at head dim d, from flash.h's formula (rows padded
+// by 8 halves): kernel 1 (dQ) holds Q_i and dO_i (64 rows each) and two stages of K_j and V_j
+// (32 rows each): (2*64 + 4*32)(d + 8) halves; kernel 2 (dK, dV) holds K_j and V_j (64 rows
+// each), two stages of Q_i and dO_i (64 rows each) and of L_i and D_i (64 floats each):
+// (2*64 + 4*64)(d + 8) halves + 4*64 floats. The tile asks for the larger.
+size_t fp16_backward_dq_bytes(int d);
+size_t fp16_backward_dkdv_bytes(int d);
+// What the fp16 backward's tile must be: Br = 64, Bc = 32, 128 threads, 4 threads a row,
+// shared_bytes the larger kernel's, within the device's opt-in limit and beside its reserve.
+void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, int d);
+
 // =============================================================================================
 // The big tests' inputs: tensors filled on the GPU with a random pattern of prime length, so
 // that no two heads hold the same data (a kernel that reads the wrong head is caught), while
@@ -624,9 +719,10 @@ std::vector<T> pattern_slice(const std::vector<T>& pattern, size_t first, size_t
 // compares with that head's slice of the GPU's outputs.
 void check_big_head(const GpuAttention<float>& gpu, size_t bh,
                     const std::vector<std::vector<float>>& patterns, bool with_gradients);
-// The same for the fp16 forward (O and L; patterns: random_pattern's values rounded to fp16).
+// The same for the fp16 forward (O and L; patterns: random_pattern's values rounded to fp16), and
+// with_gradients, for the fp16 backward (dQ, dK, dV too; patterns[3] holds dO's).
 void check_big_head(const GpuAttention<__half>& gpu, size_t bh,
-                    const std::vector<std::vector<__half>>& patterns);
+                    const std::vector<std::vector<__half>>& patterns, bool with_gradients = false);
 
 // =============================================================================================
 // Source files
