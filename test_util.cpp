@@ -110,24 +110,41 @@ Tolerances fp16_tolerances(const Problem<__half>& p) {
     return t;
 }
 
-Tolerances fp16_backward_tolerances(const Problem<__half>& p) {
-    Tolerances t = fp16_tolerances(p);  // M; the errors of the forward's L and O the kernels read
+template <typename W>
+Tolerances fp16_backward_tolerances(const Problem<__half>& p, const Outputs<float>& got,
+                                    const Outputs<W>& want) {
+    Tolerances t = fp16_tolerances(p);  // M; the forward's own tol_L, tol_O (for O and L)
     const Problem<double> x = converted<double>(p);
     const int dim = p.s.head_dim;
     const double u = kUnitRoundoff, u16 = kHalfUnitRoundoff, d = dim, q = p.s.q_len;
     REQUIRE(x.dO.size() == q_elems(p.s));
-    // (a) P recomputed from S (aligned fp32 sums) and from the forward's L: relative error eps.
-    const double eps = t.L + 2 * d * u * t.M;
+    REQUIRE(got.O.size() == want.O.size());
+    REQUIRE(got.L.size() == want.L.size());
+    // (a) P recomputed from S (aligned fp32 sums) and from the forward's L, off by dL.
+    double dL = 0;
+    for (size_t i = 0; i < got.L.size(); ++i)
+        if (std::isfinite(double(want.L[i])))
+            dL = std::max(dL, std::fabs(got.L[i] - double(want.L[i])));
+    const double eps = dL + 2 * d * u * t.M;
     // (b) P, dS and each gradient rounded to fp16: 3 u16, with the statistical margin.
     t.grad_rel = kSafety16 * (3 * u16 + eps);
-    // (c) and cancellation: the noise of D_i (the rounding of the fp16 O over a row of dO, and
-    // O's own error), which is all of dS_ij where dP_ij ~ D_i.
-    const double D_noise = u16 * max_row_norm(x.dO, dim) * max_abs(x.V) +
-                           max_row_l1(x.dO, dim) * t.O;
-    t.dQ_floor = 4 * D_noise * max_abs(x.K) / std::sqrt(d);
-    t.dK_floor = 4 * D_noise * max_abs(x.Q) / std::sqrt(d) * std::sqrt(q);
+    // (c) D_i from the forward's O: its exact error over each row of dO, and its fp32 sum.
+    double dD = 0;
+    for (size_t row = 0; row < got.L.size(); ++row) {
+        double e = 0;
+        for (int c = 0; c < dim; ++c) {
+            const size_t at = row * dim + c;
+            e += x.dO[at] * (double(got.O[at]) - double(want.O[at]));
+        }
+        dD = std::max(dD, std::fabs(e));
+    }
+    dD += d * u * max_abs(x.dO) * max_abs(x.V);
+    t.dQ_floor = 2 * dD * max_abs(x.K) / std::sqrt(d);
+    t.dK_floor = 4 * dD * max_abs(x.Q) * std::sqrt(q) / std::sqrt(d);
     return t;
 }
+template Tolerances fp16_backward_tolerances(const Problem<__half>&, const Outputs<float>&,
+                                             const Outputs<double>&);
 
 // =============================================================================================
 // Comparing tensors
@@ -161,12 +178,12 @@ void check_against_reference_fp16(const Outputs<float>& got, const Problem<__hal
 }
 
 void check_against_reference_fp16_backward(const Outputs<float>& got, const Problem<__half>& p) {
-    const Tolerances tol = fp16_backward_tolerances(p);
+    const auto want = reference_backward(converted<double>(p));
+    const Tolerances tol = fp16_backward_tolerances(p, got, want);
     INFO("fp16 backward, score bound M = " << tol.M << ": tolerance on O " << tol.O << ", on L "
                                            << tol.L << "; gradients: " << tol.grad_rel
                                            << " of the largest entry, + " << tol.dQ_floor
                                            << " on dQ, + " << tol.dK_floor << " on dK");
-    const auto want = reference_backward(converted<double>(p));
     check_forward(got, want, tol, p.s);
     check_backward(got, want, tol, p.s);
 }
@@ -463,7 +480,8 @@ void check_big_head(const GpuAttention<__half>& gpu, size_t bh,
     Outputs<float> got;
     got.O = gpu.O.download_float(bh * q_head, q_head);
     got.L = gpu.L.download(bh * s.q_len, s.q_len);
-    const Tolerances tol = with_gradients ? fp16_backward_tolerances(one) : fp16_tolerances(one);
+    const Tolerances tol =
+        with_gradients ? fp16_backward_tolerances(one, got, want) : fp16_tolerances(one);
     INFO("fp16 " << (with_gradients ? "forward and backward" : "forward") << ", head " << bh
                  << " of " << size_t(s.batch) * s.heads << " (elements from " << bh * q_head
                  << ")");
