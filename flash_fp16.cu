@@ -204,14 +204,21 @@ flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict
 // keeps them (one block per K/V tile: dK_j, dV_j). Both recompute S and P from L (line 11), so
 // the backward does 7 products where FA2 with atomics does 5.
 // Tiles (measured on the H100, NOTES.md section 14): kernel 1 streams K/V tiles of Bc = 32 keys
-// past a 64-row Q tile; kernel 2 streams Q tiles of Br = 64 queries past a 64-key K/V tile.
+// past a 64-row Q tile; kernel 2 streams Q tiles of Br = 64 queries past a 64-key K/V tile (32 at
+// d = 256, so that its shared memory fits an A100's 163 KB).
 static constexpr int kBwdBc = 32;  // kernel 1: keys per K/V tile
-static constexpr int kBwdBr = 64;  // kernel 2: queries per Q tile
+constexpr int dkdv_Br(int head_dim) { return head_dim <= 128 ? 64 : 32; }  // kernel 2: Q tile rows
 static constexpr int kBc = 16 * kWarps;  // kernel 2: keys per block (16 per warp)
-// Registers: at d <= 64 three blocks of 128 threads fit an SM (<= 168 registers a thread); above,
-// kernel 2's dK_j and dV_j accumulators (D floats a thread) need up to 248, so two.
+// Registers: at d <= 64 three blocks of 128 threads fit an SM (<= 168 registers a thread); at
+// d = 96, 128 kernel 2's dK_j and dV_j accumulators (D floats a thread) need up to 248, so two; at
+// d = 256 one (shared memory allows no more), and dK_j, dV_j take a launch each (below).
 template <int D>
-constexpr int kBwdMinBlocks = D <= 64 ? 3 : 2;
+constexpr int kBwdMinBlocks = D <= 64 ? 3 : D <= 128 ? 2 : 1;
+// Which of dK_j and dV_j a launch of kernel 2 computes: both, or, at d = 256, where the two
+// accumulators (256 floats a thread) cannot fit in a thread's 255 registers, one per launch.
+enum Grads { kDKdV, kOnlyDV, kOnlyDK };
+template <int D>
+constexpr Grads kGradsPerLaunch = D <= 128 ? kDKdV : kOnlyDV;  // kOnlyDV: then a kOnlyDK launch
 
 // The same for N floats of a vector (4 bytes per cp.async): entries at or past `len` become 0.
 template <int N>
@@ -338,8 +345,9 @@ flash_backward_dq_fp16_kernel(const __half* __restrict__ Q, const __half* __rest
 // w owns keys 16w..16w+15 of K_j, a thread keys `key` and key + 8 (h = 0, 1). Everything is
 // transposed: S^T = K_j Q_i^T has a key per row and a query per column, so each thread needs L
 // and D of its columns' queries: they are staged in shared memory beside Q_i and dO_i, which
-// stream through it in tiles of Br queries, two stages. K_j, V_j stay in shared memory.
-template <int D, int Br>
+// stream through it in tiles of Br queries, two stages. K_j, V_j stay in shared memory. G: which
+// of dK_j, dV_j this launch computes (an only-dV launch skips lines 13-16; the other, line 12).
+template <int D, int Br, Grads G>
 __global__ void __launch_bounds__(32 * kWarps, kBwdMinBlocks<D>)
 flash_backward_dkdv_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict__ K,
                                 const __half* __restrict__ V, const __half* __restrict__ dO,
@@ -390,7 +398,9 @@ flash_backward_dkdv_fp16_kernel(const __half* __restrict__ Q, const __half* __re
                                       : 0.f;
             }
         }
-        mma_PB<Br, D>(dV_j, S, dO_i + stage, ld);                  // line 12: dV_j += P^T dO_i
+        if constexpr (G != kOnlyDK)
+            mma_PB<Br, D>(dV_j, S, dO_i + stage, ld);              // line 12: dV_j += P^T dO_i
+        if constexpr (G == kOnlyDV) continue;
         mma_ABt<Br, D>(dP, V_j + 16 * warp * ld, dO_i + stage, ld);  // line 13: dP^T = V_j dO_i^T
         for (int h = 0; h < 2; h++)                    // line 14: dS^T = P^T o (dP^T - D_i),
             for (int c = 0; c < Br / 4; c++)           // in dP's registers
@@ -402,10 +412,12 @@ flash_backward_dkdv_fp16_kernel(const __half* __restrict__ Q, const __half* __re
     for (int h = 0; h < 2; h++)                        // line 18: write dK_j / sqrt(d), dV_j
         for (int c = 0; c < D / 8 && key + 8 * h < kv_len; c++) {
             const size_t at = kv_head + size_t(key + 8 * h) * D + 8 * c + 2 * t;
-            *reinterpret_cast<__half2*>(dK + at) =
-                __floats2half2_rn(dK_j[c][2 * h] * rsqrtf(D), dK_j[c][2 * h + 1] * rsqrtf(D));
-            *reinterpret_cast<__half2*>(dV + at) =
-                __floats2half2_rn(dV_j[c][2 * h], dV_j[c][2 * h + 1]);
+            if (G != kOnlyDV)
+                *reinterpret_cast<__half2*>(dK + at) = __floats2half2_rn(
+                    dK_j[c][2 * h] * rsqrtf(D), dK_j[c][2 * h + 1] * rsqrtf(D));
+            if (G != kOnlyDK)
+                *reinterpret_cast<__half2*>(dV + at) =
+                    __floats2half2_rn(dV_j[c][2 * h], dV_j[c][2 * h + 1]);
         }
 }
 
@@ -494,15 +506,16 @@ void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __
     forward_fp16_checked(Q, K, V, O, L, shape, Bc, stream);
 }
 
-// The backward's tile: Br = 64 query rows a tile in both kernels, Bc = kBwdBc keys a K/V tile in
-// kernel 1 (kernel 2's blocks own kBc = 64 keys). Shared memory: kernel 1 holds Q_i, dO_i and two
-// stages of K_j, V_j; kernel 2 holds K_j, V_j and two stages of Q_i, dO_i and of L_i, D_i.
+// The backward's tile: Br = 64 query rows a block in kernel 1, Bc = kBwdBc keys a K/V tile (kernel
+// 2's blocks own kBc = 64 keys and stream Q tiles of dkdv_Br rows). Shared memory: kernel 1 holds
+// Q_i, dO_i and two stages of K_j, V_j; kernel 2 holds K_j, V_j and two stages of Q_i, dO_i and of
+// L_i, D_i. At d = 256 that is 132 KB: an A100 or an H100, not a GPU with 99 KB (sm_86, sm_89).
 static size_t dq_shared_bytes(int head_dim) {
     return size_t(2 * kBr + 4 * kBwdBc) * (head_dim + kPad) * sizeof(__half);
 }
 static size_t dkdv_shared_bytes(int head_dim) {
-    return size_t(2 * kBc + 4 * kBwdBr) * (head_dim + kPad) * sizeof(__half) +
-           4 * kBwdBr * sizeof(float);
+    return size_t(2 * kBc + 4 * dkdv_Br(head_dim)) * (head_dim + kPad) * sizeof(__half) +
+           4 * dkdv_Br(head_dim) * sizeof(float);
 }
 
 FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_dim) {
@@ -513,7 +526,7 @@ FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_d
         throw std::runtime_error("device " + std::string(prop.name) + " has too little shared " +
                                  "memory for the fp16 backward at head_dim " +
                                  std::to_string(head_dim));
-    return {kBwdBr, kBwdBc, 32 * kWarps, 4, bytes};
+    return {kBr, kBwdBc, 32 * kWarps, 4, bytes};
 }
 
 template <int D>
@@ -522,7 +535,8 @@ static void launch_backward_fp16(const __half* Q, const __half* K, const __half*
                                  __half* dK, __half* dV, const AttentionShape& s,
                                  cudaStream_t stream) {
     auto dq_kernel = flash_backward_dq_fp16_kernel<D, kBwdBc>;
-    auto dkdv_kernel = flash_backward_dkdv_fp16_kernel<D, kBwdBr>;
+    constexpr Grads G = kGradsPerLaunch<D>;  // kDKdV, or at d = 256 kOnlyDV, then kOnlyDK
+    auto dkdv_kernel = flash_backward_dkdv_fp16_kernel<D, dkdv_Br(D), G>;
     const int Tr = (s.q_len + kBr - 1) / kBr;  // Q tiles per head (kernel 1's blocks)
     const int Tc = (s.kv_len + kBc - 1) / kBc;  // K/V tiles per head (kernel 2's blocks)
     const int q_blocks = grid_blocks(s, s.q_len, kBr, "q_len");
@@ -538,6 +552,14 @@ static void launch_backward_fp16(const __half* Q, const __half* K, const __half*
         if (launched != cudaSuccess) return launched;
         dkdv_kernel<<<kv_blocks, 32 * kWarps, dkdv_shared_bytes(D), stream>>>(  // after dq_kernel
             Q, K, V, dO, L, Dsum, dK, dV, s.q_len, s.kv_len, s.causal, Tc, scale_log2);
+        if constexpr (G == kOnlyDV) {  // d = 256: that launch wrote dV; this one writes dK
+            const cudaError_t launched_dv = cudaGetLastError();
+            if (launched_dv != cudaSuccess) return launched_dv;
+            auto dk_kernel = flash_backward_dkdv_fp16_kernel<D, dkdv_Br(D), kOnlyDK>;
+            allow_shared(dk_kernel, dkdv_shared_bytes(D));
+            dk_kernel<<<kv_blocks, 32 * kWarps, dkdv_shared_bytes(D), stream>>>(
+                Q, K, V, dO, L, Dsum, dK, dV, s.q_len, s.kv_len, s.causal, Tc, scale_log2);
+        }
         return cudaGetLastError();
     });
 }
