@@ -3,7 +3,8 @@ FlashAttention demo and benchmark: flash attention against standard attention do
 frameworks do it (cuBLAS GEMMs around a softmax kernel, with the whole (q_len, kv_len) score
 matrix of every head in device memory), in fp32 (chapter 1: flash_forward / flash_backward,
 flash.cu, on the CUDA cores) or fp16 (chapter 2: flash_forward_fp16 / flash_backward_fp16,
-flash_fp16.cu, on the tensor cores; the fp16 backward takes head_dim up to 128).
+flash_fp16.cu, on the tensor cores; at head_dim 256 the fp16 backward needs 132 KB of shared
+memory a block: A100, H100).
 
 Build and run the demo (one shape, timed, checked against the CPU reference; exits 1 on FAIL):
 make flash_bench && ./flash_bench
@@ -81,18 +82,6 @@ enum class Dtype { fp32, fp16 };
 static const char* dtype_name(Dtype d) { return d == Dtype::fp16 ? "fp16" : "fp32"; }
 template <typename T>
 constexpr Dtype kDtype = std::is_same_v<T, __half> ? Dtype::fp16 : Dtype::fp32;
-// Whether flash has a backward in T at this head_dim: fp32 at every head dim it supports, fp16
-// at kFlashFp16BackwardHeadDims (all but 256, which flash_backward_fp16 refuses).
-static bool fp16_backward_dim(int dim) {
-    for (int d : kFlashFp16BackwardHeadDims)
-        if (d == dim) return true;
-    return false;
-}
-template <typename T>
-static bool has_flash_backward(int dim) {
-    if constexpr (std::is_same_v<T, float>) return true;
-    else return fp16_backward_dim(dim);
-}
 
 // Random inputs: x[i] ~ N(0, 1) from a hash of (seed, i), so any tensor is reproducible and the
 // fill never depends on the launch shape. Normal inputs give scores of standard deviation ~1.
@@ -451,23 +440,16 @@ static void flash_bwd_call(const __half* Q, const __half* K, const __half* V, co
     flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s);
 }
 
-// Whether bench_row runs the backward of element type T at head_dim dim.
-template <typename T>
-static bool runs_backward(const Options& opt, int dim) {
-    return opt.backward && has_flash_backward<T>(dim);
-}
-
 // The one benchmark helper: times and measures flash and standard attention, forward and
-// backward (where T has one at this head_dim), on one shape whose tensors t holds. Afterwards
-// t holds each method's outputs. cublas_bytes: the handle's memory, counted in the standard
-// method's extra.
+// backward (unless --no-backward), on one shape whose tensors t holds. Afterwards t holds each
+// method's outputs. cublas_bytes: the handle's memory, counted in the standard method's extra.
 template <typename T>
 static RowResult bench_row(const AttentionShape& s, const Options& opt, cublasHandle_t cublas,
                            double cublas_bytes, double budget_s, Tensors<T>& t) {
     RowResult r;
     r.shape = s;
     r.dtype = kDtype<T>;
-    const bool backward = runs_backward<T>(opt, s.head_dim);
+    const bool backward = opt.backward;
     const double fwd_flops = forward_flops(s), bwd_flops = backward_flops(s);
     auto finish = [&](Measurement& m, const MemProbe& probe, double flops, double add_bytes,
                       const auto& call) {
@@ -679,18 +661,22 @@ static FlashTile forward_tile(const cudaDeviceProp& prop, int dim, int tile_bc, 
     }
     return fwd;
 }
-static void print_tiles(const cudaDeviceProp& prop, int dim, int tile_bc, Dtype dtype) {
+// The backward's tile only where the backward runs: with --no-backward, a GPU whose shared
+// memory is too small for the fp16 backward's tile (99 KB at head_dim 128 and 256) still runs.
+static void print_tiles(const cudaDeviceProp& prop, int dim, int tile_bc, Dtype dtype,
+                        bool backward) {
     const FlashTile fwd = forward_tile(prop, dim, tile_bc, dtype);
     const char* origin = tile_bc > 0 ? "Bc from --tile" : "chosen for this device";
     if (dtype == Dtype::fp16) {
         print_tile("fp16 forward ", fwd, origin);
-        if (fp16_backward_dim(dim))  // at 256 the library has no fp16 backward (and no tile)
+        if (backward)
             print_tile("fp16 backward", flash_choose_tile_fp16_backward(prop, dim),
                        "chosen for this device");
         return;
     }
     print_tile("forward ", fwd, origin);
-    print_tile("backward", flash_choose_tile_backward(prop, dim), "chosen for this device");
+    if (backward)
+        print_tile("backward", flash_choose_tile_backward(prop, dim), "chosen for this device");
 }
 
 // "12.345" / "OOM (needs 32.0 GiB)" / "-" (not run).
@@ -746,8 +732,7 @@ static const char* kCsvHeader =
     "flash_bwd_extra_mib,std_bwd_extra_mib,"
     "std_fwd_needs_mib,std_bwd_needs_mib,fwd_max_diff,bwd_max_diff,fp32_peak_tflops,peak_tflops";
 
-// One CSV row; what did not run (OOM, --no-standard, --no-backward, fp16's backward at head_dim
-// 256) is nan.
+// One CSV row; what did not run (OOM, --no-standard, --no-backward) is nan.
 static void write_csv_row(FILE* f, const RowResult& r, const Peaks& peaks) {
     const AttentionShape& s = r.shape;
     auto num = [&](double v) { std::isfinite(v) ? fprintf(f, ",%.6g", v) : fprintf(f, ",nan"); };
@@ -856,8 +841,8 @@ static const std::vector<Flag>& flags() {
              return std::string();
          }},
         {"--dtype", "TYPE", false,
-         "fp32 (default; chapter 1, CUDA cores) or fp16 (chapter 2, tensor cores;\n"
-         "                  backward up to head_dim 128); --protocol without it runs both",
+         "fp32 (default; chapter 1, CUDA cores) or fp16 (chapter 2, tensor cores);\n"
+         "                  --protocol without it runs both",
          [](Options& o, const char* v) {
              if (strcmp(v, "fp32") == 0) o.dtype = Dtype::fp32;
              else if (strcmp(v, "fp16") == 0) o.dtype = Dtype::fp16;
@@ -991,7 +976,7 @@ static void warm_up(const Options& opt, int dim, cublasHandle_t cublas) {
     Options quick = opt;
     quick.repeat = kMinTimedRuns;
     Tensors<T> t;
-    alloc_tensors(t, tiny, opt.standard, runs_backward<T>(opt, dim), 99);
+    alloc_tensors(t, tiny, opt.standard, opt.backward, 99);
     bench_row(tiny, quick, cublas, 0, 0, t);
     free_tensors(t);
 }
@@ -1026,11 +1011,8 @@ static int run_demo(const Options& opt, const cudaDeviceProp& prop, const Peaks&
     validate_shape(s);
     printf("shape: batch %d, heads %d, q_len %d, kv_len %d, head_dim %d, causal %d, %s\n",
            s.batch, s.heads, s.q_len, s.kv_len, s.head_dim, int(s.causal), dtype_name(dtype));
-    print_tiles(prop, s.head_dim, opt.tile_bc, dtype);
-    const bool backward = runs_backward<T>(opt, s.head_dim);
-    if (opt.backward && !backward)  // fp16 at head_dim 256: flash_backward_fp16 refuses it
-        printf("backward skipped: flash_backward_fp16 takes head_dim up to 128, not %d (forward "
-               "only; --dtype fp32 has it)\n", s.head_dim);
+    const bool backward = opt.backward;
+    print_tiles(prop, s.head_dim, opt.tile_bc, dtype, backward);
     warm_up<T>(opt, s.head_dim, cublas);
 
     Tensors<T> t;
@@ -1109,8 +1091,7 @@ static void run_protocol_block(const Options& opt, const cudaDeviceProp& prop, c
     const int seqs[] = {512, 1024, 2048, 4096, 8192, 16384};
     const int tokens = 16384;  // batch * seq
     const double budget_s = 1.0;  // per measurement: large rows time 10 runs, not opt.repeat
-    bool backward = opt.backward;  // both dtypes have a backward at both of the protocol's dims
-    for (const Config& c : configs) backward = backward && runs_backward<T>(opt, c.dim);
+    const bool backward = opt.backward;
     printf("\n==== %s: FlashAttention-2 protocol: batch * seq = %d, hidden 2048, %s%s\n",
            dtype_name(dtype), tokens, opt.standard ? "flash vs standard attention" : "flash only",
            backward ? ", forward and backward" : ", forward only");
@@ -1121,7 +1102,7 @@ static void run_protocol_block(const Options& opt, const cudaDeviceProp& prop, c
            peaks.of(dtype).tflops);
     for (const Config& c : configs) {
         printf("\nhead_dim %d, %d heads:\n", c.dim, c.heads);
-        print_tiles(prop, c.dim, opt.tile_bc, dtype);
+        print_tiles(prop, c.dim, opt.tile_bc, dtype, backward);
         warm_up<T>(opt, c.dim, cublas);
         print_protocol_header();
         auto run_row = [&](const AttentionShape& s) {

@@ -70,16 +70,6 @@ std::vector<AttentionShape> determinism_shapes(int long_kv_len) {
             {1, 2, 200, 31, 32, false},  {1, 3, 96, 96, 96, true}};
 }
 
-std::vector<AttentionShape> fp16_backward_determinism_shapes(int long_kv_len) {
-    std::vector<AttentionShape> shapes = determinism_shapes(long_kv_len);
-    const int largest = kFp16BackwardHeadDims.back();
-    for (AttentionShape& s : shapes)
-        if (std::find(kFp16BackwardHeadDims.begin(), kFp16BackwardHeadDims.end(), s.head_dim) ==
-            kFp16BackwardHeadDims.end())
-            s.head_dim = largest;
-    return shapes;
-}
-
 // =============================================================================================
 // Tolerances (derived in test_util.h)
 
@@ -411,7 +401,8 @@ size_t fp16_backward_dq_bytes(int d) {
 }
 
 size_t fp16_backward_dkdv_bytes(int d) {
-    return size_t(2 * 64 + 4 * 64) * (d + 8) * sizeof(__half) + 4 * 64 * sizeof(float);
+    const size_t Br2 = d <= 128 ? 64 : 32;  // kernel 2's Q tile rows
+    return (2 * 64 + 4 * Br2) * (d + 8) * sizeof(__half) + 4 * Br2 * sizeof(float);
 }
 
 void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, int d) {
@@ -419,7 +410,7 @@ void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, in
                                   << "), head_dim " << d << ": Br=" << t.Br << " Bc=" << t.Bc
                                   << " threads=" << t.threads << " threads_per_row="
                                   << t.threads_per_row << " shared_bytes=" << t.shared_bytes);
-    CHECK(t.Br == 64);              // four warps of 16 query rows (the mma's M), both kernels
+    CHECK(t.Br == 64);              // kernel 1: four warps of 16 query rows (the mma's M)
     CHECK(t.Bc == 32);              // kernel 1's keys per K/V tile
     CHECK(t.threads == 128);        // four warps
     CHECK(t.threads_per_row == 4);  // an mma fragment spreads a row over 4 threads

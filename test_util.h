@@ -6,7 +6,7 @@
 //   Shapes, inputs     describe(), masked_rows(), seeds, random problems (fp32, and rounded to
 //                      fp16), the reference's outputs
 //   Shape lists        the head dims (fp32's, the fp16 forward's and backward's), the forward and
-//                      backward grids, the determinism shapes (and the fp16 backward's version)
+//                      backward grids, the determinism shapes
 //   Tolerances         fp32's error bounds, the fp16 forward's and the fp16 backward's, each with
 //                      its derivation
 //   Comparing          check_close (the one comparison every test uses), masked rows, bitwise;
@@ -197,7 +197,7 @@ inline const std::vector<int> kHeadDims(std::begin(kFlashHeadDims), std::end(kFl
 // The same for the fp16 forward (kFlashFp16HeadDims), for GENERATE(from_range(kFp16HeadDims)).
 inline const std::vector<int> kFp16HeadDims(std::begin(kFlashFp16HeadDims),
                                             std::end(kFlashFp16HeadDims));
-// And for the fp16 backward (kFlashFp16BackwardHeadDims: no 256).
+// And for the fp16 backward (kFlashFp16BackwardHeadDims: the same six, 256 included).
 inline const std::vector<int> kFp16BackwardHeadDims(std::begin(kFlashFp16BackwardHeadDims),
                                                     std::end(kFlashFp16BackwardHeadDims));
 
@@ -226,9 +226,6 @@ std::vector<AttentionShape> backward_grid(const std::vector<int>& head_dims);
 // The determinism tests' shapes: odd and unequal lengths, batched heads, causal on and off, every
 // head dim once. long_kv_len is the kv_len of the one long case, (1, 2, 100, long_kv_len, 128).
 std::vector<AttentionShape> determinism_shapes(int long_kv_len);
-// The same shapes for the fp16 backward: its one unsupported head dim, 256, becomes 128, so the
-// shape (333 queries against 77 keys, causal: leading rows that see nothing) stays in the list.
-std::vector<AttentionShape> fp16_backward_determinism_shapes(int long_kv_len);
 
 // =============================================================================================
 // Tolerances: the fp32 kernels against the reference, which accumulates in double and so is
@@ -349,6 +346,10 @@ Tolerances fp16_tolerances(const Problem<__half>& p);
 //      dK_floor = 4 dD max|Q| sqrt(q_len) / sqrt(d)
 //  (dK_j sums it over queries with weights P_ij <= 1, each query's dD_i of its own sign: a random
 //  walk over at most q_len terms, with the margin 4).
+//  Nothing above depends on the tiles or on how many launches compute a gradient: at d = 256,
+//  where kernel 2 streams 32-row Q tiles and computes dV and dK in a launch each, each launch
+//  recomputes P as in (a) and rounds as in (b); the terms that grow with d (2 d u M, d u max|dO|
+//  max|V|) are computed from the shape's own d.
 // As above: never loosen these to make a test pass; fix the derivation first if it is wrong.
 constexpr double kSafety16 = 8.0;
 
@@ -686,15 +687,17 @@ void check_tile(const char* which, const FlashTile& t, const cudaDeviceProp& pro
 // device's opt-in limit.
 void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d);
 
-// The fp16 backward's bytes of shared memory at head dim d, from flash.h's formula (rows padded
-// by 8 halves): kernel 1 (dQ) holds Q_i and dO_i (64 rows each) and two stages of K_j and V_j
-// (32 rows each): (2*64 + 4*32)(d + 8) halves; kernel 2 (dK, dV) holds K_j and V_j (64 rows
-// each), two stages of Q_i and dO_i (64 rows each) and of L_i and D_i (64 floats each):
-// (2*64 + 4*64)(d + 8) halves + 4*64 floats. The tile asks for the larger.
+// The fp16 backward's bytes of shared memory at head dim d, as flash_fp16.cu counts them (rows
+// padded by 8 halves): kernel 1 (dQ) holds Q_i and dO_i (64 rows each) and two stages of K_j and
+// V_j (32 rows each): (2*64 + 4*32)(d + 8) halves; kernel 2 (dK, dV) holds K_j and V_j (64 rows
+// each), two stages of Q_i and dO_i (Br2 rows each) and of L_i and D_i (Br2 floats each):
+// (2*64 + 4*Br2)(d + 8) halves + 4*Br2 floats, where Br2 = 64 up to d = 128 and 32 at d = 256
+// (so that it fits an A100's 163 KB). The tile asks for the larger.
 size_t fp16_backward_dq_bytes(int d);
 size_t fp16_backward_dkdv_bytes(int d);
-// What the fp16 backward's tile must be: Br = 64, Bc = 32, 128 threads, 4 threads a row,
-// shared_bytes the larger kernel's, within the device's opt-in limit and beside its reserve.
+// What the fp16 backward's tile must be: Br = 64 (kernel 1's Q tile), Bc = 32, 128 threads,
+// 4 threads a row, shared_bytes the larger kernel's, within the device's opt-in limit and beside
+// its reserve.
 void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, int d);
 
 // =============================================================================================
