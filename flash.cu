@@ -119,7 +119,7 @@ flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
     const int keys = flash_kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: the keys it needs
     for (int key0 = 0; key0 < keys; key0 += Bc) {      // line 6: for each K_j, V_j (from key0)
         load_tiles<D>(Kj, K, Vj, V, (bh * kv_len + key0) * (D / 4), min(Bc, keys - key0));  // 7
-        #pragma unroll(D == 128 ? 2 : 1)  // at d = 128, 2 keys a step: +1-3% (-12% at d = 64; NOTES 7)
+        #pragma unroll(D == 128 ? 2 : 1)  // measured: +1-3% at d = 128, -12% at d = 64 (NOTES 3)
         for (int kj = 0; kj < min(Bc, keys - key0); kj++) {  // lines 8-10, one key at a time
             const float s = row_dot<TPR>(q, &Kj[kj * (D / 4) + part]);  // line 8: S = Q_i K_j^T
             const bool seen = !causal || key0 + kj <= flash_last_key(query, q_len, kv_len);

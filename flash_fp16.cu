@@ -543,6 +543,8 @@ static void launch_backward_fp16(const __half* Q, const __half* K, const __half*
     const int kv_blocks = grid_blocks(s, s.kv_len, kBc, "kv_len");
     allow_shared(dq_kernel, dq_shared_bytes(D));
     allow_shared(dkdv_kernel, dkdv_shared_bytes(D));
+    if constexpr (G == kOnlyDV)  // d = 256: kernel 2 again, for dK
+        allow_shared(flash_backward_dkdv_fp16_kernel<D, dkdv_Br(D), kOnlyDK>, dkdv_shared_bytes(D));
     const float scale_log2 = kLog2e / sqrtf(float(D));
     // Dsum: D_i = rowsum(dO_i * O_i), (B, H, q_len) floats, the backward's only extra memory.
     with_row_scratch(s, stream, [&](float* Dsum) {
@@ -556,7 +558,6 @@ static void launch_backward_fp16(const __half* Q, const __half* K, const __half*
             const cudaError_t launched_dv = cudaGetLastError();
             if (launched_dv != cudaSuccess) return launched_dv;
             auto dk_kernel = flash_backward_dkdv_fp16_kernel<D, dkdv_Br(D), kOnlyDK>;
-            allow_shared(dk_kernel, dkdv_shared_bytes(D));
             dk_kernel<<<kv_blocks, 32 * kWarps, dkdv_shared_bytes(D), stream>>>(
                 Q, K, V, dO, L, Dsum, dK, dV, s.q_len, s.kv_len, s.causal, Tc, scale_log2);
         }
