@@ -565,8 +565,7 @@ TEST_CASE("The forward gives bitwise identical O and L on every call, on any str
     const auto first = gpu.outputs(false);
     gpu.forward();
     const auto second = gpu.outputs(false);
-    check_bitwise("O", first.O, second.O, s, q_layout(s));
-    check_bitwise("L", first.L, second.L, s, l_layout(s));
+    check_bitwise(first, second, s);
     cudaStream_t stream;
     FLASH_CUDA_CHECK(cudaStreamCreate(&stream));
     try {
@@ -592,17 +591,14 @@ TEST_CASE("The fp16 forward gives bitwise identical O and L on every call, on an
     REQUIRE(count_bad(first.O) == 0);  // every O written (L may be -inf in masked rows)
     gpu.forward();
     const auto second = gpu.outputs(false);
-    check_bitwise("O", first.O, second.O, s, q_layout(s));
-    check_bitwise("L", first.L, second.L, s, l_layout(s));
+    check_bitwise(first, second, s);
     for (unsigned flags : {unsigned(cudaStreamDefault), unsigned(cudaStreamNonBlocking)}) {
         const char* which = flags == cudaStreamDefault ? "a stream of its own"
                                                        : "a non-blocking stream of its own";
         INFO("on " << which);
         ScopedStream stream(flags);
         gpu.forward(0, stream.stream);
-        const auto again = gpu.outputs(false);
-        check_bitwise("O", first.O, again.O, s, q_layout(s));
-        check_bitwise("L", first.L, again.L, s, l_layout(s));
+        check_bitwise(first, gpu.outputs(false), s);
     }
 }
 
@@ -733,6 +729,10 @@ TEST_CASE("flash_forward_bc refuses a Bc that does not fit in shared memory, nam
 // =============================================================================================
 // GPU: hardening
 
+// Each test below: outputs_of_identical_calls runs the API 100 times on the same inputs (outputs
+// poisoned with NaN before each call) and requires all of every call's outputs to be bitwise the
+// first call's; then the first call's outputs are checked against the reference.
+
 TEST_CASE("100 calls of the forward and the backward give bitwise identical results",
           "[gpu][hardening][determinism]") {
     const int d = GENERATE(from_range(kHeadDims));
@@ -740,25 +740,7 @@ TEST_CASE("100 calls of the forward and the backward give bitwise identical resu
     INFO(describe(s));
     const auto p = random_problem(s, 800);
     GpuAttention<float> gpu(p);
-    gpu.forward();
-    gpu.backward();
-    const auto first = gpu.outputs(true);
-    for (int call = 2; call <= 100; ++call) {
-        gpu.forward();
-        gpu.backward();
-        const auto again = gpu.outputs(true);
-        const bool same = bitwise_equal(again.O, first.O) && bitwise_equal(again.L, first.L) &&
-                          bitwise_equal(again.dQ, first.dQ) && bitwise_equal(again.dK, first.dK) &&
-                          bitwise_equal(again.dV, first.dV);
-        if (same) continue;
-        INFO("call " << call << " of 100 differs from call 1");
-        check_bitwise("O", first.O, again.O, s, q_layout(s));
-        check_bitwise("L", first.L, again.L, s, l_layout(s));
-        check_bitwise("dQ", first.dQ, again.dQ, s, q_layout(s));
-        check_bitwise("dK", first.dK, again.dK, s, kv_layout(s));
-        check_bitwise("dV", first.dV, again.dV, s, kv_layout(s));
-        FAIL("results changed between identical calls");
-    }
+    const Outputs<float> first = outputs_of_identical_calls(gpu, 100, true);  // O, L, dQ, dK, dV
     const auto want = reference_backward(p);
     const Tolerances tol = tolerances(p, Rounding::random);
     check_forward(first, want, tol, s);
@@ -772,18 +754,7 @@ TEST_CASE("100 calls of the fp16 forward give bitwise identical results",
     INFO(describe(s));
     const auto p = random_problem_fp16(s, 1700);
     GpuAttention<__half> gpu(p);
-    gpu.forward();
-    const auto first = gpu.outputs(false);
-    for (int call = 2; call <= 100; ++call) {
-        gpu.forward();
-        const auto again = gpu.outputs(false);
-        if (bitwise_equal(again.O, first.O) && bitwise_equal(again.L, first.L)) continue;
-        INFO("call " << call << " of 100 differs from call 1");
-        check_bitwise("O", first.O, again.O, s, q_layout(s));
-        check_bitwise("L", first.L, again.L, s, l_layout(s));
-        FAIL("results changed between identical calls");
-    }
-    check_against_reference_fp16(first, p);
+    check_against_reference_fp16(outputs_of_identical_calls(gpu, 100, false), p);  // O, L
 }
 
 TEST_CASE("100 calls of the fp16 forward and backward give bitwise identical results",
@@ -793,26 +764,7 @@ TEST_CASE("100 calls of the fp16 forward and backward give bitwise identical res
     INFO(describe(s));
     const auto p = random_problem_fp16(s, 2700);
     GpuAttention<__half> gpu(p);
-    gpu.forward();
-    gpu.backward();
-    const auto first = gpu.outputs(true);
-    for (int call = 2; call <= 100; ++call) {
-        gpu.forward();
-        gpu.backward();
-        const auto again = gpu.outputs(true);
-        const bool same = bitwise_equal(again.O, first.O) && bitwise_equal(again.L, first.L) &&
-                          bitwise_equal(again.dQ, first.dQ) && bitwise_equal(again.dK, first.dK) &&
-                          bitwise_equal(again.dV, first.dV);
-        if (same) continue;
-        INFO("call " << call << " of 100 differs from call 1");
-        check_bitwise("O", first.O, again.O, s, q_layout(s));
-        check_bitwise("L", first.L, again.L, s, l_layout(s));
-        check_bitwise("dQ", first.dQ, again.dQ, s, q_layout(s));
-        check_bitwise("dK", first.dK, again.dK, s, kv_layout(s));
-        check_bitwise("dV", first.dV, again.dV, s, kv_layout(s));
-        FAIL("results changed between identical calls");
-    }
-    check_against_reference_fp16_backward(first, p);
+    check_against_reference_fp16_backward(outputs_of_identical_calls(gpu, 100, true), p);
 }
 
 TEST_CASE("Extreme inputs give finite outputs within tolerance of the reference",
@@ -1008,7 +960,7 @@ TEST_CASE("More than 65535 batch*heads: the fp16 forward's heads past 65535 are 
     gpu.forward();
     for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
                       size_t(69999)})
-        check_big_head(gpu, bh, patterns);
+        check_big_head(gpu, bh, patterns, false);
 }
 
 TEST_CASE("More than 65535 batch*heads: the fp16 backward's heads past 65535 are right",
@@ -1064,7 +1016,7 @@ TEST_CASE("Tensors of more than 2^31 elements: the fp16 forward's heads past 2^3
         gpu.forward();
         for (size_t bh : {size_t(0), size_t(65535), size_t(65536), size_t(131071), size_t(131072),
                           size_t(131103)})
-            check_big_head(gpu, bh, patterns);
+            check_big_head(gpu, bh, patterns, false);
     }
 }
 

@@ -13,7 +13,8 @@
 //                      the fp16 forward and backward against the reference run on their exact
 //                      inputs
 //   Device memory      DeviceBuffer<T> and GpuAttention<T>: upload, poison with NaN, run, download
-//                      (T = float runs chapter 1's kernels, T = __half chapter 2's)
+//                      (T = float runs chapter 1's kernels, T = __half chapter 2's); the same
+//                      calls repeated, every call's outputs bitwise the first's
 //   Validation         refusal(), NamesWord, FakeTensors: for the argument-validation tests
 //   Tile chooser       four real GPUs' properties, and what every tile (fp32, fp16 forward and
 //                      backward) must satisfy
@@ -460,12 +461,17 @@ void check_masked_rows(const char* name, const std::vector<float>& got, const At
 // How many elements are NaN (e.g. still the poison: never written) or infinite.
 size_t count_bad(const std::vector<float>& v);
 
-// True iff a and b hold the same bits.
+// True iff a and b hold the same bits (two empty vectors do).
 bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b);
+// The same for every output: O, L, dQ, dK and dV (the last three empty in both after a forward).
+bool bitwise_equal(const Outputs<float>& a, const Outputs<float>& b);
 
 // Two results that must be bitwise identical (the kernels are deterministic: no atomics).
 void check_bitwise(const char* name, const std::vector<float>& a, const std::vector<float>& b,
                    const AttentionShape& s, const Layout& layout);
+// The same for every output of two calls: O and L, and dQ, dK and dV where they hold any.
+void check_bitwise(const Outputs<float>& first, const Outputs<float>& again,
+                   const AttentionShape& s);
 
 // =============================================================================================
 // Device memory
@@ -607,6 +613,30 @@ struct GpuAttention {
     }
 };
 
+// The [determinism] tests' repeated calls: the forward (and, with_gradients, the backward after
+// it) `calls` times on gpu's same inputs, each call's outputs poisoned with NaN first (forward()
+// and backward() do that). Every call's outputs (O and L; dQ, dK, dV with gradients), downloaded
+// whole, must hold the very bits of the first call's: the first call that differs fails the test,
+// naming the call and, for every output that differs, its first differing element. Returns the
+// first call's outputs, for the caller to check against the reference.
+template <typename T>
+Outputs<float> outputs_of_identical_calls(GpuAttention<T>& gpu, int calls, bool with_gradients) {
+    const auto call_once = [&] {
+        gpu.forward();
+        if (with_gradients) gpu.backward();
+        return gpu.outputs(with_gradients);
+    };
+    const Outputs<float> first = call_once();
+    for (int call = 2; call <= calls; ++call) {
+        const Outputs<float> again = call_once();
+        if (bitwise_equal(first, again)) continue;
+        INFO("call " << call << " of " << calls << " differs from call 1");
+        check_bitwise(first, again, gpu.s);
+        FAIL("results changed between identical calls");
+    }
+    return first;
+}
+
 // Fresh random inputs for shape s; forward and backward on the GPU; every output against the
 // reference (the backward grid and the sanitizer subset share it).
 void check_forward_and_backward(const AttentionShape& s, uint32_t salt);
@@ -717,14 +747,15 @@ std::vector<T> pattern_slice(const std::vector<T>& pattern, size_t first, size_t
     return out;
 }
 
-// Checks head `bh` of a big problem: rebuilds its inputs, runs the reference on it alone, and
-// compares with that head's slice of the GPU's outputs.
-void check_big_head(const GpuAttention<float>& gpu, size_t bh,
-                    const std::vector<std::vector<float>>& patterns, bool with_gradients);
-// The same for the fp16 forward (O and L; patterns: random_pattern's values rounded to fp16), and
-// with_gradients, for the fp16 backward (dQ, dK, dV too; patterns[3] holds dO's).
-void check_big_head(const GpuAttention<__half>& gpu, size_t bh,
-                    const std::vector<std::vector<__half>>& patterns, bool with_gradients = false);
+// Checks head `bh` of a big problem: rebuilds its inputs from `patterns` (Q, K, V, and
+// with_gradients dO), runs the reference on that head alone, and compares with that head's slice
+// of the GPU's outputs: O and L, and with_gradients dQ, dK and dV. T = float (chapter 1): the
+// reference on the float inputs, fp32's tolerances; T = __half (chapter 2; patterns:
+// random_pattern's values rounded to fp16): the reference in double on the exact fp16 values,
+// fp16_tolerances (fp16_backward_tolerances with gradients). Defined for float and __half.
+template <typename T>
+void check_big_head(const GpuAttention<T>& gpu, size_t bh,
+                    const std::vector<std::vector<T>>& patterns, bool with_gradients);
 
 // =============================================================================================
 // Source files
