@@ -83,6 +83,17 @@ void validate_forward_pointers(const char* fn, const T* Q, const T* K, const T* 
                            input_arg("V", V, kv_elems(s)), output_arg("O", O, q_elems(s)),
                            output_arg("L", L, l_elems(s))});
 }
+// The backward's: inputs Q, K, V, O, dO (element type T) and L, outputs dQ, dK, dV.
+template <typename T>
+void validate_backward_pointers(const char* fn, const T* Q, const T* K, const T* V, const T* O,
+                                const T* dO, const float* L, T* dQ, T* dK, T* dV,
+                                const AttentionShape& s) {
+    validate_pointers(fn, {input_arg("Q", Q, q_elems(s)), input_arg("K", K, kv_elems(s)),
+                           input_arg("V", V, kv_elems(s)), input_arg("O", O, q_elems(s)),
+                           input_arg("dO", dO, q_elems(s)), input_arg("L", L, l_elems(s)),
+                           output_arg("dQ", dQ, q_elems(s)), output_arg("dK", dK, kv_elems(s)),
+                           output_arg("dV", dV, kv_elems(s))});
+}
 
 // ---------------------------------------------------------------------------------------------
 // Launch helpers.

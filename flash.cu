@@ -386,12 +386,7 @@ void flash_backward(const float* Q, const float* K, const float* V, const float*
                     const float* dO, const float* L, float* dQ, float* dK, float* dV,
                     const AttentionShape& s, cudaStream_t stream) {
     validate_shape(s);
-    validate_pointers("flash_backward",
-                      {input_arg("Q", Q, q_elems(s)), input_arg("K", K, kv_elems(s)),
-                       input_arg("V", V, kv_elems(s)), input_arg("O", O, q_elems(s)),
-                       input_arg("dO", dO, q_elems(s)), input_arg("L", L, l_elems(s)),
-                       output_arg("dQ", dQ, q_elems(s)), output_arg("dK", dK, kv_elems(s)),
-                       output_arg("dV", dV, kv_elems(s))});
+    validate_backward_pointers("flash_backward", Q, K, V, O, dO, L, dQ, dK, dV, s);
     const FlashTile tile = flash_choose_tile_backward(flash_device_props(), s.head_dim);
     dispatch_head_dim<kFlashHeadDims>(s.head_dim, [&](auto dim) {
         launch_backward<decltype(dim)::value>(Q, K, V, O, dO, L, dQ, dK, dV, s, tile, stream);

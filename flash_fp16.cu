@@ -519,7 +519,7 @@ static size_t dkdv_shared_bytes(int head_dim) {
 }
 
 FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_dim) {
-    require_head_dim(head_dim, kFlashFp16BackwardHeadDims);
+    require_head_dim(head_dim, kFlashFp16HeadDims);
     require_sm80(prop, "flash_backward_fp16");
     const size_t bytes = std::max(dq_shared_bytes(head_dim), dkdv_shared_bytes(head_dim));
     if (bytes > prop.sharedMemPerBlockOptin)
@@ -568,15 +568,10 @@ static void launch_backward_fp16(const __half* Q, const __half* K, const __half*
 void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
                          const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
                          const AttentionShape& s, cudaStream_t stream) {
-    validate_shape(s, kFlashFp16BackwardHeadDims, sizeof(__half));
-    validate_pointers("flash_backward_fp16",
-                      {input_arg("Q", Q, q_elems(s)), input_arg("K", K, kv_elems(s)),
-                       input_arg("V", V, kv_elems(s)), input_arg("O", O, q_elems(s)),
-                       input_arg("dO", dO, q_elems(s)), input_arg("L", L, l_elems(s)),
-                       output_arg("dQ", dQ, q_elems(s)), output_arg("dK", dK, kv_elems(s)),
-                       output_arg("dV", dV, kv_elems(s))});
+    validate_shape(s, kFlashFp16HeadDims, sizeof(__half));
+    validate_backward_pointers("flash_backward_fp16", Q, K, V, O, dO, L, dQ, dK, dV, s);
     flash_choose_tile_fp16_backward(flash_device_props(), s.head_dim);  // refuses what cannot run
-    dispatch_head_dim<kFlashFp16BackwardHeadDims>(s.head_dim, [&](auto dim) {
+    dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
         launch_backward_fp16<decltype(dim)::value>(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
     });
 }

@@ -318,7 +318,7 @@ TEST_CASE("The fp16 backward tile chooser gives valid tiles where kernel 2's sha
         INFO(prop.name << " (sm_" << prop.major << prop.minor << "), opt-in limit "
                        << prop.sharedMemPerBlockOptin << " bytes");
         const bool rtx4090 = std::string(prop.name).find("4090") != std::string::npos;
-        for (int d : kFlashFp16BackwardHeadDims) {
+        for (int d : kFlashFp16HeadDims) {
             CAPTURE(d);
             std::string msg;  // stays empty unless a std::runtime_error is thrown
             FlashTile t{};
@@ -401,7 +401,7 @@ TEST_CASE("The fp16 backward matches the reference over a grid of shapes",
     // heads) over the fp16 backward's head dims. Q, K, V and a random dO are rounded to fp16; the
     // kernels run the fp16 forward for their own O and L, then the backward; the reference runs
     // in double on the same fp16 values and computes its own O and L.
-    const AttentionShape s = GENERATE(from_range(backward_grid(kFp16BackwardHeadDims)));
+    const AttentionShape s = GENERATE(from_range(backward_grid(kFp16HeadDims)));
     check_fp16_backward(s, 2100);
 }
 
@@ -438,7 +438,7 @@ TEST_CASE("Small shapes for the sanitizer: the fp16 backward matches the referen
                              std::make_pair(100, 100));
     const bool causal = GENERATE(false, true);
     const int bh = GENERATE(1, 6);
-    const int d = GENERATE(from_range(kFp16BackwardHeadDims));
+    const int d = GENERATE(from_range(kFp16HeadDims));
     const AttentionShape s{bh == 1 ? 1 : 2, bh == 1 ? 1 : 3, qk.first, qk.second, d, causal};
     check_fp16_backward(s, 2300);
 }
@@ -487,7 +487,7 @@ TEST_CASE("Rows that see no key get zero gradients from the fp16 backward",
           "[gpu][masking][backward][hardening][fp16]") {
     const auto qk = GENERATE(std::make_pair(5, 1), std::make_pair(100, 17), std::make_pair(257, 256),
                              std::make_pair(1000, 1), std::make_pair(300, 64));
-    const int d = GENERATE(from_range(kFp16BackwardHeadDims));
+    const int d = GENERATE(from_range(kFp16HeadDims));
     const AttentionShape s{2, 3, qk.first, qk.second, d, true};
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
     const auto p = random_problem_fp16(s, 2400);

@@ -39,13 +39,6 @@ static std::string fp16_head_dims_string() {
     return list;
 }
 
-// "16, 32, 64, 96, 128, 256": kFlashFp16BackwardHeadDims as the refusals list them.
-static std::string fp16_backward_head_dims_string() {
-    std::string list;
-    for (int d : kFlashFp16BackwardHeadDims) list += (list.empty() ? "" : ", ") + std::to_string(d);
-    return list;
-}
-
 // A CUDA stream for the length of a scope.
 struct ScopedStream {
     cudaStream_t stream = nullptr;
@@ -82,14 +75,14 @@ TEST_CASE("The fp16 tile chooser refuses head dims without a kernel, listing the
 TEST_CASE("The fp16 backward tile chooser refuses head dims without a kernel, listing the "
           "supported ones", "[cpu][tile][validation][fp16][backward]") {
     // The forward's six, 256 included (where kernel 2 runs as two launches).
-    REQUIRE(fp16_backward_head_dims_string() == "16, 32, 64, 96, 128, 256");
+    REQUIRE(fp16_head_dims_string() == "16, 32, 64, 96, 128, 256");
     const int d = GENERATE(0, -64, 8, 48, 100, 512, 24, 257);
     CAPTURE(d);
     for (const cudaDeviceProp& prop : known_gpus()) {  // the T4 too: the head dim is checked first
         INFO(prop.name);
         const std::string msg = refusal([&] { flash_choose_tile_fp16_backward(prop, d); });
         INFO("message: " << msg);
-        CHECK_THAT(msg, NamesWord("head_dim") && Contains(fp16_backward_head_dims_string()));
+        CHECK_THAT(msg, NamesWord("head_dim") && Contains(fp16_head_dims_string()));
     }
 }
 
@@ -759,7 +752,7 @@ TEST_CASE("100 calls of the fp16 forward give bitwise identical results",
 
 TEST_CASE("100 calls of the fp16 forward and backward give bitwise identical results",
           "[gpu][hardening][determinism][backward][fp16]") {
-    const int d = GENERATE(from_range(kFp16BackwardHeadDims));
+    const int d = GENERATE(from_range(kFp16HeadDims));
     const AttentionShape s{1, 2, 100, 77, d, true};
     INFO(describe(s));
     const auto p = random_problem_fp16(s, 2700);

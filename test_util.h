@@ -195,12 +195,9 @@ double max_row_l1(const std::vector<T>& v, int d) {
 
 // Every head dim with a kernel (flash.h's kFlashHeadDims), for GENERATE(from_range(kHeadDims)).
 inline const std::vector<int> kHeadDims(std::begin(kFlashHeadDims), std::end(kFlashHeadDims));
-// The same for the fp16 forward (kFlashFp16HeadDims), for GENERATE(from_range(kFp16HeadDims)).
+// The same for chapter 2, forward and backward (kFlashFp16HeadDims), for GENERATE(from_range(...)).
 inline const std::vector<int> kFp16HeadDims(std::begin(kFlashFp16HeadDims),
                                             std::end(kFlashFp16HeadDims));
-// And for the fp16 backward (kFlashFp16BackwardHeadDims: the same six, 256 included).
-inline const std::vector<int> kFp16BackwardHeadDims(std::begin(kFlashFp16BackwardHeadDims),
-                                                    std::end(kFlashFp16BackwardHeadDims));
 
 // The forward grid's lengths, each paired with itself: odd lengths, and the tile edges 32 and 256
 // with a neighbour on each side (31, 33, 255, 257). Then unequal pairs on both sides: q_len <
