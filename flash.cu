@@ -59,6 +59,18 @@ __device__ __forceinline__ float row_dot(const float4 (&x)[N], const float4* y) 
     for (int c = 0; c < N; c++) s += dot4(x[c], y[c * TPR]);
     return row_sum<TPR>(s);
 }
+// The backward's two dot products per (query, key), S_ij = q.k and dP_ij = dO_i.v, both summed
+// before either is reduced: the two shuffle chains then overlap (reducing S's first cost ~1% at
+// d = 64 on the H100, NOTES.md section 7).
+template <int TPR, int N>
+__device__ __forceinline__ float2 row_dot2(const float4 (&x)[N], const float4* y,
+                                           const float4 (&u)[N], const float4* w) {
+    float s = 0.f;
+    float dp = 0.f;
+    for (int c = 0; c < N; c++) s += dot4(x[c], y[c * TPR]);
+    for (int c = 0; c < N; c++) dp += dot4(u[c], w[c * TPR]);
+    return make_float2(row_sum<TPR>(s), row_sum<TPR>(dp));
+}
 // Replaces the two tiles in shared memory (K_j and V_j, or Q_i and dO_i): `rows` rows of D floats
 // of two tensors, at the same offset, copied global -> shared 16 bytes at a time. The first barrier
 // waits until every thread is done with the old tiles, the last until all the copies have landed.
@@ -181,10 +193,11 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
     for (int key0 = 0; key0 < keys; key0 += Br) {      // line 5: for each K_j, V_j
         load_tiles<D>(Kj, K, Vj, V, (bh * kv_len + key0) * (D / 4), min(Br, keys - key0));  // 6
         for (int kj = 0; kj < min(Br, keys - key0); kj++) {
-            const float s = row_dot<TPR>(q, &Kj[kj * (D / 4) + part]);     // line 10: S = Q_i K_j^T
-            const float dp = row_dot<TPR>(dOi, &Vj[kj * (D / 4) + part]);  // line 13: dO_i V_j^T
-            const float P = !causal || key0 + kj <= last_key ? exp2f(s - Li) : 0.f;  // line 11
-            const float dS = P * (dp - Di);            // line 14: dS = P o (dP - D_i)
+            // line 10: S = Q_i K_j^T (.x); line 13: dP = dO_i V_j^T (.y)
+            const float2 s =
+                row_dot2<TPR>(q, &Kj[kj * (D / 4) + part], dOi, &Vj[kj * (D / 4) + part]);
+            const float P = !causal || key0 + kj <= last_key ? exp2f(s.x - Li) : 0.f;  // line 11
+            const float dS = P * (s.y - Di);           // line 14: dS = P o (dP - D_i)
             for (int c = 0; c < slice4; c++) axpy4(dq[c], dS, Kj[kj * (D / 4) + part + c * TPR]);
         }                                              // line 15: dQ_i += dS K_j
     }
@@ -224,14 +237,15 @@ flash_backward_dkdv_kernel(const float4* __restrict__ Q, const float4* __restric
     for (int q0 = q_begin; q0 < q_len; q0 += Bc) {     // line 8: for each Q_i (from query q0)
         load_tiles<D>(Qi, Q, dOi, dO, (bh * q_len + q0) * (D / 4), min(Bc, q_len - q0));  // 9
         for (int qi = 0; qi < min(Bc, q_len - q0); qi++) {
-            const float s = row_dot<TPR>(k, &Qi[qi * (D / 4) + part]) * scale_log2;  // line 10
-            const float dp = row_dot<TPR>(v, &dOi[qi * (D / 4) + part]);  // line 13: dO_i V_j^T
+            // line 10: S = Q_i K_j^T (.x, unscaled); line 13: dP = dO_i V_j^T (.y)
+            const float2 s =
+                row_dot2<TPR>(k, &Qi[qi * (D / 4) + part], v, &dOi[qi * (D / 4) + part]);
             const float Li = L[bh * q_len + q0 + qi] * kLog2e;  // line 9: L_i and D_i
             const float Di = Dsum[bh * q_len + q0 + qi];
             const bool seen =
                 key < kv_len && (!causal || key <= flash_last_key(q0 + qi, q_len, kv_len));
-            const float P = seen ? exp2f(s - Li) : 0.f;  // line 11: P = exp(S - L_i)
-            const float dS = P * (dp - Di);            // line 14: dS = P o (dP - D_i)
+            const float P = seen ? exp2f(s.x * scale_log2 - Li) : 0.f;  // line 11: P = exp(S - L_i)
+            const float dS = P * (s.y - Di);           // line 14: dS = P o (dP - D_i)
             // line 12: dV_j += P^T dO_i; line 16: dK_j += dS^T Q_i
             for (int c = 0; c < slice4; c++) axpy4(dv[c], P, dOi[qi * (D / 4) + part + c * TPR]);
             for (int c = 0; c < slice4; c++) axpy4(dk[c], dS, Qi[qi * (D / 4) + part + c * TPR]);
