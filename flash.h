@@ -102,10 +102,11 @@ FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim);
 void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __half* O,
                            float* L, const AttentionShape& shape, int Bc, cudaStream_t stream = 0);
 // The fp16 backward takes the forward's head dims, kFlashFp16HeadDims (at 256, dK_j and dV_j take
-// a launch each: their accumulators together would need 256 registers a thread). Its tile: Br = 64
-// query rows a block (kernel 1), Bc = 32 keys a K/V tile; shared_bytes, the larger kernel's: at
-// 256 it needs 132 KB, so a GPU with less gets the runtime_error (sm_86, sm_89: 99 KB, which
-// already refuse 128, at 103 KB). Throws as the forward's does.
+// a launch each: their accumulators together would need 256 registers a thread). Its tile:
+// Br = 128 query rows a block in kernel 1 (32 a warp; 64 at d = 256), Bc = 32 keys a K/V tile;
+// shared_bytes, the larger kernel's: at 256 it needs 132 KB, so a GPU with less gets the
+// runtime_error (sm_86, sm_89: 99 KB, which already refuse 128, at 103 KB). Throws as the
+// forward's does.
 FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_dim);
 
 // Throws std::invalid_argument naming the field when a shape field is out of range or a tensor's

@@ -204,14 +204,20 @@ flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict
 // keeps them (one block per K/V tile: dK_j, dV_j). Both recompute S and P from L (line 11), so
 // the backward does 7 products where FA2 with atomics does 5.
 // Tiles (measured on the H100, NOTES.md section 14): kernel 1 streams K/V tiles of Bc = 32 keys
-// past a 64-row Q tile; kernel 2 streams Q tiles of Br = 64 queries past a 64-key K/V tile (32 at
-// d = 256, so that its shared memory fits an A100's 163 KB).
+// past a 128-row Q tile, 32 rows a warp (64 and 16 at d = 256); kernel 2 streams Q tiles of Br = 64
+// queries past a 64-key K/V tile (32 at d = 256, so that its shared memory fits an A100's 163 KB).
 static constexpr int kBwdBc = 32;  // kernel 1: keys per K/V tile
+// Kernel 1: 16-row mma tiles per warp. With two, every K_j or V_j fragment a warp loads from shared
+// memory feeds two mmas, not one (+3-6% on the H100); at d = 256 two tiles' dQ_i would need 256
+// accumulators a thread, more than it may have.
+constexpr int dq_M(int head_dim) { return head_dim <= 128 ? 2 : 1; }
+constexpr int dq_Br(int head_dim) { return 16 * dq_M(head_dim) * kWarps; }  // kernel 1: Q tile rows
 constexpr int dkdv_Br(int head_dim) { return head_dim <= 128 ? 64 : 32; }  // kernel 2: Q tile rows
 static constexpr int kBc = 16 * kWarps;  // kernel 2: keys per block (16 per warp)
 // Registers: at d <= 64 three blocks of 128 threads fit an SM (<= 168 registers a thread); at
-// d = 96, 128 kernel 2's dK_j and dV_j accumulators (D floats a thread) need up to 248, so two; at
-// d = 256 one (shared memory allows no more), and dK_j, dV_j take a launch each (below).
+// d = 96, 128 kernel 2's dK_j and dV_j accumulators (D floats a thread) and kernel 1's two tiles of
+// dQ_i need up to 248, so two; at d = 256 one (shared memory allows no more), and dK_j, dV_j take a
+// launch each (below).
 template <int D>
 constexpr int kBwdMinBlocks = D <= 64 ? 3 : D <= 128 ? 2 : 1;
 // Which of dK_j and dV_j a launch of kernel 2 computes: both, or, at d = 256, where the two
@@ -232,45 +238,56 @@ __device__ __forceinline__ void load_floats_async(float* to, const float* src, i
     }
 }
 // The two shapes of product in Algorithm 2, each the loop the forward writes out inline, for one
-// warp. acc (16 x N, fp32 accumulators) += A B^T: A the warp's 16 rows of a shared-memory tile,
-// B N rows of another, both K columns wide (the forward's S = Q_i K_j^T: B's rows are the mma's
-// columns, so no transpose).
-template <int N, int K>
-__device__ __forceinline__ void mma_ABt(float (&acc)[N / 8][4], const __half* A, const __half* B,
+// warp that owns M tiles of 16 rows (acc[m]: rows 16m .. 16m + 15; kernel 2 passes one, &S).
+// acc (16M x N, fp32 accumulators) += A B^T: A the warp's 16M rows of a shared-memory tile, B N
+// rows of another, both K columns wide (the forward's S = Q_i K_j^T: B's rows are the mma's
+// columns, so no transpose). Each B fragment is loaded once and feeds M mmas.
+template <int M, int N, int K>
+__device__ __forceinline__ void mma_ABt(float (*acc)[N / 8][4], const __half* A, const __half* B,
                                         int ld) {
-    uint32_t a[4], b[4];
+    uint32_t a[M][4], b[4];
     for (int k = 0; k < K / 16; k++) {
-        load_16x16<false>(a, A + 16 * k, ld);
+        for (int m = 0; m < M; m++) load_16x16<false>(a[m], A + 16 * m * ld + 16 * k, ld);
         for (int n = 0; n < N / 16; n++) {
             load_16x16<false>(b, B + 16 * n * ld + 16 * k, ld);
-            mma_16x8x16(acc[2 * n], a, b[0], b[2]);
-            mma_16x8x16(acc[2 * n + 1], a, b[1], b[3]);
+            for (int m = 0; m < M; m++) {
+                mma_16x8x16(acc[m][2 * n], a[m], b[0], b[2]);
+                mma_16x8x16(acc[m][2 * n + 1], a[m], b[1], b[3]);
+            }
         }
     }
 }
-// acc (16 x N) += P B: P (16 x K) the accumulators of an earlier product, rounded to fp16 where
+// acc (16M x N) += P B: P (16M x K) the accumulators of an earlier product, rounded to fp16 where
 // they are (two 16x8 C tiles are one 16x16 A tile), B K rows of a tile, N columns (the forward's
 // O_i += P~ V_j: B's rows are the mma's k, so .trans).
-template <int K, int N>
-__device__ __forceinline__ void mma_PB(float (&acc)[N / 8][4], float (&P)[K / 8][4],
+template <int M, int K, int N>
+__device__ __forceinline__ void mma_PB(float (*acc)[N / 8][4], float (*P)[K / 8][4],
                                        const __half* B, int ld) {
     uint32_t b[4];
     for (int k = 0; k < K / 16; k++) {
-        const uint32_t p[4] = {pack_half2(P[2 * k]), pack_half2(P[2 * k] + 2),
-                               pack_half2(P[2 * k + 1]), pack_half2(P[2 * k + 1] + 2)};
+        uint32_t p[M][4];
+        for (int m = 0; m < M; m++) {
+            p[m][0] = pack_half2(P[m][2 * k]);
+            p[m][1] = pack_half2(P[m][2 * k] + 2);
+            p[m][2] = pack_half2(P[m][2 * k + 1]);
+            p[m][3] = pack_half2(P[m][2 * k + 1] + 2);
+        }
         for (int n = 0; n < N / 16; n++) {
             load_16x16<true>(b, B + 16 * k * ld + 16 * n, ld);
-            mma_16x8x16(acc[2 * n], p, b[0], b[1]);
-            mma_16x8x16(acc[2 * n + 1], p, b[2], b[3]);
+            for (int m = 0; m < M; m++) {
+                mma_16x8x16(acc[m][2 * n], p[m], b[0], b[1]);
+                mma_16x8x16(acc[m][2 * n + 1], p[m], b[2], b[3]);
+            }
         }
     }
 }
 
-// Kernel 1 of 2: dQ (and D). One block per (Q tile i, batch*head), warp w owns rows 16w..16w+15
-// of Q_i, a thread rows `row` and row + 8 (h = 0, 1) and, of every 8-column slice of S, dP, dS
-// and dQ_i, columns 2t, 2t+1 (as in the forward). Q_i and dO_i stay in shared memory; K_j, V_j
-// stream through it, two stages (cp.async). Bc: keys per K/V tile.
-template <int D, int Bc>
+// Kernel 1 of 2: dQ (and D). One block per (Q tile i, batch*head); warp w owns M tiles of 16 rows
+// of Q_i (rows 16Mw .. 16Mw + 16M - 1), a thread rows `row` + 8r (r < 2M: row r of its tile r / 2,
+// half r % 2) and, of every 8-column slice of S, dP, dS and dQ_i, columns 2t, 2t+1 (as in the
+// forward, which has M = 1). Q_i and dO_i stay in shared memory; K_j, V_j stream through it, two
+// stages (cp.async). Bc: keys per K/V tile. M: 2 where the registers allow (dq_M, above).
+template <int D, int Bc, int M>
 __global__ void __launch_bounds__(32 * kWarps, kBwdMinBlocks<D>)
 flash_backward_dq_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict__ K,
                               const __half* __restrict__ V, const __half* __restrict__ O,
@@ -278,25 +295,26 @@ flash_backward_dq_fp16_kernel(const __half* __restrict__ Q, const __half* __rest
                               float* __restrict__ Dsum, __half* __restrict__ dQ, int q_len,
                               int kv_len, bool causal, int Tr, float scale_log2) {
     constexpr int ld = D + kPad;
+    constexpr int Br = 16 * M * kWarps;                // query rows per block
     extern __shared__ __align__(16) __half Q_i[];      // (Br, ld); then dO_i (Br, ld);
-    __half* dO_i = Q_i + kBr * ld;                     // then K_j, V_j: (2, Bc, ld) each
-    __half* K_j = dO_i + kBr * ld;
+    __half* dO_i = Q_i + Br * ld;                      // then K_j, V_j: (2, Bc, ld) each
+    __half* K_j = dO_i + Br * ld;
     __half* V_j = K_j + 2 * Bc * ld;
     const int warp = threadIdx.x / 32;
     const int t = threadIdx.x % 4;                     // lane = 4 g + t
     const int i = Tr - 1 - int(blockIdx.x % Tr);       // Q tile i, longest (causal) first
     const size_t bh = blockIdx.x / Tr;
-    const int row = i * kBr + 16 * warp + threadIdx.x % 32 / 4;  // this thread's rows: row + 8h
+    const int row = i * Br + 16 * M * warp + threadIdx.x % 32 / 4;  // this thread's rows: row + 8r
     const size_t q_head = bh * q_len * D, kv_head = bh * kv_len * D;
-    const int kv_end = flash_kv_end(i * kBr, kBr, q_len, kv_len, causal);  // causal: keys needed
-    load_rows_async<kBr, D>(Q_i, Q + q_head, i * kBr, q_len);    // line 9: load Q_i, dO_i
-    load_rows_async<kBr, D>(dO_i, dO + q_head, i * kBr, q_len);
+    const int kv_end = flash_kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: keys needed
+    load_rows_async<Br, D>(Q_i, Q + q_head, i * Br, q_len);      // line 9: load Q_i, dO_i
+    load_rows_async<Br, D>(dO_i, dO + q_head, i * Br, q_len);
     load_rows_async<Bc, D>(K_j, K + kv_head, 0, kv_end);         // line 6 for j = 0
     load_rows_async<Bc, D>(V_j, V + kv_head, 0, kv_end);
-    float L_i[2], D_i[2];                              // line 9: L_i (log2 units) and ...
-    for (int h = 0; h < 2; h++) {                      // line 4: D_i = rowsum(dO_i o O_i), fp32
-        const bool inside = row + 8 * h < q_len;       // (read from global while Q_i, dO_i land)
-        const size_t q = bh * q_len + (inside ? row + 8 * h : 0);
+    float L_i[2 * M], D_i[2 * M];                      // line 9: L_i (log2 units) and ...
+    for (int r = 0; r < 2 * M; r++) {                  // line 4: D_i = rowsum(dO_i o O_i), fp32
+        const bool inside = row + 8 * r < q_len;       // (read from global while Q_i, dO_i land)
+        const size_t q = bh * q_len + (inside ? row + 8 * r : 0);
         const __half2* O_q = reinterpret_cast<const __half2*>(O + q * D) + t;  // columns 8c + 2t,
         const __half2* dO_q = reinterpret_cast<const __half2*>(dO + q * D) + t;  // 8c + 2t + 1
         float sum = 0.f;
@@ -306,11 +324,11 @@ flash_backward_dq_fp16_kernel(const __half* __restrict__ Q, const __half* __rest
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);   // over the quad that holds the row
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        D_i[h] = inside ? sum : 0.f;
-        L_i[h] = inside ? L[q] * kLog2e : 0.f;         // -inf for a row that sees no key
+        D_i[r] = inside ? sum : 0.f;
+        L_i[r] = inside ? L[q] * kLog2e : 0.f;         // -inf for a row that sees no key
         if (inside && t == 0) Dsum[q] = sum;           // for kernel 2
     }
-    float dQ_i[D / 8][4] = {};                         // dQ_i, accumulated in registers
+    float dQ_i[M][D / 8][4] = {};                      // dQ_i, accumulated in registers
     for (int j = 0; j * Bc < kv_end; j++) {            // line 5: for each K_j, V_j
         const int stage = j % 2 * Bc * ld;             // where tile j is in K_j, V_j
         commit_and_wait<0>();                          // tile j (and Q_i, dO_i) landed; the
@@ -319,26 +337,27 @@ flash_backward_dq_fp16_kernel(const __half* __restrict__ Q, const __half* __rest
             load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K + kv_head, (j + 1) * Bc, kv_end);
             load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V + kv_head, (j + 1) * Bc, kv_end);
         }
-        float S[Bc / 8][4] = {}, dP[Bc / 8][4] = {};
-        mma_ABt<Bc, D>(S, Q_i + 16 * warp * ld, K_j + stage, ld);    // line 10: S = Q_i K_j^T
-        mma_ABt<Bc, D>(dP, dO_i + 16 * warp * ld, V_j + stage, ld);  // line 13: dP = dO_i V_j^T
-        for (int h = 0; h < 2; h++) {                  // row + 8h sees keys 0 .. last
-            const int last = causal ? min(flash_last_key(row + 8 * h, q_len, kv_len), kv_len - 1)
+        float S[M][Bc / 8][4] = {}, dP[M][Bc / 8][4] = {};
+        mma_ABt<M, Bc, D>(S, Q_i + 16 * M * warp * ld, K_j + stage, ld);    // 10: S = Q_i K_j^T
+        mma_ABt<M, Bc, D>(dP, dO_i + 16 * M * warp * ld, V_j + stage, ld);  // 13: dP = dO_i V_j^T
+        for (int r = 0; r < 2 * M; r++) {              // row + 8r sees keys 0 .. last
+            const int last = causal ? min(flash_last_key(row + 8 * r, q_len, kv_len), kv_len - 1)
                                     : kv_len - 1;
             for (int c = 0; c < Bc / 4; c++) {         // column c is key j Bc + 8(c/2) + 2t + c%2
-                float& s = S[c / 2][2 * h + c % 2];
+                float& s = S[r / 2][c / 2][2 * (r % 2) + c % 2];
                 const bool seen = j * Bc + 8 * (c / 2) + 2 * t + c % 2 <= last;
-                const float P = seen ? exp2f(s * scale_log2 - L_i[h]) : 0.f;  // line 11
-                s = P * (dP[c / 2][2 * h + c % 2] - D_i[h]);  // line 14: dS = P o (dP - D_i),
-            }                                          // in S's registers
+                const float P = seen ? exp2f(s * scale_log2 - L_i[r]) : 0.f;  // line 11
+                s = P * (dP[r / 2][c / 2][2 * (r % 2) + c % 2] - D_i[r]);  // line 14: dS =
+            }                                          // P o (dP - D_i), in S's registers
         }
-        mma_PB<Bc, D>(dQ_i, S, K_j + stage, ld);        // line 15: dQ_i += dS K_j
+        mma_PB<M, Bc, D>(dQ_i, S, K_j + stage, ld);     // line 15: dQ_i += dS K_j
     }
     commit_and_wait<0>();                              // no copy may land after the block exits
-    for (int h = 0; h < 2; h++)                        // dQ = dQ_i / sqrt(d) (S was unscaled)
-        for (int c = 0; c < D / 8 && row + 8 * h < q_len; c++)
-            *reinterpret_cast<__half2*>(dQ + q_head + size_t(row + 8 * h) * D + 8 * c + 2 * t) =
-                __floats2half2_rn(dQ_i[c][2 * h] * rsqrtf(D), dQ_i[c][2 * h + 1] * rsqrtf(D));
+    for (int r = 0; r < 2 * M; r++)                    // dQ = dQ_i / sqrt(d) (S was unscaled)
+        for (int c = 0; c < D / 8 && row + 8 * r < q_len; c++)
+            *reinterpret_cast<__half2*>(dQ + q_head + size_t(row + 8 * r) * D + 8 * c + 2 * t) =
+                __floats2half2_rn(dQ_i[r / 2][c][2 * (r % 2)] * rsqrtf(D),
+                                  dQ_i[r / 2][c][2 * (r % 2) + 1] * rsqrtf(D));
 }
 
 // Kernel 2 of 2: dK and dV, in Algorithm 2's order. One block per (K/V tile j, batch*head), warp
@@ -386,7 +405,7 @@ flash_backward_dkdv_fp16_kernel(const __half* __restrict__ Q, const __half* __re
             load_floats_async<Br>(D_i + (Br - fstage), Dsum + bh * q_len, q0 + Br, q_len);
         }
         float S[Br / 8][4] = {}, dP[Br / 8][4] = {};
-        mma_ABt<Br, D>(S, K_j + 16 * warp * ld, Q_i + stage, ld);  // line 10: S^T = K_j Q_i^T
+        mma_ABt<1, Br, D>(&S, K_j + 16 * warp * ld, Q_i + stage, ld);  // 10: S^T = K_j Q_i^T
         for (int h = 0; h < 2; h++) {                  // line 11: P^T = exp(S^T - L_i), masked:
             const int first = key + 8 * h >= kv_len ? q_len  // key + 8h is seen by queries
                               : causal ? flash_first_query(key + 8 * h, q_len, kv_len) : 0;
@@ -399,14 +418,14 @@ flash_backward_dkdv_fp16_kernel(const __half* __restrict__ Q, const __half* __re
             }
         }
         if constexpr (G != kOnlyDK)
-            mma_PB<Br, D>(dV_j, S, dO_i + stage, ld);              // line 12: dV_j += P^T dO_i
+            mma_PB<1, Br, D>(&dV_j, &S, dO_i + stage, ld);        // line 12: dV_j += P^T dO_i
         if constexpr (G == kOnlyDV) continue;
-        mma_ABt<Br, D>(dP, V_j + 16 * warp * ld, dO_i + stage, ld);  // line 13: dP^T = V_j dO_i^T
+        mma_ABt<1, Br, D>(&dP, V_j + 16 * warp * ld, dO_i + stage, ld);  // 13: dP^T = V_j dO_i^T
         for (int h = 0; h < 2; h++)                    // line 14: dS^T = P^T o (dP^T - D_i),
             for (int c = 0; c < Br / 4; c++)           // in dP's registers
                 dP[c / 2][2 * h + c % 2] = S[c / 2][2 * h + c % 2] *
                     (dP[c / 2][2 * h + c % 2] - D_i[fstage + 8 * (c / 2) + 2 * t + c % 2]);
-        mma_PB<Br, D>(dK_j, dP, Q_i + stage, ld);                 // line 16: dK_j += dS^T Q_i
+        mma_PB<1, Br, D>(&dK_j, &dP, Q_i + stage, ld);           // line 16: dK_j += dS^T Q_i
     }
     commit_and_wait<0>();
     for (int h = 0; h < 2; h++)                        // line 18: write dK_j / sqrt(d), dV_j
@@ -506,12 +525,13 @@ void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __
     forward_fp16_checked(Q, K, V, O, L, shape, Bc, stream);
 }
 
-// The backward's tile: Br = 64 query rows a block in kernel 1, Bc = kBwdBc keys a K/V tile (kernel
-// 2's blocks own kBc = 64 keys and stream Q tiles of dkdv_Br rows). Shared memory: kernel 1 holds
-// Q_i, dO_i and two stages of K_j, V_j; kernel 2 holds K_j, V_j and two stages of Q_i, dO_i and of
-// L_i, D_i. At d = 256 that is 132 KB: an A100 or an H100, not a GPU with 99 KB (sm_86, sm_89).
+// The backward's tile: Br = dq_Br query rows a block in kernel 1 (128; 64 at d = 256), Bc =
+// kBwdBc keys a K/V tile (kernel 2's blocks own kBc = 64 keys and stream Q tiles of dkdv_Br rows).
+// Shared memory: kernel 1 holds Q_i, dO_i and two stages of K_j, V_j; kernel 2 holds K_j, V_j and
+// two stages of Q_i, dO_i and of L_i, D_i. At d = 256 that is 132 KB: an A100 or an H100, not a
+// GPU with 99 KB (sm_86, sm_89).
 static size_t dq_shared_bytes(int head_dim) {
-    return size_t(2 * kBr + 4 * kBwdBc) * (head_dim + kPad) * sizeof(__half);
+    return size_t(2 * dq_Br(head_dim) + 4 * kBwdBc) * (head_dim + kPad) * sizeof(__half);
 }
 static size_t dkdv_shared_bytes(int head_dim) {
     return size_t(2 * kBc + 4 * dkdv_Br(head_dim)) * (head_dim + kPad) * sizeof(__half) +
@@ -526,7 +546,7 @@ FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_d
         throw std::runtime_error("device " + std::string(prop.name) + " has too little shared " +
                                  "memory for the fp16 backward at head_dim " +
                                  std::to_string(head_dim));
-    return {kBr, kBwdBc, 32 * kWarps, 4, bytes};
+    return {dq_Br(head_dim), kBwdBc, 32 * kWarps, 4, bytes};
 }
 
 template <int D>
@@ -534,12 +554,12 @@ static void launch_backward_fp16(const __half* Q, const __half* K, const __half*
                                  const __half* O, const __half* dO, const float* L, __half* dQ,
                                  __half* dK, __half* dV, const AttentionShape& s,
                                  cudaStream_t stream) {
-    auto dq_kernel = flash_backward_dq_fp16_kernel<D, kBwdBc>;
+    auto dq_kernel = flash_backward_dq_fp16_kernel<D, kBwdBc, dq_M(D)>;
     constexpr Grads G = kGradsPerLaunch<D>;  // kDKdV, or at d = 256 kOnlyDV, then kOnlyDK
     auto dkdv_kernel = flash_backward_dkdv_fp16_kernel<D, dkdv_Br(D), G>;
-    const int Tr = (s.q_len + kBr - 1) / kBr;  // Q tiles per head (kernel 1's blocks)
+    const int Tr = (s.q_len + dq_Br(D) - 1) / dq_Br(D);  // Q tiles per head (kernel 1's blocks)
     const int Tc = (s.kv_len + kBc - 1) / kBc;  // K/V tiles per head (kernel 2's blocks)
-    const int q_blocks = grid_blocks(s, s.q_len, kBr, "q_len");
+    const int q_blocks = grid_blocks(s, s.q_len, dq_Br(D), "q_len");
     const int kv_blocks = grid_blocks(s, s.kv_len, kBc, "kv_len");
     allow_shared(dq_kernel, dq_shared_bytes(D));
     allow_shared(dkdv_kernel, dkdv_shared_bytes(D));

@@ -958,11 +958,11 @@ TEST_CASE("More than 65535 batch*heads: the fp16 forward's heads past 65535 are 
 
 TEST_CASE("More than 65535 batch*heads: the fp16 backward's heads past 65535 are right",
           "[gpu][big][backward][fp16]") {
-    // The fp32 test runs the backward too; this is its fp16 twin, on the fp16 forward's shape:
-    // two Q tiles a head (q_len 65 > Br = 64) for kernel 1, one partial K/V tile (kv_len 33 < 64)
-    // for kernel 2, and, when causal, rows that see no key (0..31).
+    // The fp32 test runs the backward too; this is its fp16 twin: two Q tiles a head for kernel 1
+    // (q_len 129 > its Br = 128), one partial K/V tile (kv_len 33 < 64) for kernel 2, and, when
+    // causal, rows that see no key (0..95).
     const bool causal = GENERATE(false, true);
-    const AttentionShape s{70000, 1, 65, 33, 16, causal};
+    const AttentionShape s{70000, 1, 129, 33, 16, causal};
     INFO(describe(s));
     std::vector<std::vector<__half>> patterns;
     for (uint32_t t = 0; t < 4; ++t) patterns.push_back(converted<__half>(random_pattern(5000 + t)));

@@ -414,7 +414,8 @@ void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d) {
 }
 
 size_t fp16_backward_dq_bytes(int d) {
-    return size_t(2 * 64 + 4 * 32) * (d + 8) * sizeof(__half);
+    const size_t Br1 = d <= 128 ? 128 : 64;  // kernel 1's Q tile rows: 2 (d = 256: 1) x 16 a warp
+    return (2 * Br1 + 4 * 32) * (d + 8) * sizeof(__half);
 }
 
 size_t fp16_backward_dkdv_bytes(int d) {
@@ -427,7 +428,8 @@ void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, in
                                   << "), head_dim " << d << ": Br=" << t.Br << " Bc=" << t.Bc
                                   << " threads=" << t.threads << " threads_per_row="
                                   << t.threads_per_row << " shared_bytes=" << t.shared_bytes);
-    CHECK(t.Br == 64);              // kernel 1: four warps of 16 query rows (the mma's M)
+    CHECK(t.Br == (d <= 128 ? 128 : 64));  // kernel 1: four warps of 2 x 16 query rows (1 x 16
+                                           // at d = 256; 16 is the mma's M)
     CHECK(t.Bc == 32);              // kernel 1's keys per K/V tile
     CHECK(t.threads == 128);        // four warps
     CHECK(t.threads_per_row == 4);  // an mma fragment spreads a row over 4 threads

@@ -722,9 +722,9 @@ void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d);
 // (so that it fits an A100's 163 KB). The tile asks for the larger.
 size_t fp16_backward_dq_bytes(int d);
 size_t fp16_backward_dkdv_bytes(int d);
-// What the fp16 backward's tile must be: Br = 64 (kernel 1's Q tile), Bc = 32, 128 threads,
-// 4 threads a row, shared_bytes the larger kernel's, within the device's opt-in limit and beside
-// its reserve.
+// What the fp16 backward's tile must be: Br = 128 (kernel 1's Q tile; 64 at d = 256), Bc = 32,
+// 128 threads, 4 threads a row, shared_bytes the larger kernel's, within the device's opt-in
+// limit and beside its reserve.
 void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, int d);
 
 // =============================================================================================
