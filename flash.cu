@@ -59,17 +59,19 @@ __device__ __forceinline__ float row_dot(const float4 (&x)[N], const float4* y) 
     for (int c = 0; c < N; c++) s += dot4(x[c], y[c * TPR]);
     return row_sum<TPR>(s);
 }
-// The backward's two dot products per (query, key), S_ij = q.k and dP_ij = dO_i.v, both summed
-// before either is reduced: the two shuffle chains then overlap (reducing S's first cost ~1% at
-// d = 64 on the H100, NOTES.md section 7).
+// The backward's two dot products per (query, key), S_ij = q.k (times `scale`) and dP_ij = dO_i.v,
+// both summed before either is reduced: the two shuffle chains then overlap (reducing S's first
+// cost ~1% at d = 64 on the H100, NOTES.md section 7).
 template <int TPR, int N>
 __device__ __forceinline__ float2 row_dot2(const float4 (&x)[N], const float4* y,
-                                           const float4 (&u)[N], const float4* w) {
+                                           const float4 (&u)[N], const float4* w, float scale) {
     float s = 0.f;
     float dp = 0.f;
     for (int c = 0; c < N; c++) s += dot4(x[c], y[c * TPR]);
     for (int c = 0; c < N; c++) dp += dot4(u[c], w[c * TPR]);
-    return make_float2(row_sum<TPR>(s), row_sum<TPR>(dp));
+    s = row_sum<TPR>(s) * scale;
+    dp = row_sum<TPR>(dp);
+    return make_float2(s, dp);
 }
 // Replaces the two tiles in shared memory (K_j and V_j, or Q_i and dO_i): `rows` rows of D floats
 // of two tensors, at the same offset, copied global -> shared 16 bytes at a time. The first barrier
@@ -195,7 +197,7 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
         for (int kj = 0; kj < min(Br, keys - key0); kj++) {
             // line 10: S = Q_i K_j^T (.x); line 13: dP = dO_i V_j^T (.y)
             const float2 s =
-                row_dot2<TPR>(q, &Kj[kj * (D / 4) + part], dOi, &Vj[kj * (D / 4) + part]);
+                row_dot2<TPR>(q, &Kj[kj * (D / 4) + part], dOi, &Vj[kj * (D / 4) + part], 1.f);
             const float P = !causal || key0 + kj <= last_key ? exp2f(s.x - Li) : 0.f;  // line 11
             const float dS = P * (s.y - Di);           // line 14: dS = P o (dP - D_i)
             for (int c = 0; c < slice4; c++) axpy4(dq[c], dS, Kj[kj * (D / 4) + part + c * TPR]);
@@ -237,14 +239,14 @@ flash_backward_dkdv_kernel(const float4* __restrict__ Q, const float4* __restric
     for (int q0 = q_begin; q0 < q_len; q0 += Bc) {     // line 8: for each Q_i (from query q0)
         load_tiles<D>(Qi, Q, dOi, dO, (bh * q_len + q0) * (D / 4), min(Bc, q_len - q0));  // 9
         for (int qi = 0; qi < min(Bc, q_len - q0); qi++) {
-            // line 10: S = Q_i K_j^T (.x, unscaled); line 13: dP = dO_i V_j^T (.y)
-            const float2 s =
-                row_dot2<TPR>(k, &Qi[qi * (D / 4) + part], v, &dOi[qi * (D / 4) + part]);
+            // line 10: S = Q_i K_j^T (.x, scaled to log2 units); line 13: dP = dO_i V_j^T (.y)
+            const float2 s = row_dot2<TPR>(k, &Qi[qi * (D / 4) + part], v,
+                                           &dOi[qi * (D / 4) + part], scale_log2);
             const float Li = L[bh * q_len + q0 + qi] * kLog2e;  // line 9: L_i and D_i
             const float Di = Dsum[bh * q_len + q0 + qi];
             const bool seen =
                 key < kv_len && (!causal || key <= flash_last_key(q0 + qi, q_len, kv_len));
-            const float P = seen ? exp2f(s.x * scale_log2 - Li) : 0.f;  // line 11: P = exp(S - L_i)
+            const float P = seen ? exp2f(s.x - Li) : 0.f;  // line 11: P = exp(S - L_i)
             const float dS = P * (s.y - Di);           // line 14: dS = P o (dP - D_i)
             // line 12: dV_j += P^T dO_i; line 16: dK_j += dS^T Q_i
             for (int c = 0; c < slice4; c++) axpy4(dv[c], P, dOi[qi * (D / 4) + part + c * TPR]);
