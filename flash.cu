@@ -61,7 +61,8 @@ __device__ __forceinline__ float row_dot(const float4 (&x)[N], const float4* y) 
 }
 // The backward's two dot products per (query, key), S_ij = q.k (times `scale`) and dP_ij = dO_i.v,
 // both summed before either is reduced: the two shuffle chains then overlap (reducing S's first
-// cost ~1% at d = 64 on the H100, NOTES.md section 7).
+// cost ~1% at d = 64 on the H100). S is scaled here, right after its reduction, as the first
+// edition did: scaled later, inside exp2f, it cost 0.25% at d = 128 (NOTES.md section 7).
 template <int TPR, int N>
 __device__ __forceinline__ float2 row_dot2(const float4 (&x)[N], const float4* y,
                                            const float4 (&u)[N], const float4* w, float scale) {
