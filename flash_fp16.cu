@@ -208,8 +208,8 @@ flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict
 // queries past a 64-key K/V tile (32 at d = 256, so that its shared memory fits an A100's 163 KB).
 static constexpr int kBwdBc = 32;  // kernel 1: keys per K/V tile
 // Kernel 1: 16-row mma tiles per warp. With two, every K_j or V_j fragment a warp loads from shared
-// memory feeds two mmas, not one (+3-6% on the H100); at d = 256 two tiles' dQ_i would need 256
-// accumulators a thread, more than it may have.
+// memory feeds two mmas, not one (+1-7% on the H100, NOTES.md section 14); at d = 256 two tiles'
+// dQ_i would need 256 accumulators a thread, more than it may have.
 constexpr int dq_M(int head_dim) { return head_dim <= 128 ? 2 : 1; }
 constexpr int dq_Br(int head_dim) { return 16 * dq_M(head_dim) * kWarps; }  // kernel 1: Q tile rows
 constexpr int dkdv_Br(int head_dim) { return head_dim <= 128 ? 64 : 32; }  // kernel 2: Q tile rows
@@ -283,9 +283,9 @@ __device__ __forceinline__ void mma_PB(float (*acc)[N / 8][4], float (*P)[K / 8]
 }
 
 // Kernel 1 of 2: dQ (and D). One block per (Q tile i, batch*head); warp w owns M tiles of 16 rows
-// of Q_i (rows 16Mw .. 16Mw + 16M - 1), a thread rows `row` + 8r (r < 2M: row r of its tile r / 2,
-// half r % 2) and, of every 8-column slice of S, dP, dS and dQ_i, columns 2t, 2t+1 (as in the
-// forward, which has M = 1). Q_i and dO_i stay in shared memory; K_j, V_j stream through it, two
+// of Q_i (rows 16Mw .. 16Mw + 16M - 1), a thread rows row + 8r, r < 2M (in tile r / 2, its top or
+// bottom 8 rows by r % 2) and, of every 8-column slice of S, dP, dS and dQ_i, columns 2t, 2t+1 (as
+// in the forward, which has M = 1). Q_i and dO_i stay in shared memory; K_j, V_j stream through it, two
 // stages (cp.async). Bc: keys per K/V tile. M: 2 where the registers allow (dq_M, above).
 template <int D, int Bc, int M>
 __global__ void __launch_bounds__(32 * kWarps, kBwdMinBlocks<D>)
