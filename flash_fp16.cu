@@ -216,7 +216,7 @@ constexpr int dkdv_Br(int head_dim) { return head_dim <= 128 ? 64 : 32; }  // ke
 static constexpr int kBc = 16 * kWarps;  // kernel 2: keys per block (16 per warp)
 // Registers: at d <= 64 three blocks of 128 threads fit an SM (<= 168 registers a thread); at
 // d = 96, 128 kernel 2's dK_j and dV_j accumulators (D floats a thread) and kernel 1's two tiles of
-// dQ_i need up to 248, so two; at d = 256 one (shared memory allows no more), and dK_j, dV_j take a
+// dQ_i need up to 252, so two; at d = 256 one (shared memory allows no more), and dK_j, dV_j take a
 // launch each (below).
 template <int D>
 constexpr int kBwdMinBlocks = D <= 64 ? 3 : D <= 128 ? 2 : 1;
