@@ -107,17 +107,23 @@ cudaDeviceProp flash_device_props();
 // `what` (the field the tiles run along).
 int grid_blocks(const AttentionShape& shape, int rows, int tile, const char* what);
 
-// The backwards' scratch: calls launch(Dsum), which launches kernels on `stream` and returns the
-// first launch error (cudaSuccess if none), with Dsum a (B*H*q_len)-float buffer taken from the
-// stream-ordered memory pool and given back after those kernels, in stream order, whatever
+// The backwards' scratch: calls launch(scratch), which launches kernels on `stream` and returns
+// the first launch error (cudaSuccess if none), with scratch `bytes` of device memory taken from
+// the stream-ordered memory pool and given back after those kernels, in stream order, whatever
 // happened; then throws that launch error, if any.
 template <typename Launch>
-void with_row_scratch(const AttentionShape& s, cudaStream_t stream, Launch launch) {
-    float* Dsum = nullptr;
-    FLASH_CUDA_CHECK(cudaMallocAsync(&Dsum, l_elems(s) * sizeof(float), stream));
-    const cudaError_t launched = launch(Dsum);
-    FLASH_CUDA_CHECK(cudaFreeAsync(Dsum, stream));
+void with_scratch(size_t bytes, cudaStream_t stream, Launch launch) {
+    void* scratch = nullptr;
+    FLASH_CUDA_CHECK(cudaMallocAsync(&scratch, bytes, stream));
+    const cudaError_t launched = launch(scratch);
+    FLASH_CUDA_CHECK(cudaFreeAsync(scratch, stream));
     FLASH_CUDA_CHECK(launched);
+}
+// The same with a (B*H*q_len)-float buffer, Dsum: chapter 1's backward's D.
+template <typename Launch>
+void with_row_scratch(const AttentionShape& s, cudaStream_t stream, Launch launch) {
+    with_scratch(l_elems(s) * sizeof(float), stream,
+                 [&](void* scratch) { return launch(static_cast<float*>(scratch)); });
 }
 
 // Lets `kernel` use `bytes` of dynamic shared memory (above 48 KiB needs the opt-in).

@@ -61,8 +61,10 @@ void flash_backward(const float* Q, const float* K, const float* V, const float*
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
                         const AttentionShape& shape, cudaStream_t stream = 0);
 // The fp16 backward: given dO, fills dQ, dK, dV (fp16, shaped as Q, K, V) from the forward's O
-// and fp32 L. Deterministic (no atomics: bitwise-identical gradients on every call); P and dS are
-// rounded to fp16 for the tensor-core products, every sum is fp32. Head dims: see below.
+// and fp32 L. Deterministic (bitwise-identical gradients on every call: the one sum over blocks,
+// dQ's, is added in a fixed order); P and dS are rounded to fp16 for the tensor-core products,
+// every sum is fp32. Extra memory: flash_backward_fp16_scratch_bytes, taken from the stream's
+// memory pool (cudaMallocAsync) during the call and given back. Head dims: see below.
 void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
                          const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
                          const AttentionShape& shape, cudaStream_t stream = 0);
@@ -101,13 +103,20 @@ constexpr int kFlashFp16HeadDims[] = {16, 32, 64, 96, 128, 256};
 FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim);
 void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __half* O,
                            float* L, const AttentionShape& shape, int Bc, cudaStream_t stream = 0);
-// The fp16 backward takes the forward's head dims, kFlashFp16HeadDims (at 256, dK_j and dV_j take
-// a launch each: their accumulators together would need 256 registers a thread). Its tile:
-// Br = 128 query rows a block in kernel 1 (32 a warp; 64 at d = 256), Bc = 32 keys a K/V tile;
-// shared_bytes, the larger kernel's: at 256 it needs 132 KB, so a GPU with less gets the
-// runtime_error (sm_86, sm_89: 99 KB, which already refuse 128, at 103 KB). Throws as the
-// forward's does.
+// The fp16 backward takes the forward's head dims, kFlashFp16HeadDims. Its tile: Br = 64 query
+// rows a Q tile (32 at d = 256), Bc = 128 keys a K/V tile, one per block of 8 warps, where that
+// fits the device's shared memory (d >= 32), else Bc = 64 (4 warps); shared_bytes is the block's.
+// At d = 128 that is 155 KB with Bc = 128 and 112 KB with 64, so a GPU with 99 KB (sm_86, sm_89)
+// gets the runtime_error there. Throws as the forward's does.
 FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_dim);
+// flash_backward_fp16 with Bc (64, or 128 from head_dim 32) given by the caller.
+void flash_backward_fp16_bc(const __half* Q, const __half* K, const __half* V, const __half* O,
+                            const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
+                            const AttentionShape& shape, int Bc, cudaStream_t stream = 0);
+// The fp16 backward's extra device memory for this shape, in bytes: dQ summed in fp32
+// (B*H*q_len*head_dim floats), D (B*H*q_len floats), one turn counter per Q tile of Br rows
+// (B*H*ceil(q_len / Br) ints) and two tickets (ints). Throws as the backward does for a bad shape.
+size_t flash_backward_fp16_scratch_bytes(const AttentionShape& shape);
 
 // Throws std::invalid_argument naming the field when a shape field is out of range or a tensor's
 // element count overflows.

@@ -198,33 +198,34 @@ flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict
 }
 
 // ---------------------------------------------------------------------------------------------
-// The backward: FlashAttention-2 Algorithm 2 on tensor cores, split in two kernels as in chapter 1
-// so that no sum needs atomics (deterministic: every gradient element is summed by one thread, in
-// a fixed order). Kernel 1 swaps the paper's loops (one block per Q tile: dQ_i and D_i); kernel 2
-// keeps them (one block per K/V tile: dK_j, dV_j). Both recompute S and P from L (line 11), so
-// the backward does 7 products where FA2 with atomics does 5.
-// Tiles (measured on the H100, NOTES.md section 14): kernel 1 streams K/V tiles of Bc = 32 keys
-// past a 128-row Q tile, 32 rows a warp (64 and 16 at d = 256); kernel 2 streams Q tiles of Br = 64
-// queries past a 64-key K/V tile (32 at d = 256, so that its shared memory fits an A100's 163 KB).
-static constexpr int kBwdBc = 32;  // kernel 1: keys per K/V tile
-// Kernel 1: 16-row mma tiles per warp. With two, every K_j or V_j fragment a warp loads from shared
-// memory feeds two mmas, not one (+1-7% on the H100, NOTES.md section 14); at d = 256 two tiles'
-// dQ_i would need 256 accumulators a thread, more than it may have.
-constexpr int dq_M(int head_dim) { return head_dim <= 128 ? 2 : 1; }
-constexpr int dq_Br(int head_dim) { return 16 * dq_M(head_dim) * kWarps; }  // kernel 1: Q tile rows
-constexpr int dkdv_Br(int head_dim) { return head_dim <= 128 ? 64 : 32; }  // kernel 2: Q tile rows
-static constexpr int kBc = 16 * kWarps;  // kernel 2: keys per block (16 per warp)
-// Registers: at d <= 64 three blocks of 128 threads fit an SM (<= 168 registers a thread); at
-// d = 96, 128 kernel 2's dK_j and dV_j accumulators (D floats a thread) and kernel 1's two tiles of
-// dQ_i need up to 252, so two; at d = 256 one (shared memory allows no more), and dK_j, dV_j take a
-// launch each (below).
-template <int D>
-constexpr int kBwdMinBlocks = D <= 64 ? 3 : D <= 128 ? 2 : 1;
-// Which of dK_j and dV_j a launch of kernel 2 computes: both, or, at d = 256, where the two
-// accumulators (256 floats a thread) cannot fit in a thread's 255 registers, one per launch.
-enum Grads { kDKdV, kOnlyDV, kOnlyDK };
-template <int D>
-constexpr Grads kGradsPerLaunch = D <= 128 ? kDKdV : kOnlyDV;  // kOnlyDV: then a kOnlyDK launch
+// The backward: FlashAttention-2 Algorithm 2 on tensor cores, as the paper writes it. One block
+// per K/V tile j (line 5) keeps K_j, V_j in shared memory and dK_j, dV_j in registers while the Q
+// tiles i stream past it (line 8); S, P, dP and dS are computed once per (i, j): five products.
+// Line 15's dQ_i += dS_ij K_j is the one sum over K/V tiles, so the blocks that share Q_i add their
+// parts into dQacc, an fp32 copy of dQ in global memory, in a fixed order (below): deterministic,
+// bitwise. Three launches: D (line 4), the kernel, then dQ = dQacc / sqrt(d) rounded to fp16.
+//
+// The block: W warps, warp w owning keys 16w .. 16w + 15 of K_j (Bc = 16 W), a thread keys `key`
+// and key + 8 (h = 0, 1). Everything is transposed: S^T = K_j Q_i^T has a key per row, so P^T and
+// dS^T, the left operands of lines 12 and 16, come out of their mmas already in the A layout, and
+// each thread needs L and D of its columns' queries (staged beside Q_i). Line 15 needs dS itself,
+// summed over all the block's keys: dS^T goes through shared memory, and the W warps split dQ_i's
+// (Br x d) product into tiles of 16 Mq rows by Nq columns (dq_row_warps).
+//
+// The order of line 15's adds. Every block takes a ticket as it starts (atomicAdd on a zeroed
+// counter): the order blocks start in. Tickets run over each head's K/V tiles from the right
+// (j = Tc - 1 first), and every dQ_i takes its adds in decreasing j, from the block with the
+// lowest ticket up: a per-(head, Q tile) turn counter says how many have added; block j adds when
+// it equals the number of tiles right of j that see Q_i, then passes the turn on. A block only
+// ever waits for blocks with lower tickets, which have started and so are running or done, and
+// the lowest-ticket block still running waits for nobody: no deadlock (NOTES.md section 14).
+enum Grads { kAll, kOnlyDV, kDKdQ };  // kOnlyDV, then kDKdQ: d = 256, where dK_j + dV_j is too big
+
+// Rows of the warp tiles of dQ_i's product: 32 (two mma tiles, each K_j fragment feeding two mmas)
+// where the W warps can then split d into columns of a multiple of 16, else 16.
+__host__ __device__ constexpr int dq_row_warps(int D, int W, int Br) {
+    return D * (Br / 32) % (16 * W) == 0 ? Br / 32 : Br / 16;
+}
 
 // The same for N floats of a vector (4 bytes per cp.async): entries at or past `len` become 0.
 template <int N>
@@ -237,11 +238,11 @@ __device__ __forceinline__ void load_floats_async(float* to, const float* src, i
                  "l"(src + (inside ? first + x : 0)), "r"(inside ? 4 : 0));
     }
 }
-// The two shapes of product in Algorithm 2, each the loop the forward writes out inline, for one
-// warp that owns M tiles of 16 rows (acc[m]: rows 16m .. 16m + 15; kernel 2 passes one, &S).
+// The three shapes of product in Algorithm 2, each the loop the forward writes out inline, for one
+// warp that owns M tiles of 16 rows (acc[m]: rows 16m .. 16m + 15). Each B fragment is loaded once
+// and feeds M mmas.
 // acc (16M x N, fp32 accumulators) += A B^T: A the warp's 16M rows of a shared-memory tile, B N
-// rows of another, both K columns wide (the forward's S = Q_i K_j^T: B's rows are the mma's
-// columns, so no transpose). Each B fragment is loaded once and feeds M mmas.
+// rows of another, both K columns wide (S^T = K_j Q_i^T: B's rows are the mma's columns).
 template <int M, int N, int K>
 __device__ __forceinline__ void mma_ABt(float (*acc)[N / 8][4], const __half* A, const __half* B,
                                         int ld) {
@@ -257,148 +258,120 @@ __device__ __forceinline__ void mma_ABt(float (*acc)[N / 8][4], const __half* A,
         }
     }
 }
-// acc (16M x N) += P B: P (16M x K) the accumulators of an earlier product, rounded to fp16 where
-// they are (two 16x8 C tiles are one 16x16 A tile), B K rows of a tile, N columns (the forward's
-// O_i += P~ V_j: B's rows are the mma's k, so .trans).
+// acc (16M x N) += A B, B K rows of a tile, N columns (B's rows are the mma's k, so .trans), and A
+// either the accumulators of an earlier product, P (16M x K), rounded to fp16 where they are (two
+// 16x8 C tiles are one 16x16 A tile: dV_j += P^T dO_i), or, given At, read from shared memory where
+// it is stored transposed, K rows of 16M columns (dQ_i += dS K_j from dS^T): ldmatrix.trans turns
+// At's quarters into A's, the second and third swapping places.
 template <int M, int K, int N>
-__device__ __forceinline__ void mma_PB(float (*acc)[N / 8][4], float (*P)[K / 8][4],
-                                       const __half* B, int ld) {
-    uint32_t b[4];
+__device__ __forceinline__ void mma_AB(float (*acc)[N / 8][4], float (*P)[K / 8][4],
+                                       const __half* At, int lda, const __half* B, int ldb) {
+    uint32_t a[M][4], b[4];
     for (int k = 0; k < K / 16; k++) {
-        uint32_t p[M][4];
         for (int m = 0; m < M; m++) {
-            p[m][0] = pack_half2(P[m][2 * k]);
-            p[m][1] = pack_half2(P[m][2 * k] + 2);
-            p[m][2] = pack_half2(P[m][2 * k + 1]);
-            p[m][3] = pack_half2(P[m][2 * k + 1] + 2);
+            if (At) {
+                load_16x16<true>(a[m], At + 16 * k * lda + 16 * m, lda);
+                const uint32_t q1 = a[m][1];
+                a[m][1] = a[m][2];
+                a[m][2] = q1;
+            } else {
+                a[m][0] = pack_half2(P[m][2 * k]);
+                a[m][1] = pack_half2(P[m][2 * k] + 2);
+                a[m][2] = pack_half2(P[m][2 * k + 1]);
+                a[m][3] = pack_half2(P[m][2 * k + 1] + 2);
+            }
         }
         for (int n = 0; n < N / 16; n++) {
-            load_16x16<true>(b, B + 16 * k * ld + 16 * n, ld);
+            load_16x16<true>(b, B + 16 * k * ldb + 16 * n, ldb);
             for (int m = 0; m < M; m++) {
-                mma_16x8x16(acc[m][2 * n], p[m], b[0], b[1]);
-                mma_16x8x16(acc[m][2 * n + 1], p[m], b[2], b[3]);
+                mma_16x8x16(acc[m][2 * n], a[m], b[0], b[1]);
+                mma_16x8x16(acc[m][2 * n + 1], a[m], b[2], b[3]);
             }
         }
     }
 }
 
-// Kernel 1 of 2: dQ (and D). One block per (Q tile i, batch*head); warp w owns M tiles of 16 rows
-// of Q_i (rows 16Mw .. 16Mw + 16M - 1), a thread rows row + 8r, r < 2M (in tile r / 2, its top or
-// bottom 8 rows by r % 2) and, of every 8-column slice of S, dP, dS and dQ_i, columns 2t, 2t+1 (as
-// in the forward, which has M = 1). Q_i and dO_i stay in shared memory; K_j, V_j stream through it, two
-// stages (cp.async). Bc: keys per K/V tile. M: 2 where the registers allow (dq_M, above).
-template <int D, int Bc, int M>
-__global__ void __launch_bounds__(32 * kWarps, kBwdMinBlocks<D>)
-flash_backward_dq_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict__ K,
-                              const __half* __restrict__ V, const __half* __restrict__ O,
-                              const __half* __restrict__ dO, const float* __restrict__ L,
-                              float* __restrict__ Dsum, __half* __restrict__ dQ, int q_len,
-                              int kv_len, bool causal, int Tr, float scale_log2) {
-    constexpr int ld = D + kPad;
-    constexpr int Br = 16 * M * kWarps;                // query rows per block
-    extern __shared__ __align__(16) __half Q_i[];      // (Br, ld); then dO_i (Br, ld);
-    __half* dO_i = Q_i + Br * ld;                      // then K_j, V_j: (2, Bc, ld) each
-    __half* K_j = dO_i + Br * ld;
-    __half* V_j = K_j + 2 * Bc * ld;
-    const int warp = threadIdx.x / 32;
-    const int t = threadIdx.x % 4;                     // lane = 4 g + t
-    const int i = Tr - 1 - int(blockIdx.x % Tr);       // Q tile i, longest (causal) first
-    const size_t bh = blockIdx.x / Tr;
-    const int row = i * Br + 16 * M * warp + threadIdx.x % 32 / 4;  // this thread's rows: row + 8r
-    const size_t q_head = bh * q_len * D, kv_head = bh * kv_len * D;
-    const int kv_end = flash_kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: keys needed
-    load_rows_async<Br, D>(Q_i, Q + q_head, i * Br, q_len);      // line 9: load Q_i, dO_i
-    load_rows_async<Br, D>(dO_i, dO + q_head, i * Br, q_len);
-    load_rows_async<Bc, D>(K_j, K + kv_head, 0, kv_end);         // line 6 for j = 0
-    load_rows_async<Bc, D>(V_j, V + kv_head, 0, kv_end);
-    float L_i[2 * M], D_i[2 * M];                      // line 9: L_i (log2 units) and ...
-    for (int r = 0; r < 2 * M; r++) {                  // line 4: D_i = rowsum(dO_i o O_i), fp32
-        const bool inside = row + 8 * r < q_len;       // (read from global while Q_i, dO_i land)
-        const size_t q = bh * q_len + (inside ? row + 8 * r : 0);
-        const __half2* O_q = reinterpret_cast<const __half2*>(O + q * D) + t;  // columns 8c + 2t,
-        const __half2* dO_q = reinterpret_cast<const __half2*>(dO + q * D) + t;  // 8c + 2t + 1
-        float sum = 0.f;
-        for (int c = 0; c < D / 8; c++) {
-            const float2 o = __half22float2(O_q[4 * c]), g = __half22float2(dO_q[4 * c]);
-            sum += o.x * g.x + o.y * g.y;
+// The ordered add (above). block_ticket: this block's place in the order, for every thread.
+__device__ __forceinline__ int block_ticket(int* next) {
+    __shared__ int ticket;
+    if (threadIdx.x == 0) ticket = atomicAdd(next, 1);
+    __syncthreads();
+    return ticket;
+}
+// Thread 0 spins until *turn == mine; ld.acquire (PTX ISA, "Memory Consistency Model"): the adds
+// the blocks before made, before they passed the turn, are then in memory before ours. The caller's
+// next barrier holds the other threads until then.
+__device__ __forceinline__ void wait_turn(const int* turn, int mine) {
+    for (int now = mine - 1; threadIdx.x == 0 && now != mine;)
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
+}
+// Thread 0 passes the turn on, after a barrier that follows this block's adds; red.release: every
+// write ordered before it (the other threads' adds, through the barrier) lands first.
+__device__ __forceinline__ void pass_turn(int* turn) {
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
+}
+// One warp's tile of dQ_i (2M rows of 8 a thread, N columns) into dQacc (row stride D, `rows`
+// rows left in the tensor): the first block in the order stores, the others add (a red: the add
+// happens in L2, nothing comes back; on sm_90 two floats at once).
+template <int M, int N, int D>
+__device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], int rows, bool first) {
+    for (int r = 0; r < 2 * M; r++)                    // row 16(r / 2) + g + 8(r % 2), as in mma
+        for (int n = 0; n < N / 8 && 16 * (r / 2) + threadIdx.x % 32 / 4 + 8 * (r % 2) < rows; n++) {
+            float* to = dQacc + size_t(16 * (r / 2) + threadIdx.x % 32 / 4 + 8 * (r % 2)) * D +
+                        8 * n + 2 * (threadIdx.x % 4);
+            const float2 v = make_float2(acc[r / 2][n][2 * (r % 2)], acc[r / 2][n][2 * (r % 2) + 1]);
+            if (first) *reinterpret_cast<float2*>(to) = v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            else atomicAdd(reinterpret_cast<float2*>(to), v);
+#else
+            else atomicAdd(to, v.x), atomicAdd(to + 1, v.y);
+#endif
         }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);   // over the quad that holds the row
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        D_i[r] = inside ? sum : 0.f;
-        L_i[r] = inside ? L[q] * kLog2e : 0.f;         // -inf for a row that sees no key
-        if (inside && t == 0) Dsum[q] = sum;           // for kernel 2
-    }
-    float dQ_i[M][D / 8][4] = {};                      // dQ_i, accumulated in registers
-    for (int j = 0; j * Bc < kv_end; j++) {            // line 5: for each K_j, V_j
-        const int stage = j % 2 * Bc * ld;             // where tile j is in K_j, V_j
-        commit_and_wait<0>();                          // tile j (and Q_i, dO_i) landed; the
-        __syncthreads();                               // other stage is free
-        if ((j + 1) * Bc < kv_end) {                   // line 6, a tile ahead: K_{j+1}, V_{j+1}
-            load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K + kv_head, (j + 1) * Bc, kv_end);
-            load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V + kv_head, (j + 1) * Bc, kv_end);
-        }
-        float S[M][Bc / 8][4] = {}, dP[M][Bc / 8][4] = {};
-        mma_ABt<M, Bc, D>(S, Q_i + 16 * M * warp * ld, K_j + stage, ld);    // 10: S = Q_i K_j^T
-        mma_ABt<M, Bc, D>(dP, dO_i + 16 * M * warp * ld, V_j + stage, ld);  // 13: dP = dO_i V_j^T
-        for (int r = 0; r < 2 * M; r++) {              // row + 8r sees keys 0 .. last
-            const int last = causal ? min(flash_last_key(row + 8 * r, q_len, kv_len), kv_len - 1)
-                                    : kv_len - 1;
-            for (int c = 0; c < Bc / 4; c++) {         // column c is key j Bc + 8(c/2) + 2t + c%2
-                float& s = S[r / 2][c / 2][2 * (r % 2) + c % 2];
-                const bool seen = j * Bc + 8 * (c / 2) + 2 * t + c % 2 <= last;
-                const float P = seen ? exp2f(s * scale_log2 - L_i[r]) : 0.f;  // line 11
-                s = P * (dP[r / 2][c / 2][2 * (r % 2) + c % 2] - D_i[r]);  // line 14: dS =
-            }                                          // P o (dP - D_i), in S's registers
-        }
-        mma_PB<M, Bc, D>(dQ_i, S, K_j + stage, ld);     // line 15: dQ_i += dS K_j
-    }
-    commit_and_wait<0>();                              // no copy may land after the block exits
-    for (int r = 0; r < 2 * M; r++)                    // dQ = dQ_i / sqrt(d) (S was unscaled)
-        for (int c = 0; c < D / 8 && row + 8 * r < q_len; c++)
-            *reinterpret_cast<__half2*>(dQ + q_head + size_t(row + 8 * r) * D + 8 * c + 2 * t) =
-                __floats2half2_rn(dQ_i[r / 2][c][2 * (r % 2)] * rsqrtf(D),
-                                  dQ_i[r / 2][c][2 * (r % 2) + 1] * rsqrtf(D));
 }
 
-// Kernel 2 of 2: dK and dV, in Algorithm 2's order. One block per (K/V tile j, batch*head), warp
-// w owns keys 16w..16w+15 of K_j, a thread keys `key` and key + 8 (h = 0, 1). Everything is
-// transposed: S^T = K_j Q_i^T has a key per row and a query per column, so each thread needs L
-// and D of its columns' queries: they are staged in shared memory beside Q_i and dO_i, which
-// stream through it in tiles of Br queries, two stages. K_j, V_j stay in shared memory. G: which
-// of dK_j, dV_j this launch computes (an only-dV launch skips lines 13-16; the other, line 12).
-template <int D, int Br, Grads G>
-__global__ void __launch_bounds__(32 * kWarps, kBwdMinBlocks<D>)
-flash_backward_dkdv_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict__ K,
-                                const __half* __restrict__ V, const __half* __restrict__ dO,
-                                const float* __restrict__ L, const float* __restrict__ Dsum,
-                                __half* __restrict__ dK, __half* __restrict__ dV, int q_len,
-                                int kv_len, bool causal, int Tc, float scale_log2) {
-    constexpr int ld = D + kPad;
-    extern __shared__ __align__(16) __half K_j[];      // (Bc, ld); then V_j (Bc, ld); then
-    __half* V_j = K_j + kBc * ld;                      // Q_i, dO_i (2, Br, ld) each; then
-    __half* Q_i = V_j + kBc * ld;                      // L_i, D_i (2, Br) floats each
+// The kernel. One block per (K/V tile j, batch*head), in ticket order. W warps of 16 keys, Q tiles
+// of Br rows in two stages (cp.async); G: which gradients this launch computes.
+template <int D, int W, int Br, Grads G>
+__global__ void __launch_bounds__(32 * W, 1)
+flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict__ K,
+                           const __half* __restrict__ V, const __half* __restrict__ dO,
+                           const float* __restrict__ L, const float* __restrict__ Dsum,
+                           float* __restrict__ dQacc, int* __restrict__ turns, int* next_ticket,
+                           __half* __restrict__ dK, __half* __restrict__ dV, int q_len, int kv_len,
+                           bool causal, int Tc, float scale_log2) {
+    constexpr int Bc = 16 * W, ld = D + kPad, ldS = Br + kPad;
+    constexpr int WR = dq_row_warps(D, W, Br), WC = W / WR;  // dQ_i's warps: WR x WC tiles of
+    constexpr int Mq = Br / WR / 16, Nq = D / WC;            // 16 Mq rows, Nq columns
+    static_assert(W % WR == 0 && Nq % 16 == 0, "dQ_i's warp tiles must be whole mma tiles");
+    extern __shared__ __align__(16) __half K_j[];      // (Bc, ld); then V_j (Bc, ld); Q_i and
+    __half* V_j = K_j + Bc * ld;                       // dO_i (2, Br, ld) each; dS^T (Bc, ldS);
+    __half* Q_i = V_j + Bc * ld;                       // L_i and D_i (2, Br) floats each
     __half* dO_i = Q_i + 2 * Br * ld;
-    float* L_i = reinterpret_cast<float*>(dO_i + 2 * Br * ld);
+    __half* dS_T = dO_i + 2 * Br * ld;
+    float* L_i = reinterpret_cast<float*>(dS_T + Bc * ldS);
     float* D_i = L_i + 2 * Br;
-    const int warp = threadIdx.x / 32;
-    const int t = threadIdx.x % 4;
-    const int j = int(blockIdx.x % Tc);                // line 5: for each K_j, V_j (the grid;
-    const size_t bh = blockIdx.x / Tc;                 // causal: the longest, j = 0, first)
-    const int key = j * kBc + 16 * warp + threadIdx.x % 32 / 4;  // this thread's keys: key + 8h
+    const int ticket = block_ticket(next_ticket);
+    const int j = Tc - 1 - ticket % Tc;                // line 5: K/V tile j, each head's from the
+    const size_t bh = ticket / Tc;                     // right (causal: the shortest first)
+    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const int key = j * Bc + 16 * warp + g;            // this thread's keys: key + 8h
+    const int Tr = (q_len + Br - 1) / Br;
     const size_t q_head = bh * q_len * D, kv_head = bh * kv_len * D;
-    const int q_begin = causal ? max(0, flash_first_query(j * kBc, q_len, kv_len)) : 0;
-    load_rows_async<kBc, D>(K_j, K + kv_head, j * kBc, kv_len);  // line 6: load K_j, V_j
-    load_rows_async<kBc, D>(V_j, V + kv_head, j * kBc, kv_len);
-    load_rows_async<Br, D>(Q_i, Q + q_head, q_begin, q_len);     // line 9 for the first Q_i
-    load_rows_async<Br, D>(dO_i, dO + q_head, q_begin, q_len);
-    load_floats_async<Br>(L_i, L + bh * q_len, q_begin, q_len);
-    load_floats_async<Br>(D_i, Dsum + bh * q_len, q_begin, q_len);
+    // Causal: Q tiles before the one holding the first query that sees key j Bc are skipped.
+    const int i_first = causal ? max(0, flash_first_query(j * Bc, q_len, kv_len)) / Br : 0;
+    load_rows_async<Bc, D>(K_j, K + kv_head, j * Bc, kv_len);  // line 6: load K_j, V_j
+    load_rows_async<Bc, D>(V_j, V + kv_head, j * Bc, kv_len);
+    load_rows_async<Br, D>(Q_i, Q + q_head, i_first * Br, q_len);  // line 9 for the first Q_i
+    load_rows_async<Br, D>(dO_i, dO + q_head, i_first * Br, q_len);
+    load_floats_async<Br>(L_i, L + bh * q_len, i_first * Br, q_len);
+    load_floats_async<Br>(D_i, Dsum + bh * q_len, i_first * Br, q_len);
     float dK_j[D / 8][4] = {}, dV_j[D / 8][4] = {};    // line 7: dK_j = 0, dV_j = 0
-    for (int it = 0; q_begin + it * Br < q_len; it++) {  // line 8: for each Q_i (from q_begin)
-        const int q0 = q_begin + it * Br, stage = it % 2 * Br * ld, fstage = it % 2 * Br;
-        commit_and_wait<0>();
-        __syncthreads();
-        if (q0 + Br < q_len) {                         // line 9, a tile ahead: Q_i, dO_i, L_i, D_i
+    int* added = nullptr;                              // the turn of the dQ_i added to last
+    for (int i = i_first; i < Tr; i++) {               // line 8: for each Q_i
+        const int q0 = i * Br, stage = (i - i_first) % 2 * Br * ld, fstage = (i - i_first) % 2 * Br;
+        commit_and_wait<0>();                          // Q_i landed; the other stage, and dS^T,
+        __syncthreads();                               // are free
+        if (i + 1 < Tr) {                              // line 9, a tile ahead: Q_i, dO_i, L_i, D_i
             load_rows_async<Br, D>(Q_i + (Br * ld - stage), Q + q_head, q0 + Br, q_len);
             load_rows_async<Br, D>(dO_i + (Br * ld - stage), dO + q_head, q0 + Br, q_len);
             load_floats_async<Br>(L_i + (Br - fstage), L + bh * q_len, q0 + Br, q_len);
@@ -417,29 +390,82 @@ flash_backward_dkdv_fp16_kernel(const __half* __restrict__ Q, const __half* __re
                                       : 0.f;
             }
         }
-        if constexpr (G != kOnlyDK)
-            mma_PB<1, Br, D>(&dV_j, &S, dO_i + stage, ld);        // line 12: dV_j += P^T dO_i
+        if constexpr (G != kDKdQ)                      // line 12: dV_j += P^T dO_i
+            mma_AB<1, Br, D>(&dV_j, &S, nullptr, 0, dO_i + stage, ld);
         if constexpr (G == kOnlyDV) continue;
         mma_ABt<1, Br, D>(&dP, V_j + 16 * warp * ld, dO_i + stage, ld);  // 13: dP^T = V_j dO_i^T
-        for (int h = 0; h < 2; h++)                    // line 14: dS^T = P^T o (dP^T - D_i),
-            for (int c = 0; c < Br / 4; c++)           // in dP's registers
+        for (int h = 0; h < 2; h++)                    // line 14: dS^T = P^T o (dP^T - D_i), in
+            for (int c = 0; c < Br / 4; c++)           // dP's registers, and (fp16) in dS_T
                 dP[c / 2][2 * h + c % 2] = S[c / 2][2 * h + c % 2] *
                     (dP[c / 2][2 * h + c % 2] - D_i[fstage + 8 * (c / 2) + 2 * t + c % 2]);
-        mma_PB<1, Br, D>(&dK_j, &dP, Q_i + stage, ld);           // line 16: dK_j += dS^T Q_i
+        for (int c = 0; c < Br / 8; c++)
+            for (int h = 0; h < 2; h++)
+                *reinterpret_cast<uint32_t*>(dS_T + (16 * warp + g + 8 * h) * ldS + 8 * c + 2 * t) =
+                    pack_half2(dP[c] + 2 * h);
+        mma_AB<1, Br, D>(&dK_j, &dP, nullptr, 0, Q_i + stage, ld);  // line 16: dK_j += dS^T Q_i
+        // Line 15: dQ_i += dS K_j, this warp's tile of it, added in turn (the tiles right of j
+        // that see Q_i first). The last dQ_i's adds were issued a whole step ago: pass it on.
+        if (added) pass_turn(added);
+        added = turns + bh * Tr + i;
+        const int mine = (flash_kv_end(q0, Br, q_len, kv_len, causal) - 1) / Bc - j;
+        wait_turn(added, mine);
+        __syncthreads();                               // dS^T is whole, and it is our turn
+        float dQ_i[Mq][Nq / 8][4] = {};
+        const int q_warp = q0 + 16 * Mq * (warp / WC), d_warp = Nq * (warp % WC);
+        mma_AB<Mq, Bc, Nq>(dQ_i, nullptr, dS_T + q_warp - q0, ldS, K_j + d_warp, ld);
+        add_tile<Mq, Nq, D>(dQacc + (bh * q_len + q_warp) * D + d_warp, dQ_i, q_len - q_warp,
+                            mine == 0);
     }
-    commit_and_wait<0>();
+    commit_and_wait<0>();                              // no copy may land after the block exits
+    __syncthreads();                                   // every thread's last adds were issued
+    if (added) pass_turn(added);
     for (int h = 0; h < 2; h++)                        // line 18: write dK_j / sqrt(d), dV_j
         for (int c = 0; c < D / 8 && key + 8 * h < kv_len; c++) {
             const size_t at = kv_head + size_t(key + 8 * h) * D + 8 * c + 2 * t;
             if (G != kOnlyDV)
                 *reinterpret_cast<__half2*>(dK + at) = __floats2half2_rn(
                     dK_j[c][2 * h] * rsqrtf(D), dK_j[c][2 * h + 1] * rsqrtf(D));
-            if (G != kOnlyDK)
+            if (G != kDKdQ)
                 *reinterpret_cast<__half2*>(dV + at) =
                     __floats2half2_rn(dV_j[c][2 * h], dV_j[c][2 * h + 1]);
         }
 }
 
+// Line 4, before the kernel: D = rowsum(dO o O), fp32, one thread a row of the (B*H*q_len) rows.
+template <int D>
+__global__ void flash_backward_dot_fp16_kernel(const __half* __restrict__ O,
+                                               const __half* __restrict__ dO,
+                                               float* __restrict__ Dsum, size_t rows) {
+    for (size_t q = blockIdx.x * size_t(blockDim.x) + threadIdx.x; q < rows;
+         q += size_t(gridDim.x) * blockDim.x) {
+        float sum = 0.f;
+        for (int c = 0; c < D; c += 8) {               // 8 halves (16 bytes) of each at a time
+            const uint4 o = *reinterpret_cast<const uint4*>(O + q * D + c);
+            const uint4 g = *reinterpret_cast<const uint4*>(dO + q * D + c);
+            for (int k = 0; k < 4; k++) {
+                const float2 a = __half22float2(reinterpret_cast<const __half2*>(&o)[k]);
+                const float2 b = __half22float2(reinterpret_cast<const __half2*>(&g)[k]);
+                sum += a.x * b.x + a.y * b.y;
+            }
+        }
+        Dsum[q] = sum;
+    }
+}
+
+// After the kernel: dQ = dQacc / sqrt(d) in fp16 (S was unscaled), 4 elements a thread a step. A
+// row that sees no key (causal, q_len > kv_len) was never added to: it gets 0.
+template <int D>
+__global__ void flash_backward_dq_fp16_kernel(const float* __restrict__ dQacc,
+                                              __half* __restrict__ dQ, size_t elems, int q_len,
+                                              int kv_len, bool causal) {
+    for (size_t x = 4 * (blockIdx.x * size_t(blockDim.x) + threadIdx.x); x < elems;
+         x += 4 * size_t(gridDim.x) * blockDim.x) {
+        const bool seen = !causal || flash_last_key(int(x / D % q_len), q_len, kv_len) >= 0;
+        const float4 a = seen ? *reinterpret_cast<const float4*>(dQacc + x) : float4{};
+        reinterpret_cast<__half2*>(dQ + x)[0] = __floats2half2_rn(a.x * rsqrtf(D), a.y * rsqrtf(D));
+        reinterpret_cast<__half2*>(dQ + x)[1] = __floats2half2_rn(a.z * rsqrtf(D), a.w * rsqrtf(D));
+    }
+}
 // ---------------------------------------------------------------------------------------------
 // The tile. Br = 16 * kWarps = 64 is set by the mma (16 rows a warp). Bc is set by registers
 // (S_ij's accumulators, Bc/2 floats a thread, beside O_i's D/2): 64 at most, and a multiple of 16
@@ -525,73 +551,120 @@ void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __
     forward_fp16_checked(Q, K, V, O, L, shape, Bc, stream);
 }
 
-// The backward's tile: Br = dq_Br query rows a block in kernel 1 (128; 64 at d = 256), Bc =
-// kBwdBc keys a K/V tile (kernel 2's blocks own kBc = 64 keys and stream Q tiles of dkdv_Br rows).
-// Shared memory: kernel 1 holds Q_i, dO_i and two stages of K_j, V_j; kernel 2 holds K_j, V_j and
-// two stages of Q_i, dO_i and of L_i, D_i. At d = 256 that is 132 KB: an A100 or an H100, not a
-// GPU with 99 KB (sm_86, sm_89).
-static size_t dq_shared_bytes(int head_dim) {
-    return size_t(2 * dq_Br(head_dim) + 4 * kBwdBc) * (head_dim + kPad) * sizeof(__half);
+// The backward's tile. Br = 64 query rows a Q tile (32 at d = 256, where a thread's dK_j alone is
+// 128 floats: S^T and dP^T take Br / 2 floats each). Bc = 16 W keys a K/V tile: 128 (8 warps)
+// where the block fits the device's shared memory, else 64 (4 warps); 64 at d = 16, where 8 warps
+// would split dQ_i's 16 columns too finely. Shared memory: K_j, V_j, two stages of Q_i and dO_i,
+// dS^T (Bc x Br, padded), two stages of L_i and D_i.
+constexpr int bwd_Br(int head_dim) { return head_dim <= 128 ? 64 : 32; }
+
+static size_t bwd_shared_bytes(int head_dim, int Bc) {
+    const size_t Br = bwd_Br(head_dim);
+    return (2 * Bc + 4 * Br) * (head_dim + kPad) * sizeof(__half) +
+           Bc * (Br + kPad) * sizeof(__half) + 4 * Br * sizeof(float);
 }
-static size_t dkdv_shared_bytes(int head_dim) {
-    return size_t(2 * kBc + 4 * dkdv_Br(head_dim)) * (head_dim + kPad) * sizeof(__half) +
-           4 * dkdv_Br(head_dim) * sizeof(float);
+
+static FlashTile bwd_tile(const cudaDeviceProp& prop, int head_dim, int Bc) {
+    const FlashTile tile{bwd_Br(head_dim), Bc, 2 * Bc, 4, bwd_shared_bytes(head_dim, Bc)};
+    if (tile.shared_bytes > prop.sharedMemPerBlockOptin)
+        throw std::runtime_error("device " + std::string(prop.name) + " has too little shared " +
+                                 "memory for the fp16 backward at head_dim " +
+                                 std::to_string(head_dim) + " (Bc " + std::to_string(Bc) + ")");
+    return tile;
 }
 
 FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_dim) {
     require_head_dim(head_dim, kFlashFp16HeadDims);
     require_sm80(prop, "flash_backward_fp16");
-    const size_t bytes = std::max(dq_shared_bytes(head_dim), dkdv_shared_bytes(head_dim));
-    if (bytes > prop.sharedMemPerBlockOptin)
-        throw std::runtime_error("device " + std::string(prop.name) + " has too little shared " +
-                                 "memory for the fp16 backward at head_dim " +
-                                 std::to_string(head_dim));
-    return {dq_Br(head_dim), kBwdBc, 32 * kWarps, 4, bytes};
+    const bool fits_128 =
+        head_dim >= 32 && bwd_shared_bytes(head_dim, 128) <= prop.sharedMemPerBlockOptin;
+    return bwd_tile(prop, head_dim, fits_128 ? 128 : 64);
 }
 
-template <int D>
+size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
+    validate_shape(s, kFlashFp16HeadDims, sizeof(__half));
+    const size_t Tr = (size_t(s.q_len) + bwd_Br(s.head_dim) - 1) / bwd_Br(s.head_dim);
+    require(q_elems(s) < SIZE_MAX / 8, "shape: the fp16 backward's fp32 dQ would overflow size_t");
+    return sizeof(float) * (q_elems(s) + l_elems(s)) + sizeof(int) * (l_elems(s) / s.q_len * Tr + 2);
+}
+
+template <int D, int Bc>
 static void launch_backward_fp16(const __half* Q, const __half* K, const __half* V,
                                  const __half* O, const __half* dO, const float* L, __half* dQ,
                                  __half* dK, __half* dV, const AttentionShape& s,
-                                 cudaStream_t stream) {
-    auto dq_kernel = flash_backward_dq_fp16_kernel<D, kBwdBc, dq_M(D)>;
-    constexpr Grads G = kGradsPerLaunch<D>;  // kDKdV, or at d = 256 kOnlyDV, then kOnlyDK
-    auto dkdv_kernel = flash_backward_dkdv_fp16_kernel<D, dkdv_Br(D), G>;
-    const int Tr = (s.q_len + dq_Br(D) - 1) / dq_Br(D);  // Q tiles per head (kernel 1's blocks)
-    const int Tc = (s.kv_len + kBc - 1) / kBc;  // K/V tiles per head (kernel 2's blocks)
-    const int q_blocks = grid_blocks(s, s.q_len, dq_Br(D), "q_len");
-    const int kv_blocks = grid_blocks(s, s.kv_len, kBc, "kv_len");
-    allow_shared(dq_kernel, dq_shared_bytes(D));
-    allow_shared(dkdv_kernel, dkdv_shared_bytes(D));
-    if constexpr (G == kOnlyDV)  // d = 256: kernel 2 again, for dK
-        allow_shared(flash_backward_dkdv_fp16_kernel<D, dkdv_Br(D), kOnlyDK>, dkdv_shared_bytes(D));
+                                 const FlashTile& tile, cudaStream_t stream) {
+    constexpr int W = Bc / 16, Br = bwd_Br(D);
+    constexpr Grads G = D <= 128 ? kAll : kOnlyDV;     // d = 256: kOnlyDV, then kDKdQ
+    auto kernel = flash_backward_fp16_kernel<D, W, Br, G>;
+    const int Tc = (s.kv_len + Bc - 1) / Bc;           // K/V tiles per head
+    const int blocks = grid_blocks(s, s.kv_len, Bc, "kv_len");
+    allow_shared(kernel, tile.shared_bytes);
+    if constexpr (G == kOnlyDV)
+        allow_shared(flash_backward_fp16_kernel<D, W, Br, kDKdQ>, tile.shared_bytes);
     const float scale_log2 = kLog2e / sqrtf(float(D));
-    // Dsum: D_i = rowsum(dO_i * O_i), (B, H, q_len) floats, the backward's only extra memory.
-    with_row_scratch(s, stream, [&](float* Dsum) {
-        dq_kernel<<<q_blocks, 32 * kWarps, dq_shared_bytes(D), stream>>>(
-            Q, K, V, O, dO, L, Dsum, dQ, s.q_len, s.kv_len, s.causal, Tr, scale_log2);
-        const cudaError_t launched = cudaGetLastError();
-        if (launched != cudaSuccess) return launched;
-        dkdv_kernel<<<kv_blocks, 32 * kWarps, dkdv_shared_bytes(D), stream>>>(  // after dq_kernel
-            Q, K, V, dO, L, Dsum, dK, dV, s.q_len, s.kv_len, s.causal, Tc, scale_log2);
-        if constexpr (G == kOnlyDV) {  // d = 256: that launch wrote dV; this one writes dK
-            const cudaError_t launched_dv = cudaGetLastError();
-            if (launched_dv != cudaSuccess) return launched_dv;
-            auto dk_kernel = flash_backward_dkdv_fp16_kernel<D, dkdv_Br(D), kOnlyDK>;
-            dk_kernel<<<kv_blocks, 32 * kWarps, dkdv_shared_bytes(D), stream>>>(
-                Q, K, V, dO, L, Dsum, dK, dV, s.q_len, s.kv_len, s.causal, Tc, scale_log2);
+    const size_t rows = l_elems(s), turns = rows / s.q_len * ((s.q_len + Br - 1) / Br);
+    // Element-wise passes: 256 threads a block, at most 64 blocks an SM's worth (grid-stride).
+    const int sms = flash_device_props().multiProcessorCount;
+    const auto grid = [&](size_t n) { return int(std::min<size_t>((n + 255) / 256, 64 * sms)); };
+    // The scratch, in this order: dQacc (B*H*q_len*d floats), the turns (B*H*Tr ints), two
+    // tickets (one a launch of the kernel), D (B*H*q_len floats).
+    with_scratch(flash_backward_fp16_scratch_bytes(s), stream, [&](void* scratch) {
+        float* dQacc = static_cast<float*>(scratch);
+        int* turn = reinterpret_cast<int*>(dQacc + q_elems(s));
+        float* Dsum = reinterpret_cast<float*>(turn + turns + 2);
+        // Zero bytes are the int 0: cudaMemsetAsync is right here (it would not be for a float
+        // other than 0). dQacc needs no zeroing: each dQ_i's first block stores.
+        cudaError_t err = cudaMemsetAsync(turn, 0, (turns + 2) * sizeof(int), stream);
+        if (err != cudaSuccess) return err;
+        flash_backward_dot_fp16_kernel<D><<<grid(rows), 256, 0, stream>>>(O, dO, Dsum, rows);
+        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+        kernel<<<blocks, 32 * W, tile.shared_bytes, stream>>>(
+            Q, K, V, dO, L, Dsum, dQacc, turn, turn + turns, dK, dV, s.q_len, s.kv_len, s.causal,
+            Tc, scale_log2);
+        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+        if constexpr (G == kOnlyDV) {                  // d = 256: that launch wrote dV
+            flash_backward_fp16_kernel<D, W, Br, kDKdQ><<<blocks, 32 * W, tile.shared_bytes, stream>>>(
+                Q, K, V, dO, L, Dsum, dQacc, turn, turn + turns + 1, dK, dV, s.q_len, s.kv_len,
+                s.causal, Tc, scale_log2);
+            if ((err = cudaGetLastError()) != cudaSuccess) return err;
         }
+        flash_backward_dq_fp16_kernel<D><<<grid(q_elems(s) / 4), 256, 0, stream>>>(
+            dQacc, dQ, q_elems(s), s.q_len, s.kv_len, s.causal);
         return cudaGetLastError();
+    });
+}
+
+// Bc: keys per K/V tile given by the caller (64 or 128), or none for the device-derived choice.
+static void backward_fp16_checked(const __half* Q, const __half* K, const __half* V,
+                                  const __half* O, const __half* dO, const float* L, __half* dQ,
+                                  __half* dK, __half* dV, const AttentionShape& s,
+                                  std::optional<int> Bc, cudaStream_t stream) {
+    validate_shape(s, kFlashFp16HeadDims, sizeof(__half));
+    if (Bc)
+        require(*Bc == 64 || (*Bc == 128 && s.head_dim >= 32),
+                "Bc = " + std::to_string(*Bc) + " is invalid; allowed values: 64, 128 (128 from "
+                "head_dim 32)");
+    validate_backward_pointers("flash_backward_fp16", Q, K, V, O, dO, L, dQ, dK, dV, s);
+    const cudaDeviceProp prop = flash_device_props();
+    FlashTile tile = flash_choose_tile_fp16_backward(prop, s.head_dim);  // refuses what cannot run
+    if (Bc) tile = bwd_tile(prop, s.head_dim, *Bc);
+    dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
+        constexpr int D = decltype(dim)::value;
+        if constexpr (D >= 32)
+            if (tile.Bc == 128)
+                return launch_backward_fp16<D, 128>(Q, K, V, O, dO, L, dQ, dK, dV, s, tile, stream);
+        launch_backward_fp16<D, 64>(Q, K, V, O, dO, L, dQ, dK, dV, s, tile, stream);
     });
 }
 
 void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
                          const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
                          const AttentionShape& s, cudaStream_t stream) {
-    validate_shape(s, kFlashFp16HeadDims, sizeof(__half));
-    validate_backward_pointers("flash_backward_fp16", Q, K, V, O, dO, L, dQ, dK, dV, s);
-    flash_choose_tile_fp16_backward(flash_device_props(), s.head_dim);  // refuses what cannot run
-    dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
-        launch_backward_fp16<decltype(dim)::value>(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
-    });
+    backward_fp16_checked(Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt, stream);
+}
+
+void flash_backward_fp16_bc(const __half* Q, const __half* K, const __half* V, const __half* O,
+                            const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
+                            const AttentionShape& s, int Bc, cudaStream_t stream) {
+    backward_fp16_checked(Q, K, V, O, dO, L, dQ, dK, dV, s, Bc, stream);
 }

@@ -296,29 +296,29 @@ TEST_CASE("The fp16 tile chooser gives valid tiles on A100, RTX 4090 and H100, a
     }
 }
 
-TEST_CASE("The fp16 backward tile chooser gives valid tiles where kernel 2's shared memory fits, "
-          "and refuses the T4", "[cpu][tile][fp16][backward]") {
-    // Kernel 2 (dK, dV) always needs more shared memory than kernel 1 (dQ), and it decides. By
-    // hand: (128 + 256)(d + 8) * 2 + 1024 bytes is 19456, 31744, 56320, 80896 and 105472 at
-    // d = 16, 32, 64, 96, 128 (kernel 1's (256 + 128)(d + 8) * 2 is 1024 bytes less); at d = 256
-    // kernel 2 streams Q tiles of 32 rows, not 64: (128 + 128)(256 + 8) * 2 + 512 = 135680 (kernel
-    // 1, with 64-row Q tiles there: (128 + 128)(256 + 8) * 2 = 135168, just below). Opt-in
-    // limits: A100 166912, H100 232448: every head dim fits; RTX 4090 101376: every one up to
-    // d = 96, while d = 128 and d = 256 are refused with std::runtime_error naming the device (on
-    // sm_89 the fp16 backward runs up to d = 96). The T4 (sm_75) is refused before any of that:
-    // compute capability 8.0.
-    const std::pair<int, size_t> by_hand[] = {{16, 19456}, {32, 31744},   {64, 56320},
-                                              {96, 80896}, {128, 105472}, {256, 135680}};
-    for (const auto& db : by_hand) {
-        CAPTURE(db.first);
-        CHECK(fp16_backward_dkdv_bytes(db.first) == db.second);
-        CHECK(fp16_backward_dq_bytes(db.first) < db.second);
-    }
-    CHECK(fp16_backward_dq_bytes(256) == 135168);
+TEST_CASE("The fp16 backward tile chooser takes Bc = 128 where that block fits shared memory, "
+          "else 64, and refuses the T4", "[cpu][tile][fp16][backward]") {
+    // The block holds K_j and V_j (Bc rows each), two stages of Q_i and dO_i (Br rows each), dS^T
+    // (Bc rows of Br + 8 halves) and two stages of L_i and D_i (Br floats each); rows of d + 8
+    // halves. Br = 64 (32 at d = 256). By hand, Bc = 128: (256 + 256)(d + 8) * 2 + 128 * 72 * 2
+    // + 1024 is 60416, 93184, 125952, 158720 at d = 32, 64, 96, 128; at d = 256 (256 + 128) * 264
+    // * 2 + 128 * 40 * 2 + 512 = 213504. Bc = 64: (128 + 256)(d + 8) * 2 + 64 * 72 * 2 + 1024 is
+    // 28672, 40960, 65536, 90112, 114688 at d = 16 .. 128; at d = 256 (128 + 128) * 264 * 2 +
+    // 64 * 40 * 2 + 512 = 140800. Opt-in limits: H100 232448 (Bc = 128 everywhere but d = 16);
+    // A100 166912 (128 up to d = 128, 64 at d = 256); RTX 4090 101376 (128 at d = 32 and 64, 64
+    // at d = 16 and 96; d = 128 and 256 refused with std::runtime_error naming the device). The
+    // T4 (sm_75) is refused before any of that: compute capability 8.0.
+    const std::pair<int, size_t> by_hand_128[] = {
+        {32, 60416}, {64, 93184}, {96, 125952}, {128, 158720}, {256, 213504}};
+    const std::pair<int, size_t> by_hand_64[] = {{16, 28672}, {32, 40960},  {64, 65536},
+                                                 {96, 90112}, {128, 114688}, {256, 140800}};
+    for (const auto& db : by_hand_128) CHECK(fp16_backward_bytes(db.first, 128) == db.second);
+    for (const auto& db : by_hand_64) CHECK(fp16_backward_bytes(db.first, 64) == db.second);
+    int named = 0;
     for (const cudaDeviceProp& prop : known_gpus()) {
-        INFO(prop.name << " (sm_" << prop.major << prop.minor << "), opt-in limit "
-                       << prop.sharedMemPerBlockOptin << " bytes");
-        const bool rtx4090 = std::string(prop.name).find("4090") != std::string::npos;
+        const std::string name = prop.name;
+        INFO(name << " (sm_" << prop.major << prop.minor << "), opt-in limit "
+                  << prop.sharedMemPerBlockOptin << " bytes");
         for (int d : kFlashFp16HeadDims) {
             CAPTURE(d);
             std::string msg;  // stays empty unless a std::runtime_error is thrown
@@ -333,40 +333,24 @@ TEST_CASE("The fp16 backward tile chooser gives valid tiles where kernel 2's sha
                 CHECK_THAT(msg, Catch::Matchers::Contains("compute capability 8.0"));
                 continue;
             }
-            const size_t bytes = fp16_backward_dkdv_bytes(d);
-            const bool fits = bytes <= prop.sharedMemPerBlockOptin;
-            CHECK(fits == !(rtx4090 && d >= 128));  // the by-hand figures above
-            if (fits) {
-                CHECK(msg.empty());
-                check_tile_fp16_backward(t, prop, d);
-            } else {
+            // The figures above, GPU by GPU: the Bc it takes, 0 where it refuses.
+            int want = 128;
+            if (d == 16) want = 64;
+            if (name.find("A100") != std::string::npos && d == 256) want = 64;
+            if (name.find("4090") != std::string::npos)
+                want = d == 32 || d == 64 ? 128 : d <= 96 ? 64 : 0;
+            if (want == 0) {
                 CHECK_THAT(msg, Catch::Matchers::Contains(prop.name) &&
                                     Catch::Matchers::Contains("shared memory") &&
                                     Catch::Matchers::Contains("head_dim " + std::to_string(d)));
+            } else {
+                CHECK(msg.empty());
+                CHECK(t.Bc == want);
+                check_tile_fp16_backward(t, prop, d);
             }
         }
-    }
-    // d = 256 by name: the A100 and the H100 get the 135680-byte tile; the RTX 4090 (101376
-    // bytes) a std::runtime_error naming it.
-    int named = 0;
-    for (const cudaDeviceProp& prop : known_gpus()) {
-        const std::string name = prop.name;
-        INFO(name << ", opt-in limit " << prop.sharedMemPerBlockOptin << " bytes, head_dim 256");
-        if (name.find("A100") != std::string::npos || name.find("H100") != std::string::npos) {
-            ++named;
-            CHECK(flash_choose_tile_fp16_backward(prop, 256).shared_bytes == 135680);
-        } else if (name.find("4090") != std::string::npos) {
-            ++named;
-            REQUIRE(prop.sharedMemPerBlockOptin == 101376);
-            std::string msg;  // stays empty unless a std::runtime_error is thrown
-            try {
-                flash_choose_tile_fp16_backward(prop, 256);
-            } catch (const std::runtime_error& e) {
-                msg = e.what();
-            }
-            CHECK_THAT(msg, Catch::Matchers::Contains(name) &&
-                                Catch::Matchers::Contains("head_dim 256"));
-        }
+        named += name.find("A100") != std::string::npos || name.find("4090") != std::string::npos ||
+                 name.find("H100") != std::string::npos;
     }
     CHECK(named == 3);
 }

@@ -413,14 +413,10 @@ void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d) {
     CHECK(t.shared_bytes + prop.reservedSharedMemPerBlock <= prop.sharedMemPerMultiprocessor);
 }
 
-size_t fp16_backward_dq_bytes(int d) {
-    const size_t Br1 = d <= 128 ? 128 : 64;  // kernel 1's Q tile rows: 2 (d = 256: 1) x 16 a warp
-    return (2 * Br1 + 4 * 32) * (d + 8) * sizeof(__half);
-}
-
-size_t fp16_backward_dkdv_bytes(int d) {
-    const size_t Br2 = d <= 128 ? 64 : 32;  // kernel 2's Q tile rows
-    return (2 * 64 + 4 * Br2) * (d + 8) * sizeof(__half) + 4 * Br2 * sizeof(float);
+size_t fp16_backward_bytes(int d, int Bc) {
+    const size_t Br = d <= 128 ? 64 : 32;  // Q tile rows
+    return (2 * Bc + 4 * Br) * (d + 8) * sizeof(__half) + Bc * (Br + 8) * sizeof(__half) +
+           4 * Br * sizeof(float);
 }
 
 void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, int d) {
@@ -428,14 +424,15 @@ void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, in
                                   << "), head_dim " << d << ": Br=" << t.Br << " Bc=" << t.Bc
                                   << " threads=" << t.threads << " threads_per_row="
                                   << t.threads_per_row << " shared_bytes=" << t.shared_bytes);
-    CHECK(t.Br == (d <= 128 ? 128 : 64));  // kernel 1: four warps of 2 x 16 query rows (1 x 16
-                                           // at d = 256; 16 is the mma's M)
-    CHECK(t.Bc == 32);              // kernel 1's keys per K/V tile
-    CHECK(t.threads == 128);        // four warps
+    CHECK(t.Br == (d <= 128 ? 64 : 32));  // Q tile rows
+    CHECK((t.Bc == 64 || (t.Bc == 128 && d >= 32)));  // K/V tile keys: 16 a warp
+    CHECK(t.threads == 2 * t.Bc);                     // a warp of 32 threads per 16 keys
     CHECK(t.threads_per_row == 4);  // an mma fragment spreads a row over 4 threads
-    CHECK(t.shared_bytes == std::max(fp16_backward_dq_bytes(d), fp16_backward_dkdv_bytes(d)));
+    CHECK(t.shared_bytes == fp16_backward_bytes(d, t.Bc));
     CHECK(t.shared_bytes <= prop.sharedMemPerBlockOptin);
     CHECK(t.shared_bytes + prop.reservedSharedMemPerBlock <= prop.sharedMemPerMultiprocessor);
+    // Bc = 128 whenever its block fits (and d >= 32): the chooser never settles for less.
+    if (t.Bc == 64 && d >= 32) CHECK(fp16_backward_bytes(d, 128) > prop.sharedMemPerBlockOptin);
 }
 
 // =============================================================================================

@@ -714,17 +714,14 @@ void check_tile(const char* which, const FlashTile& t, const cudaDeviceProp& pro
 // device's opt-in limit.
 void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d);
 
-// The fp16 backward's bytes of shared memory at head dim d, as flash_fp16.cu counts them (rows
-// padded by 8 halves): kernel 1 (dQ) holds Q_i and dO_i (64 rows each) and two stages of K_j and
-// V_j (32 rows each): (2*64 + 4*32)(d + 8) halves; kernel 2 (dK, dV) holds K_j and V_j (64 rows
-// each), two stages of Q_i and dO_i (Br2 rows each) and of L_i and D_i (Br2 floats each):
-// (2*64 + 4*Br2)(d + 8) halves + 4*Br2 floats, where Br2 = 64 up to d = 128 and 32 at d = 256
-// (so that it fits an A100's 163 KB). The tile asks for the larger.
-size_t fp16_backward_dq_bytes(int d);
-size_t fp16_backward_dkdv_bytes(int d);
-// What the fp16 backward's tile must be: Br = 128 (kernel 1's Q tile; 64 at d = 256), Bc = 32,
-// 128 threads, 4 threads a row, shared_bytes the larger kernel's, within the device's opt-in
-// limit and beside its reserve.
+// The fp16 backward's bytes of shared memory at head dim d and Bc keys a K/V tile, as
+// flash_fp16.cu counts them (rows padded by 8 halves): K_j and V_j (Bc rows each), two stages of
+// Q_i and dO_i (Br rows each), dS^T (Bc rows of Br + 8 halves), two stages of L_i and D_i (Br
+// floats each); Br = 64 up to d = 128 and 32 at d = 256.
+size_t fp16_backward_bytes(int d, int Bc);
+// What the fp16 backward's tile must be: Br = 64 (32 at d = 256), Bc = 64 or 128 (from d = 32),
+// 2 Bc threads (a warp per 16 keys), 4 threads a row, shared_bytes as above, within the device's
+// opt-in limit and beside its reserve; Bc = 64 only where 128 does not fit (or d = 16).
 void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, int d);
 
 // =============================================================================================

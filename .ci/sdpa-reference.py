@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""PyTorch's scaled_dot_product_attention backends on the FlashAttention-2 protocol shapes, fp16,
-forward only: the yardstick NOTES.md chapter 2 compares flash_forward_fp16 against.
+"""PyTorch's scaled_dot_product_attention backends on the FlashAttention-2 protocol shapes, fp16:
+the yardstick NOTES.md chapter 2 compares flash_forward_fp16 and flash_backward_fp16 against.
 
-Run on a GPU machine with PyTorch:   python3 .ci/sdpa-reference.py [--csv FILE]
-Counts FLOPs as flash_bench does: 4 * batch * heads * (visible query-key pairs) * head_dim.
-Times: median of 10 timed calls after 3 warm-up calls, CUDA events.
+Run on a GPU machine with PyTorch:
+    python3 .ci/sdpa-reference.py [--csv FILE] [--seqs 1024,2048] [--dims 64,128,256] [--backward]
+        [--backends flash,cudnn]
+Counts FLOPs as flash_bench does: forward 4 * batch * heads * (visible query-key pairs) *
+head_dim; backward 2.5 times that. Times: median of 10 timed calls after 3 warm-up calls, CUDA
+events. With --backward, the row's pass is the backward alone: torch.autograd.grad of the output
+given a random dO (the forward is run once, outside the timed region, and its graph kept).
 """
 import argparse
 import statistics
@@ -36,26 +40,40 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default="")
     ap.add_argument("--seqs", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--backward", action="store_true", help="time the backward, not the forward")
+    ap.add_argument("--backends", default=",".join(name for name, _ in BACKENDS))
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    rows = ["backend,dim,heads,batch,seq,causal,ms,tflops"]
+    rows = ["backend,pass,dim,heads,batch,seq,causal,ms,tflops"]
+    which = "backward" if args.backward else "forward"
     print(f"{'backend':>14} {'d':>4} {'H':>3} {'B':>3} {'N':>6} {'causal':>6} {'ms':>9} {'TFLOP/s':>8}")
-    for dim, heads in [(64, 32), (128, 16)]:
+    for dim in map(int, args.dims.split(",")):
+        heads = 2048 // dim
         for causal in (False, True):
             for seq in map(int, args.seqs.split(",")):
                 batch = 16384 // seq
                 gen = torch.Generator(device="cuda").manual_seed(seq)
-                q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.float16,
-                                       generator=gen) for _ in range(3))
+                q, k, v, do = (torch.randn(batch, heads, seq, dim, device="cuda",
+                                           dtype=torch.float16, generator=gen,
+                                           requires_grad=args.backward) for _ in range(4))
                 pairs = seq * (seq + 1) / 2 if causal else seq * seq
-                flops = 4 * batch * heads * pairs * dim
+                flops = 4 * batch * heads * pairs * dim * (2.5 if args.backward else 1)
                 for name, backend in BACKENDS:
+                    if name not in args.backends.split(","):
+                        continue
                     if name == "math" and seq > 8192:
                         continue  # (B, H, N, N) scores: tens of GiB, and slow
                     try:
                         with sdpa_kernel(backend):
-                            ms = time_ms(lambda: F.scaled_dot_product_attention(
-                                q, k, v, is_causal=causal))
+                            if args.backward:
+                                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                                ms = time_ms(lambda: torch.autograd.grad(
+                                    out, (q, k, v), do, retain_graph=True))
+                                del out
+                            else:
+                                ms = time_ms(lambda: F.scaled_dot_product_attention(
+                                    q, k, v, is_causal=causal))
                     except RuntimeError as e:  # a backend that refuses the shape or is absent
                         print(f"{name:>14} {dim:4d} {heads:3d} {batch:3d} {seq:6d} {int(causal):6d}"
                               f"  not run: {str(e).splitlines()[0][:60]}")
@@ -63,8 +81,9 @@ def main():
                     tflops = flops / (ms * 1e-3) / 1e12
                     print(f"{name:>14} {dim:4d} {heads:3d} {batch:3d} {seq:6d} {int(causal):6d} "
                           f"{ms:9.3f} {tflops:8.1f}", flush=True)
-                    rows.append(f"{name},{dim},{heads},{batch},{seq},{int(causal)},{ms:.4f},{tflops:.2f}")
-                del q, k, v
+                    rows.append(f"{name},{which},{dim},{heads},{batch},{seq},{int(causal)},{ms:.4f},"
+                                f"{tflops:.2f}")
+                del q, k, v, do
                 torch.cuda.empty_cache()
     if args.csv:
         with open(args.csv, "w") as f:
