@@ -61,12 +61,16 @@ __device__ __forceinline__ void mma_16x8x16(float c[4], const uint32_t a[4], uin
 
 // The 16x16 block of a shared-memory array (row stride `ld` halves) whose top-left is `tile`, as
 // four 8x8 quarters: r[0] rows 0-7 cols 0-7, r[1] rows 8-15 cols 0-7, r[2] rows 0-7 cols 8-15,
-// r[3] rows 8-15 cols 8-15. Lane L points at row L % 16, column 8 * (L / 16). Each thread gets
-// 2 halves of each quarter: (row g, cols 2t, 2t+1), or with Trans (rows 2t, 2t+1, col g).
-template <bool Trans>
+// r[3] rows 8-15 cols 8-15 (lane L points at row L % 16, column 8 * (L / 16)); with Across, the
+// quarters across first: r[1] rows 0-7 cols 8-15, r[2] rows 8-15 cols 0-7 (row L % 8 + 8 (L / 16),
+// column 8 (L / 8 % 2)), so that an mma operand's two halves sit in adjacent registers (the mma
+// takes its B as a register pair: without it, every B costs two moves). Each thread gets 2 halves
+// of each quarter: (row g, cols 2t, 2t+1), or with Trans (rows 2t, 2t+1, col g).
+template <bool Trans, bool Across = false>
 __device__ __forceinline__ void load_16x16(uint32_t r[4], const __half* tile, int ld) {
     const int lane = threadIdx.x % 32;
-    const unsigned p = unsigned(__cvta_generic_to_shared(tile + lane % 16 * ld + lane / 16 * 8));
+    const int row = Across ? lane % 8 + lane / 16 * 8 : lane % 16, col = Across ? lane / 8 % 2 * 8 : lane / 16 * 8;
+    const unsigned p = unsigned(__cvta_generic_to_shared(tile + row * ld + col));
     if constexpr (Trans)
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(p));
@@ -79,6 +83,15 @@ __device__ __forceinline__ void load_16x16(uint32_t r[4], const __half* tile, in
 __device__ __forceinline__ uint32_t pack_half2(const float* c) {
     const __half2 h = __floats2half2_rn(c[0], c[1]);
     return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// 2^x, flushing results below 2^-126 to 0 (ex2.approx.ftz: one instruction, where exp2f adds a
+// range check and two multiplies to keep them). In the backward, P = 2^x is rounded to fp16, whose
+// smallest value is 2^-24, before any product uses it.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // Rows [first, first + ROWS) of a (len, D) fp16 tensor into shared memory (row stride D + kPad),
@@ -205,27 +218,39 @@ flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict
 // parts into dQacc, an fp32 copy of dQ in global memory, in a fixed order (below): deterministic,
 // bitwise. Three launches: D (line 4), the kernel, then dQ = dQacc / sqrt(d) rounded to fp16.
 //
-// The block: W warps, warp w owning keys 16w .. 16w + 15 of K_j (Bc = 16 W), a thread keys `key`
-// and key + 8 (h = 0, 1). Everything is transposed: S^T = K_j Q_i^T has a key per row, so P^T and
-// dS^T, the left operands of lines 12 and 16, come out of their mmas already in the A layout, and
-// each thread needs L and D of its columns' queries (staged beside Q_i). Line 15 needs dS itself,
-// summed over all the block's keys: dS^T goes through shared memory, and the W warps split dQ_i's
-// (Br x d) product into tiles of 16 Mq rows by Nq columns (dq_row_warps).
+// The block: W warps, Bc = 16 W keys. Everything is transposed: S^T = K_j Q_i^T has a key per
+// row, as do P^T and dS^T, the left operands of lines 12 and 16, so each thread needs L and D of
+// its columns' queries (staged beside Q_i). Every product is split over the W warps in
+// two-dimensional tiles (WarpTile): S^T and dP^T in tiles of keys x queries, dV_j and dK_j in
+// tiles of keys x columns of d (so a thread holds only its share of both), dQ_i's part in tiles
+// of queries x columns. The tiles of one product are not those of the next, so P^T and dS^T go
+// through shared memory (fp16), between a barrier.
 //
 // The order of line 15's adds. Every block takes a ticket as it starts (atomicAdd on a zeroed
 // counter): the order blocks start in. Tickets run over each head's K/V tiles from the right
 // (j = Tc - 1 first), and every dQ_i takes its adds in decreasing j, from the block with the
-// lowest ticket up: a per-(head, Q tile) turn counter says how many have added; block j adds when
-// it equals the number of tiles right of j that see Q_i, then passes the turn on. A block only
-// ever waits for blocks with lower tickets, which have started and so are running or done, and
-// the lowest-ticket block still running waits for nobody: no deadlock (NOTES.md section 14).
+// lowest ticket up. Warp w of a block adds only to its own tile of dQ_i, which warp w of every
+// other block adds to too, so each (head, Q tile, warp) has a turn counter: it says how many
+// blocks have added there, and warp w of block j adds when it equals the number of tiles right of
+// j that see Q_i, then passes the turn on. A warp only ever waits for blocks with lower tickets,
+// which have started and so are running or done, and the lowest-ticket block still running waits
+// for nobody: no deadlock (NOTES.md section 14).
 enum Grads { kAll, kOnlyDV, kDKdQ };  // kOnlyDV, then kDKdQ: d = 256, where dK_j + dV_j is too big
 
-// Rows of the warp tiles of dQ_i's product: 32 (two mma tiles, each K_j fragment feeding two mmas)
-// where the W warps can then split d into columns of a multiple of 16, else 16.
-__host__ __device__ constexpr int dq_row_warps(int D, int W, int Br) {
-    return D * (Br / 32) % (16 * W) == 0 ? Br / 32 : Br / 16;
+// An (R x C) product split over W warps: a grid of R / rows by `across` tiles of `rows` x `cols`.
+// rows = 32 (two mma tiles, so every B fragment a warp loads feeds two mmas) where the columns then
+// come out a multiple of 16, else 16. Warp w's tile starts at row(w), col(w).
+__host__ __device__ constexpr int tile_rows(int R, int C, int W) {
+    return R % 32 == 0 && W % (R / 32) == 0 && C * (R / 32) % (16 * W) == 0 ? 32 : 16;
 }
+template <int R, int C, int W>
+struct WarpTile {
+    static constexpr int rows = tile_rows(R, C, W), M = rows / 16, across = W / (R / rows);
+    static constexpr int cols = C / across;
+    static_assert(W % (R / rows) == 0 && cols % 16 == 0, "a warp's tile must be whole mma tiles");
+    static __device__ int row(int warp) { return rows * (warp / across); }
+    static __device__ int col(int warp) { return cols * (warp % across); }
+};
 
 // The same for N floats of a vector (4 bytes per cp.async): entries at or past `len` become 0.
 template <int N>
@@ -238,11 +263,11 @@ __device__ __forceinline__ void load_floats_async(float* to, const float* src, i
                  "l"(src + (inside ? first + x : 0)), "r"(inside ? 4 : 0));
     }
 }
-// The three shapes of product in Algorithm 2, each the loop the forward writes out inline, for one
-// warp that owns M tiles of 16 rows (acc[m]: rows 16m .. 16m + 15). Each B fragment is loaded once
-// and feeds M mmas.
-// acc (16M x N, fp32 accumulators) += A B^T: A the warp's 16M rows of a shared-memory tile, B N
-// rows of another, both K columns wide (S^T = K_j Q_i^T: B's rows are the mma's columns).
+// The two shapes of product in Algorithm 2, each the loop the forward writes out inline, for one
+// warp that owns M tiles of 16 rows (acc[m]: rows 16m .. 16m + 15), every operand in shared memory.
+// Each B fragment is loaded once and feeds M mmas.
+// acc (16M x N, fp32 accumulators) += A B^T: A the warp's 16M rows of a tile, B N rows of another,
+// both K columns wide (S^T = K_j Q_i^T: B's rows are the mma's columns, so no transpose).
 template <int M, int N, int K>
 __device__ __forceinline__ void mma_ABt(float (*acc)[N / 8][4], const __half* A, const __half* B,
                                         int ld) {
@@ -250,36 +275,25 @@ __device__ __forceinline__ void mma_ABt(float (*acc)[N / 8][4], const __half* A,
     for (int k = 0; k < K / 16; k++) {
         for (int m = 0; m < M; m++) load_16x16<false>(a[m], A + 16 * m * ld + 16 * k, ld);
         for (int n = 0; n < N / 16; n++) {
-            load_16x16<false>(b, B + 16 * n * ld + 16 * k, ld);
-            for (int m = 0; m < M; m++) {
-                mma_16x8x16(acc[m][2 * n], a[m], b[0], b[2]);
-                mma_16x8x16(acc[m][2 * n + 1], a[m], b[1], b[3]);
+            load_16x16<false, true>(b, B + 16 * n * ld + 16 * k, ld);  // (b[0], b[1]): columns
+            for (int m = 0; m < M; m++) {                              // 0-7; (b[2], b[3]): 8-15
+                mma_16x8x16(acc[m][2 * n], a[m], b[0], b[1]);
+                mma_16x8x16(acc[m][2 * n + 1], a[m], b[2], b[3]);
             }
         }
     }
 }
-// acc (16M x N) += A B, B K rows of a tile, N columns (B's rows are the mma's k, so .trans), and A
-// either the accumulators of an earlier product, P (16M x K), rounded to fp16 where they are (two
-// 16x8 C tiles are one 16x16 A tile: dV_j += P^T dO_i), or, given At, read from shared memory where
-// it is stored transposed, K rows of 16M columns (dQ_i += dS K_j from dS^T): ldmatrix.trans turns
-// At's quarters into A's, the second and third swapping places.
-template <int M, int K, int N>
-__device__ __forceinline__ void mma_AB(float (*acc)[N / 8][4], float (*P)[K / 8][4],
-                                       const __half* At, int lda, const __half* B, int ldb) {
+// acc (16M x N) += A B: B K rows of a tile, N columns (B's rows are the mma's k, so .trans); A the
+// warp's 16M rows, K columns wide (dV_j += P^T dO_i), or with TransA, stored transposed, K rows of
+// 16M columns (dQ_i += dS K_j, read from dS^T): ldmatrix.trans, quarters across, gives A's.
+template <int M, int K, int N, bool TransA>
+__device__ __forceinline__ void mma_AB(float (*acc)[N / 8][4], const __half* A, int lda,
+                                       const __half* B, int ldb) {
     uint32_t a[M][4], b[4];
     for (int k = 0; k < K / 16; k++) {
         for (int m = 0; m < M; m++) {
-            if (At) {
-                load_16x16<true>(a[m], At + 16 * k * lda + 16 * m, lda);
-                const uint32_t q1 = a[m][1];
-                a[m][1] = a[m][2];
-                a[m][2] = q1;
-            } else {
-                a[m][0] = pack_half2(P[m][2 * k]);
-                a[m][1] = pack_half2(P[m][2 * k] + 2);
-                a[m][2] = pack_half2(P[m][2 * k + 1]);
-                a[m][3] = pack_half2(P[m][2 * k + 1] + 2);
-            }
+            if constexpr (TransA) load_16x16<true, true>(a[m], A + 16 * k * lda + 16 * m, lda);
+            else load_16x16<false>(a[m], A + 16 * m * lda + 16 * k, lda);
         }
         for (int n = 0; n < N / 16; n++) {
             load_16x16<true>(b, B + 16 * k * ldb + 16 * n, ldb);
@@ -298,27 +312,35 @@ __device__ __forceinline__ int block_ticket(int* next) {
     __syncthreads();
     return ticket;
 }
-// Thread 0 spins until *turn == mine; ld.acquire (PTX ISA, "Memory Consistency Model"): the adds
-// the blocks before made, before they passed the turn, are then in memory before ours. The caller's
-// next barrier holds the other threads until then.
+// Lane 0 spins until *turn == mine, then the warp goes on together. It polls with ld.relaxed (an
+// acquire load would invalidate the SM's L1 each time), then reads once more with ld.acquire
+// (PTX ISA, "Memory Consistency Model"): the adds the blocks before made, before they passed the
+// turn, are then in memory before any of ours.
 __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
-    for (int now = mine - 1; threadIdx.x == 0 && now != mine;)
+    if (threadIdx.x % 32 == 0) {
+        int now;
+        do asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
+        while (now != mine);
         asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
+    }
+    __syncwarp();
 }
-// Thread 0 passes the turn on, after a barrier that follows this block's adds; red.release: every
-// write ordered before it (the other threads' adds, through the barrier) lands first.
+// Lane 0 passes the turn on, after a barrier (or __syncwarp) that follows the warp's adds;
+// red.release: every write ordered before it (the other lanes' adds, through the barrier) lands
+// first.
 __device__ __forceinline__ void pass_turn(int* turn) {
-    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
+    if (threadIdx.x % 32 == 0)
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
 }
 // One warp's tile of dQ_i (2M rows of 8 a thread, N columns) into dQacc (row stride D, `rows`
 // rows left in the tensor): the first block in the order stores, the others add (a red: the add
 // happens in L2, nothing comes back; on sm_90 two floats at once).
 template <int M, int N, int D>
 __device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], int rows, bool first) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int r = 0; r < 2 * M; r++)                    // row 16(r / 2) + g + 8(r % 2), as in mma
-        for (int n = 0; n < N / 8 && 16 * (r / 2) + threadIdx.x % 32 / 4 + 8 * (r % 2) < rows; n++) {
-            float* to = dQacc + size_t(16 * (r / 2) + threadIdx.x % 32 / 4 + 8 * (r % 2)) * D +
-                        8 * n + 2 * (threadIdx.x % 4);
+        for (int n = 0; n < N / 8 && 16 * (r / 2) + g + 8 * (r % 2) < rows; n++) {
+            float* to = dQacc + size_t(16 * (r / 2) + g + 8 * (r % 2)) * D + 8 * n + 2 * t;
             const float2 v = make_float2(acc[r / 2][n][2 * (r % 2)], acc[r / 2][n][2 * (r % 2) + 1]);
             if (first) *reinterpret_cast<float2*>(to) = v;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -329,8 +351,9 @@ __device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], i
         }
 }
 
-// The kernel. One block per (K/V tile j, batch*head), in ticket order. W warps of 16 keys, Q tiles
-// of Br rows in two stages (cp.async); G: which gradients this launch computes.
+// The kernel. One block per (K/V tile j, batch*head), in ticket order. W warps, Q tiles of Br rows
+// in two stages (cp.async); G: which gradients this launch computes. A thread's r-th row of a
+// warp tile is 16(r / 2) + g + 8(r % 2), its c-th column 8(c / 2) + 2t + c % 2 (lane = 4g + t).
 template <int D, int W, int Br, Grads G>
 __global__ void __launch_bounds__(32 * W, 1)
 flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict__ K,
@@ -340,21 +363,21 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
                            __half* __restrict__ dK, __half* __restrict__ dV, int q_len, int kv_len,
                            bool causal, int Tc, float scale_log2) {
     constexpr int Bc = 16 * W, ld = D + kPad, ldS = Br + kPad;
-    constexpr int WR = dq_row_warps(D, W, Br), WC = W / WR;  // dQ_i's warps: WR x WC tiles of
-    constexpr int Mq = Br / WR / 16, Nq = D / WC;            // 16 Mq rows, Nq columns
-    static_assert(W % WR == 0 && Nq % 16 == 0, "dQ_i's warp tiles must be whole mma tiles");
+    using TS = WarpTile<Bc, Br, W>;                    // S^T, dP^T: keys x queries
+    using TKV = WarpTile<Bc, D, W>;                    // dK_j, dV_j: keys x columns
+    using TQ = WarpTile<Br, D, W>;                     // dQ_i's part: queries x columns
     extern __shared__ __align__(16) __half K_j[];      // (Bc, ld); then V_j (Bc, ld); Q_i and
-    __half* V_j = K_j + Bc * ld;                       // dO_i (2, Br, ld) each; dS^T (Bc, ldS);
-    __half* Q_i = V_j + Bc * ld;                       // L_i and D_i (2, Br) floats each
-    __half* dO_i = Q_i + 2 * Br * ld;
-    __half* dS_T = dO_i + 2 * Br * ld;
+    __half* V_j = K_j + Bc * ld;                       // dO_i (2, Br, ld) each; P^T and dS^T
+    __half* Q_i = V_j + Bc * ld;                       // (Bc, ldS) each; L_i and D_i (2, Br)
+    __half* dO_i = Q_i + 2 * Br * ld;                  // floats each
+    __half* P_T = dO_i + 2 * Br * ld;
+    __half* dS_T = P_T + Bc * ldS;
     float* L_i = reinterpret_cast<float*>(dS_T + Bc * ldS);
     float* D_i = L_i + 2 * Br;
     const int ticket = block_ticket(next_ticket);
     const int j = Tc - 1 - ticket % Tc;                // line 5: K/V tile j, each head's from the
     const size_t bh = ticket / Tc;                     // right (causal: the shortest first)
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    const int key = j * Bc + 16 * warp + g;            // this thread's keys: key + 8h
     const int Tr = (q_len + Br - 1) / Br;
     const size_t q_head = bh * q_len * D, kv_head = bh * kv_len * D;
     // Causal: Q tiles before the one holding the first query that sees key j Bc are skipped.
@@ -365,72 +388,83 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
     load_rows_async<Br, D>(dO_i, dO + q_head, i_first * Br, q_len);
     load_floats_async<Br>(L_i, L + bh * q_len, i_first * Br, q_len);
     load_floats_async<Br>(D_i, Dsum + bh * q_len, i_first * Br, q_len);
-    float dK_j[D / 8][4] = {}, dV_j[D / 8][4] = {};    // line 7: dK_j = 0, dV_j = 0
-    int* added = nullptr;                              // the turn of the dQ_i added to last
+    float dK_j[TKV::M][TKV::cols / 8][4] = {}, dV_j[TKV::M][TKV::cols / 8][4] = {};  // line 7
+    int* added = nullptr;                              // this warp's turn of the dQ_i it added to
     for (int i = i_first; i < Tr; i++) {               // line 8: for each Q_i
         const int q0 = i * Br, stage = (i - i_first) % 2 * Br * ld, fstage = (i - i_first) % 2 * Br;
-        commit_and_wait<0>();                          // Q_i landed; the other stage, and dS^T,
-        __syncthreads();                               // are free
+        commit_and_wait<0>();                          // Q_i landed; the other stage, P^T and
+        __syncthreads();                               // dS^T are free
+        const int k_w = TS::row(warp), q_w = TS::col(warp);  // this warp's tile of S^T
+        float S[TS::M][TS::cols / 8][4] = {}, dP[TS::M][TS::cols / 8][4] = {};
+        mma_ABt<TS::M, TS::cols, D>(S, K_j + k_w * ld, Q_i + stage + q_w * ld, ld);  // 10: S^T
+        if constexpr (G != kOnlyDV)                    // line 13: dP^T = V_j dO_i^T
+            mma_ABt<TS::M, TS::cols, D>(dP, V_j + k_w * ld, dO_i + stage + q_w * ld, ld);
+        // The turn of the dQ_i this warp added to a step ago: its adds have landed by now.
+        if (added) pass_turn(added);
         if (i + 1 < Tr) {                              // line 9, a tile ahead: Q_i, dO_i, L_i, D_i
             load_rows_async<Br, D>(Q_i + (Br * ld - stage), Q + q_head, q0 + Br, q_len);
             load_rows_async<Br, D>(dO_i + (Br * ld - stage), dO + q_head, q0 + Br, q_len);
             load_floats_async<Br>(L_i + (Br - fstage), L + bh * q_len, q0 + Br, q_len);
             load_floats_async<Br>(D_i + (Br - fstage), Dsum + bh * q_len, q0 + Br, q_len);
         }
-        float S[Br / 8][4] = {}, dP[Br / 8][4] = {};
-        mma_ABt<1, Br, D>(&S, K_j + 16 * warp * ld, Q_i + stage, ld);  // 10: S^T = K_j Q_i^T
-        for (int h = 0; h < 2; h++) {                  // line 11: P^T = exp(S^T - L_i), masked:
-            const int first = key + 8 * h >= kv_len ? q_len  // key + 8h is seen by queries
-                              : causal ? flash_first_query(key + 8 * h, q_len, kv_len) : 0;
-            const int lo = first - q0 - 2 * t, hi = q_len - q0 - 2 * t;  // first .. q_len - 1
-            for (int c = 0; c < Br / 4; c++) {         // column c is query q0 + 2t + x, x below
-                const int x = 8 * (c / 2) + c % 2;
-                float& s = S[c / 2][2 * h + c % 2];
-                s = x >= lo && x < hi ? exp2f(s * scale_log2 - L_i[fstage + 2 * t + x] * kLog2e)
-                                      : 0.f;
+        int first[2 * TS::M];                          // row r: key j Bc + k_w + 16(r/2) + g + 8(r%2),
+        for (int r = 0; r < 2 * TS::M; r++) {          // seen by queries first[r] .. q_len - 1
+            const int key = j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2);
+            first[r] = key >= kv_len ? q_len : causal ? flash_first_query(key, q_len, kv_len) : 0;
+        }
+        for (int c = 0; c < TS::cols / 4; c++) {       // column c: query q0 + x
+            const int x = q_w + 8 * (c / 2) + 2 * t + c % 2;
+            const float L_x = L_i[fstage + x] * kLog2e, D_x = D_i[fstage + x];
+            for (int r = 0; r < 2 * TS::M; r++) {
+                float& p = S[r / 2][c / 2][2 * (r % 2) + c % 2];
+                p = q0 + x >= first[r] && q0 + x < q_len  // line 11: P^T = exp(S^T - L_i), masked
+                        ? exp2_ftz(p * scale_log2 - L_x) : 0.f;
+                if constexpr (G != kOnlyDV)            // line 14: dS^T = P^T o (dP^T - D_i)
+                    dP[r / 2][c / 2][2 * (r % 2) + c % 2] =
+                        p * (dP[r / 2][c / 2][2 * (r % 2) + c % 2] - D_x);
             }
         }
+        for (int r = 0; r < 2 * TS::M; r++)            // P^T and dS^T to shared memory, in fp16
+            for (int n = 0; n < TS::cols / 8; n++) {
+                const int at = (k_w + 16 * (r / 2) + g + 8 * (r % 2)) * ldS + q_w + 8 * n + 2 * t;
+                if (G != kDKdQ) *reinterpret_cast<uint32_t*>(P_T + at) = pack_half2(S[r / 2][n] + 2 * (r % 2));
+                if (G != kOnlyDV) *reinterpret_cast<uint32_t*>(dS_T + at) = pack_half2(dP[r / 2][n] + 2 * (r % 2));
+            }
+        __syncthreads();
+        const int kv_w = TKV::row(warp), d_w = TKV::col(warp);  // this warp's tile of dK_j, dV_j
         if constexpr (G != kDKdQ)                      // line 12: dV_j += P^T dO_i
-            mma_AB<1, Br, D>(&dV_j, &S, nullptr, 0, dO_i + stage, ld);
+            mma_AB<TKV::M, Br, TKV::cols, false>(dV_j, P_T + kv_w * ldS, ldS, dO_i + stage + d_w, ld);
         if constexpr (G == kOnlyDV) continue;
-        mma_ABt<1, Br, D>(&dP, V_j + 16 * warp * ld, dO_i + stage, ld);  // 13: dP^T = V_j dO_i^T
-        for (int h = 0; h < 2; h++)                    // line 14: dS^T = P^T o (dP^T - D_i), in
-            for (int c = 0; c < Br / 4; c++)           // dP's registers, and (fp16) in dS_T
-                dP[c / 2][2 * h + c % 2] = S[c / 2][2 * h + c % 2] *
-                    (dP[c / 2][2 * h + c % 2] - D_i[fstage + 8 * (c / 2) + 2 * t + c % 2]);
-        for (int c = 0; c < Br / 8; c++)
-            for (int h = 0; h < 2; h++)
-                *reinterpret_cast<uint32_t*>(dS_T + (16 * warp + g + 8 * h) * ldS + 8 * c + 2 * t) =
-                    pack_half2(dP[c] + 2 * h);
-        mma_AB<1, Br, D>(&dK_j, &dP, nullptr, 0, Q_i + stage, ld);  // line 16: dK_j += dS^T Q_i
+        mma_AB<TKV::M, Br, TKV::cols, false>(dK_j, dS_T + kv_w * ldS, ldS, Q_i + stage + d_w, ld);  // 16
         // Line 15: dQ_i += dS K_j, this warp's tile of it, added in turn (the tiles right of j
-        // that see Q_i first). The last dQ_i's adds were issued a whole step ago: pass it on.
-        if (added) pass_turn(added);
-        added = turns + bh * Tr + i;
+        // that see Q_i first; the turn is passed on in the next step, above).
+        const int dq_q = TQ::row(warp), dq_d = TQ::col(warp);
+        float dQ_i[TQ::M][TQ::cols / 8][4] = {};
+        mma_AB<TQ::M, Bc, TQ::cols, true>(dQ_i, dS_T + dq_q, ldS, K_j + dq_d, ld);
+        added = turns + (bh * Tr + i) * W + warp;
         const int mine = (flash_kv_end(q0, Br, q_len, kv_len, causal) - 1) / Bc - j;
+#ifndef FLASH_BWD_UNORDERED
         wait_turn(added, mine);
-        __syncthreads();                               // dS^T is whole, and it is our turn
-        float dQ_i[Mq][Nq / 8][4] = {};
-        const int q_warp = q0 + 16 * Mq * (warp / WC), d_warp = Nq * (warp % WC);
-        mma_AB<Mq, Bc, Nq>(dQ_i, nullptr, dS_T + q_warp - q0, ldS, K_j + d_warp, ld);
-        add_tile<Mq, Nq, D>(dQacc + (bh * q_len + q_warp) * D + d_warp, dQ_i, q_len - q_warp,
-                            mine == 0);
+#endif
+        add_tile<TQ::M, TQ::cols, D>(dQacc + (bh * q_len + q0 + dq_q) * D + dq_d, dQ_i,
+                                     q_len - q0 - dq_q, mine == 0);
     }
     commit_and_wait<0>();                              // no copy may land after the block exits
-    __syncthreads();                                   // every thread's last adds were issued
+    __syncwarp();                                      // the warp's last adds were issued
     if (added) pass_turn(added);
-    for (int h = 0; h < 2; h++)                        // line 18: write dK_j / sqrt(d), dV_j
-        for (int c = 0; c < D / 8 && key + 8 * h < kv_len; c++) {
-            const size_t at = kv_head + size_t(key + 8 * h) * D + 8 * c + 2 * t;
+    for (int r = 0; r < 2 * TKV::M; r++) {             // line 18: write dK_j / sqrt(d), dV_j
+        const int key = j * Bc + TKV::row(warp) + 16 * (r / 2) + g + 8 * (r % 2);
+        for (int n = 0; n < TKV::cols / 8 && key < kv_len; n++) {
+            const size_t at = kv_head + size_t(key) * D + TKV::col(warp) + 8 * n + 2 * t;
             if (G != kOnlyDV)
                 *reinterpret_cast<__half2*>(dK + at) = __floats2half2_rn(
-                    dK_j[c][2 * h] * rsqrtf(D), dK_j[c][2 * h + 1] * rsqrtf(D));
+                    dK_j[r / 2][n][2 * (r % 2)] * rsqrtf(D), dK_j[r / 2][n][2 * (r % 2) + 1] * rsqrtf(D));
             if (G != kDKdQ)
                 *reinterpret_cast<__half2*>(dV + at) =
-                    __floats2half2_rn(dV_j[c][2 * h], dV_j[c][2 * h + 1]);
+                    __floats2half2_rn(dV_j[r / 2][n][2 * (r % 2)], dV_j[r / 2][n][2 * (r % 2) + 1]);
         }
+    }
 }
-
 // Line 4, before the kernel: D = rowsum(dO o O), fp32, one thread a row of the (B*H*q_len) rows.
 template <int D>
 __global__ void flash_backward_dot_fp16_kernel(const __half* __restrict__ O,
@@ -557,11 +591,12 @@ void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __
 // would split dQ_i's 16 columns too finely. Shared memory: K_j, V_j, two stages of Q_i and dO_i,
 // dS^T (Bc x Br, padded), two stages of L_i and D_i.
 constexpr int bwd_Br(int head_dim) { return head_dim <= 128 ? 64 : 32; }
+constexpr size_t kBwdMaxWarps = 8;  // turn counters a Q tile: one a warp of the larger block
 
 static size_t bwd_shared_bytes(int head_dim, int Bc) {
     const size_t Br = bwd_Br(head_dim);
     return (2 * Bc + 4 * Br) * (head_dim + kPad) * sizeof(__half) +
-           Bc * (Br + kPad) * sizeof(__half) + 4 * Br * sizeof(float);
+           2 * Bc * (Br + kPad) * sizeof(__half) + 4 * Br * sizeof(float);
 }
 
 static FlashTile bwd_tile(const cudaDeviceProp& prop, int head_dim, int Bc) {
@@ -578,6 +613,9 @@ FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_d
     require_sm80(prop, "flash_backward_fp16");
     const bool fits_128 =
         head_dim >= 32 && bwd_shared_bytes(head_dim, 128) <= prop.sharedMemPerBlockOptin;
+#ifdef FLASH_BWD_BC
+    if (head_dim >= 32) return bwd_tile(prop, head_dim, FLASH_BWD_BC);
+#endif
     return bwd_tile(prop, head_dim, fits_128 ? 128 : 64);
 }
 
@@ -585,7 +623,8 @@ size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(__half));
     const size_t Tr = (size_t(s.q_len) + bwd_Br(s.head_dim) - 1) / bwd_Br(s.head_dim);
     require(q_elems(s) < SIZE_MAX / 8, "shape: the fp16 backward's fp32 dQ would overflow size_t");
-    return sizeof(float) * (q_elems(s) + l_elems(s)) + sizeof(int) * (l_elems(s) / s.q_len * Tr + 2);
+    return sizeof(float) * (q_elems(s) + l_elems(s)) +
+           sizeof(int) * (l_elems(s) / s.q_len * Tr * kBwdMaxWarps + 2);
 }
 
 template <int D, int Bc>
@@ -602,7 +641,7 @@ static void launch_backward_fp16(const __half* Q, const __half* K, const __half*
     if constexpr (G == kOnlyDV)
         allow_shared(flash_backward_fp16_kernel<D, W, Br, kDKdQ>, tile.shared_bytes);
     const float scale_log2 = kLog2e / sqrtf(float(D));
-    const size_t rows = l_elems(s), turns = rows / s.q_len * ((s.q_len + Br - 1) / Br);
+    const size_t rows = l_elems(s), turns = rows / s.q_len * ((s.q_len + Br - 1) / Br) * kBwdMaxWarps;
     // Element-wise passes: 256 threads a block, at most 64 blocks an SM's worth (grid-stride).
     const int sms = flash_device_props().multiProcessorCount;
     const auto grid = [&](size_t n) { return int(std::min<size_t>((n + 255) / 256, 64 * sms)); };
