@@ -229,12 +229,11 @@ flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict
 // The order of line 15's adds. Every block takes a ticket as it starts (atomicAdd on a zeroed
 // counter): the order blocks start in. Tickets run over each head's K/V tiles from the right
 // (j = Tc - 1 first), and every dQ_i takes its adds in decreasing j, from the block with the
-// lowest ticket up. Warp w of a block adds only to its own tile of dQ_i, which warp w of every
-// other block adds to too, so each (head, Q tile, warp) has a turn counter: it says how many
-// blocks have added there, and warp w of block j adds when it equals the number of tiles right of
-// j that see Q_i, then passes the turn on. A warp only ever waits for blocks with lower tickets,
-// which have started and so are running or done, and the lowest-ticket block still running waits
-// for nobody: no deadlock (NOTES.md section 14).
+// lowest ticket up: a turn counter per (head, Q tile) says how many blocks have added there. Each
+// warp of block j waits until it equals the number of tiles right of j that see Q_i, adds its
+// tile of dQ_i, and one thread of the block passes the turn on once all have. A block only ever
+// waits for blocks with lower tickets, which have started and so are running or done, and the
+// lowest-ticket block still running waits for nobody: no deadlock (NOTES.md section 14).
 enum Grads { kAll, kOnlyDV, kDKdQ };  // kOnlyDV, then kDKdQ: d = 256, where dK_j + dV_j is too big
 
 // An (R x C) product split over W warps: a grid of R / rows by `across` tiles of `rows` x `cols`.
@@ -325,12 +324,11 @@ __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
     }
     __syncwarp();
 }
-// Lane 0 passes the turn on, after a barrier (or __syncwarp) that follows the warp's adds;
-// red.release: every write ordered before it (the other lanes' adds, through the barrier) lands
-// first.
+// Passes the turn on (one thread, after a barrier that follows the block's adds); red.release:
+// every write ordered before it (the other threads' adds, through the barrier) lands first. The
+// release waits for them: a round trip to L2 for the thread's warp.
 __device__ __forceinline__ void pass_turn(int* turn) {
-    if (threadIdx.x % 32 == 0)
-        asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
 }
 // One warp's tile of dQ_i (2M rows of 8 a thread, N columns) into dQacc (row stride D, `rows`
 // rows left in the tensor): the first block in the order stores, the others add (a red: the add
@@ -389,7 +387,7 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
     load_floats_async<Br>(L_i, L + bh * q_len, i_first * Br, q_len);
     load_floats_async<Br>(D_i, Dsum + bh * q_len, i_first * Br, q_len);
     float dK_j[TKV::M][TKV::cols / 8][4] = {}, dV_j[TKV::M][TKV::cols / 8][4] = {};  // line 7
-    int* added = nullptr;                              // this warp's turn of the dQ_i it added to
+    int* added = nullptr;                              // the turn of the dQ_i added to last
     for (int i = i_first; i < Tr; i++) {               // line 8: for each Q_i
         const int q0 = i * Br, stage = (i - i_first) % 2 * Br * ld, fstage = (i - i_first) % 2 * Br;
         commit_and_wait<0>();                          // Q_i landed; the other stage, P^T and
@@ -399,8 +397,9 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
         mma_ABt<TS::M, TS::cols, D>(S, K_j + k_w * ld, Q_i + stage + q_w * ld, ld);  // 10: S^T
         if constexpr (G != kOnlyDV)                    // line 13: dP^T = V_j dO_i^T
             mma_ABt<TS::M, TS::cols, D>(dP, V_j + k_w * ld, dO_i + stage + q_w * ld, ld);
-        // The turn of the dQ_i this warp added to a step ago: its adds have landed by now.
-        if (added) pass_turn(added);
+        // The turn of the dQ_i added to a step ago, passed on by one thread (a warp in turn), after
+        // the barrier above: the adds have had time to land, so the release waits little.
+        if (added && threadIdx.x == 32 * (i % W)) pass_turn(added);
         if (i + 1 < Tr) {                              // line 9, a tile ahead: Q_i, dO_i, L_i, D_i
             load_rows_async<Br, D>(Q_i + (Br * ld - stage), Q + q_head, q0 + Br, q_len);
             load_rows_async<Br, D>(dO_i + (Br * ld - stage), dO + q_head, q0 + Br, q_len);
@@ -441,7 +440,7 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
         const int dq_q = TQ::row(warp), dq_d = TQ::col(warp);
         float dQ_i[TQ::M][TQ::cols / 8][4] = {};
         mma_AB<TQ::M, Bc, TQ::cols, true>(dQ_i, dS_T + dq_q, ldS, K_j + dq_d, ld);
-        added = turns + (bh * Tr + i) * W + warp;
+        added = turns + bh * Tr + i;
         const int mine = (flash_kv_end(q0, Br, q_len, kv_len, causal) - 1) / Bc - j;
 #ifndef FLASH_BWD_UNORDERED
         wait_turn(added, mine);
@@ -450,8 +449,8 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
                                      q_len - q0 - dq_q, mine == 0);
     }
     commit_and_wait<0>();                              // no copy may land after the block exits
-    __syncwarp();                                      // the warp's last adds were issued
-    if (added) pass_turn(added);
+    __syncthreads();                                   // every warp's last adds were issued
+    if (added && threadIdx.x == 0) pass_turn(added);
     for (int r = 0; r < 2 * TKV::M; r++) {             // line 18: write dK_j / sqrt(d), dV_j
         const int key = j * Bc + TKV::row(warp) + 16 * (r / 2) + g + 8 * (r % 2);
         for (int n = 0; n < TKV::cols / 8 && key < kv_len; n++) {
@@ -591,7 +590,6 @@ void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __
 // would split dQ_i's 16 columns too finely. Shared memory: K_j, V_j, two stages of Q_i and dO_i,
 // dS^T (Bc x Br, padded), two stages of L_i and D_i.
 constexpr int bwd_Br(int head_dim) { return head_dim <= 128 ? 64 : 32; }
-constexpr size_t kBwdMaxWarps = 8;  // turn counters a Q tile: one a warp of the larger block
 
 static size_t bwd_shared_bytes(int head_dim, int Bc) {
     const size_t Br = bwd_Br(head_dim);
@@ -624,7 +622,7 @@ size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
     const size_t Tr = (size_t(s.q_len) + bwd_Br(s.head_dim) - 1) / bwd_Br(s.head_dim);
     require(q_elems(s) < SIZE_MAX / 8, "shape: the fp16 backward's fp32 dQ would overflow size_t");
     return sizeof(float) * (q_elems(s) + l_elems(s)) +
-           sizeof(int) * (l_elems(s) / s.q_len * Tr * kBwdMaxWarps + 2);
+           sizeof(int) * (l_elems(s) / s.q_len * Tr + 2);
 }
 
 template <int D, int Bc>
@@ -641,7 +639,7 @@ static void launch_backward_fp16(const __half* Q, const __half* K, const __half*
     if constexpr (G == kOnlyDV)
         allow_shared(flash_backward_fp16_kernel<D, W, Br, kDKdQ>, tile.shared_bytes);
     const float scale_log2 = kLog2e / sqrtf(float(D));
-    const size_t rows = l_elems(s), turns = rows / s.q_len * ((s.q_len + Br - 1) / Br) * kBwdMaxWarps;
+    const size_t rows = l_elems(s), turns = rows / s.q_len * ((s.q_len + Br - 1) / Br);
     // Element-wise passes: 256 threads a block, at most 64 blocks an SM's worth (grid-stride).
     const int sms = flash_device_props().multiProcessorCount;
     const auto grid = [&](size_t n) { return int(std::min<size_t>((n + 255) / 256, 64 * sms)); };
