@@ -352,8 +352,10 @@ __device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], i
 // The kernel. One block per (K/V tile j, batch*head), in ticket order. W warps, Q tiles of Br rows
 // in two stages (cp.async); G: which gradients this launch computes. A thread's r-th row of a
 // warp tile is 16(r / 2) + g + 8(r % 2), its c-th column 8(c / 2) + 2t + c % 2 (lane = 4g + t).
+// Two blocks an SM at d <= 64: their 16 warps hide each other's barriers and loads (+0-20% on the
+// H100, NOTES.md section 14), for registers capped at 128 (a few spill at d = 64).
 template <int D, int W, int Br, Grads G>
-__global__ void __launch_bounds__(32 * W, 1)
+__global__ void __launch_bounds__(32 * W, D <= 64 ? 2 : 1)
 flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict__ K,
                            const __half* __restrict__ V, const __half* __restrict__ dO,
                            const float* __restrict__ L, const float* __restrict__ Dsum,
@@ -442,9 +444,7 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
         mma_AB<TQ::M, Bc, TQ::cols, true>(dQ_i, dS_T + dq_q, ldS, K_j + dq_d, ld);
         added = turns + bh * Tr + i;
         const int mine = (flash_kv_end(q0, Br, q_len, kv_len, causal) - 1) / Bc - j;
-#ifndef FLASH_BWD_UNORDERED
         wait_turn(added, mine);
-#endif
         add_tile<TQ::M, TQ::cols, D>(dQacc + (bh * q_len + q0 + dq_q) * D + dq_d, dQ_i,
                                      q_len - q0 - dq_q, mine == 0);
     }
@@ -611,9 +611,6 @@ FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_d
     require_sm80(prop, "flash_backward_fp16");
     const bool fits_128 =
         head_dim >= 32 && bwd_shared_bytes(head_dim, 128) <= prop.sharedMemPerBlockOptin;
-#ifdef FLASH_BWD_BC
-    if (head_dim >= 32) return bwd_tile(prop, head_dim, FLASH_BWD_BC);
-#endif
     return bwd_tile(prop, head_dim, fits_128 ? 128 : 64);
 }
 
