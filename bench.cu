@@ -3,7 +3,7 @@ FlashAttention demo and benchmark: flash attention against standard attention do
 frameworks do it (cuBLAS GEMMs around a softmax kernel, with the whole (q_len, kv_len) score
 matrix of every head in device memory), in fp32 (chapter 1: flash_forward / flash_backward,
 flash.cu, on the CUDA cores) or fp16 (chapter 2: flash_forward_fp16 / flash_backward_fp16,
-flash_fp16.cu, on the tensor cores; at head_dim 256 the fp16 backward needs 132 KB of shared
+flash_fp16.cu, on the tensor cores; at head_dim 256 the fp16 backward needs 143 KB of shared
 memory a block: A100, H100).
 
 Build and run the demo (one shape, timed, checked against the CPU reference; exits 1 on FAIL):
@@ -247,8 +247,9 @@ static TimedRuns time_median_ms(const Call& call, int repeat, double budget_s) {
 //      after one call and a synchronize: the workspace (standard: the score buffers) and anything
 //      the call leaves allocated;
 //  (b) the growth of the device's stream-ordered memory pool over the call: its reserved-memory
-//      high watermark minus what it holds at the end. flash_backward and flash_backward_fp16
-//      take their D buffer (B*H*q_len floats) from this pool with cudaMallocAsync and return it
+//      high watermark minus what it holds at the end. flash_backward takes its D buffer
+//      (B*H*q_len floats), flash_backward_fp16 its scratch (flash_backward_fp16_scratch_bytes: dQ
+//      in fp32, D, turn counters) from this pool with cudaMallocAsync and returns it
 //      inside the call, so after the synchronize (a) cannot see it; the watermark does, at the
 //      pool's granularity.
 // Not seen: memory a call takes with plain cudaMalloc and frees before it returns. Free memory
@@ -1048,7 +1049,11 @@ static int run_demo(const Options& opt, const cudaDeviceProp& prop, const Peaks&
     printf("extra memory = device memory beyond inputs and outputs, measured (cudaMemGetInfo\n"
            "  and the memory pool's high watermark, so rounded up to allocation granularity).\n"
            "  Expected:\n");
-    if (backward)
+    if (backward && dtype == Dtype::fp16)
+        printf("  flash forward 0; flash backward dQ in fp32, D, turn counters "
+               "(flash_backward_fp16_scratch_bytes) = %.2f MiB\n",
+               flash_backward_fp16_scratch_bytes(s) / kMiB);
+    else if (backward)
         printf("  flash forward 0; flash backward its D buffer, B*H*q_len floats = %.2f MiB\n",
                l_elems(s) * sizeof(float) / kMiB);
     else printf("  flash forward 0\n");

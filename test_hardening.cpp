@@ -74,7 +74,7 @@ TEST_CASE("The fp16 tile chooser refuses head dims without a kernel, listing the
 
 TEST_CASE("The fp16 backward tile chooser refuses head dims without a kernel, listing the "
           "supported ones", "[cpu][tile][validation][fp16][backward]") {
-    // The forward's six, 256 included (where kernel 2 runs as two launches).
+    // The forward's six, 256 included (where the kernel runs as two launches).
     REQUIRE(fp16_head_dims_string() == "16, 32, 64, 96, 128, 256");
     const int d = GENERATE(0, -64, 8, 48, 100, 512, 24, 257);
     CAPTURE(d);
@@ -535,6 +535,47 @@ TEST_CASE("flash_forward_fp16_bc refuses Bc other than 32 and 64, naming it and 
     CHECK(t.outputs_untouched());
 }
 
+TEST_CASE("flash_backward_fp16_bc refuses Bc other than 64 and 128 (128 from head_dim 32), naming "
+          "it and the allowed values", "[cpu][validation][fp16][backward]") {
+    const int Bc = GENERATE(0, -1, -64, INT_MIN, 1, 16, 32, 63, 65, 96, 127, 129, 256, INT_MAX);
+    const int d = GENERATE(16, 64);
+    AttentionShape s = valid_shape();
+    s.head_dim = d;
+    CAPTURE(Bc, d);
+    FakeTensors t;
+    CHECK_THAT(refusal([&] {
+                   flash_backward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16,
+                                          t.dV16, s, Bc);
+               }),
+               NamesWord("Bc") && NamesWord("64") && NamesWord("128"));
+    CHECK(t.outputs_untouched());
+    // And 128 at head_dim 16, where 8 warps would split dQ_i's 16 columns too finely.
+    s.head_dim = 16;
+    CHECK_THAT(refusal([&] {
+                   flash_backward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16,
+                                          t.dV16, s, 128);
+               }),
+               NamesWord("Bc") && NamesWord("128"));
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("The fp16 backward's extra memory is dQ in fp32, D, a turn counter per Q tile and two "
+          "tickets", "[cpu][fp16][backward]") {
+    // By hand: {2, 3, 100, 77, 64}: dQ in fp32 2*3*100*64 = 38400 floats, D 600 floats, Q tiles
+    // of 64 rows: 2 a head, 12 counters, + 2 tickets: 4 * (38400 + 600 + 12 + 2) = 156056 bytes.
+    // At d = 256 Q tiles have 32 rows: {1, 2, 100, 77, 256}: 4 * (51200 + 200 + 8 + 2) = 205640.
+    CHECK(flash_backward_fp16_scratch_bytes({2, 3, 100, 77, 64, false}) == 156056);
+    CHECK(flash_backward_fp16_scratch_bytes({1, 2, 100, 77, 256, true}) == 205640);
+    // The dominant term, B*H*q_len*d*4 bytes, twice dQ itself: at the protocol's 16384 tokens of
+    // 2048 channels, 128 MiB.
+    const AttentionShape protocol{4, 16, 4096, 4096, 128, false};
+    CHECK(flash_backward_fp16_scratch_bytes(protocol) ==
+          4 * (q_elems(protocol) + l_elems(protocol) + 4 * 16 * 64 + 2));
+    // A bad shape is refused as the backward refuses it.
+    CHECK_THAT(refusal([&] { flash_backward_fp16_scratch_bytes({1, 1, 0, 7, 64, false}); }),
+               NamesWord("q_len"));
+}
+
 TEST_CASE("Element counts are 64-bit products", "[cpu][validation]") {
     const AttentionShape s{4097, 32, 128, 64, 128, false};  // Q: just past 2^31 elements
     CHECK(q_elems(s) == size_t(4097) * 32 * 128 * 128);
@@ -613,8 +654,9 @@ TEST_CASE("The backward gives bitwise identical dQ, dK and dV on every call",
 
 TEST_CASE("The fp16 backward gives bitwise identical dQ, dK and dV on every call, on any stream",
           "[gpu][backward][determinism][fp16]") {
-    // The fp32 backward's shapes (d = 256 among them: kernel 2's two launches), and, as in the
-    // fp16 forward's test, two streams of its own: the backward allocates its D on the stream.
+    // The fp32 backward's shapes (d = 256 among them: the kernel's two launches), and, as in the
+    // fp16 forward's test, two streams of its own: the backward allocates its scratch (dQ in fp32,
+    // D, the turn counters) on the stream.
     const AttentionShape s = GENERATE(from_range(determinism_shapes(300)));
     INFO(describe(s));
     const auto p = random_problem_fp16(s, 2500);
@@ -758,6 +800,91 @@ TEST_CASE("100 calls of the fp16 forward and backward give bitwise identical res
     const auto p = random_problem_fp16(s, 2700);
     GpuAttention<__half> gpu(p);
     check_against_reference_fp16_backward(outputs_of_identical_calls(gpu, 100, true), p);
+}
+
+TEST_CASE("100 calls of the fp16 backward on grids of many more blocks than the GPU holds at once "
+          "give bitwise identical results", "[gpu][hardening][determinism][backward][fp16]") {
+    // The ordered add of dQ (flash_fp16.cu) at work: many heads, several K/V tiles a head, and at
+    // least twice as many blocks as the GPU can hold (an upper bound: as many blocks an SM as its
+    // shared memory takes), so that blocks wait for turns held by blocks started waves earlier,
+    // and blocks of one head run on different waves. Causal and not (causal: the tiles of a head
+    // are of different lengths, and the shortest, rightmost, take the first turns).
+    const bool causal = GENERATE(false, true);
+    const AttentionShape s = GENERATE_COPY(AttentionShape{16, 16, 300, 600, 16, causal},
+                                           AttentionShape{4, 8, 300, 1100, 128, causal});
+    const cudaDeviceProp prop = current_device_props();
+    const FlashTile tile = flash_choose_tile_fp16_backward(prop, s.head_dim);
+    const size_t blocks = size_t(s.batch) * s.heads * ((s.kv_len + tile.Bc - 1) / tile.Bc);
+    const size_t resident = size_t(prop.multiProcessorCount) *
+                            (prop.sharedMemPerMultiprocessor /
+                             (tile.shared_bytes + prop.reservedSharedMemPerBlock));
+    INFO(describe(s) << ": " << blocks << " blocks of Bc = " << tile.Bc << "; at most "
+                     << resident << " fit the GPU at once");
+    REQUIRE(blocks >= 2 * resident);
+    const auto p = random_problem_fp16(s, 2800);
+    GpuAttention<__half> gpu(p);
+    check_against_reference_fp16_backward(outputs_of_identical_calls(gpu, 100, true), p);
+}
+
+TEST_CASE("flash_backward_fp16_bc with Bc = 64 and 128 matches the reference", "[gpu][backward][tile][fp16]") {
+    // The device takes Bc = 128 where it fits; Bc = 64 (4 warps) is what an A100 runs at d = 128
+    // and 256, and an RTX 4090 at d = 64 and 96: here it runs on this GPU too.
+    const int Bc = GENERATE(64, 128);
+    const AttentionShape base = GENERATE(AttentionShape{1, 2, 100, 257, 0, true},
+                                         AttentionShape{2, 1, 257, 100, 0, false},
+                                         AttentionShape{1, 3, 1, 95, 0, true});
+    const int d = GENERATE(from_range(kFp16HeadDims));
+    if (Bc == 128 && d == 16) return;  // refused (the validation test above)
+    AttentionShape s = base;
+    s.head_dim = d;
+    INFO(describe(s) << ", Bc = " << Bc);
+    const cudaDeviceProp prop = current_device_props();
+    const auto p = random_problem_fp16(s, 2900);
+    GpuAttention<__half> gpu(p);
+    gpu.forward();
+    if (fp16_backward_bytes(d, Bc) > prop.sharedMemPerBlockOptin) {
+        // Not on an H100; on an A100, Bc = 128 at d = 128 and 256: refused, outputs untouched.
+        DeviceBuffer<__half> dQ(q_elems(s)), dK(kv_elems(s)), dV(kv_elems(s));
+        for (auto* b : {&dQ, &dK, &dV}) b->poison();
+        CHECK_THROWS_AS(flash_backward_fp16_bc(gpu.Q.ptr, gpu.K.ptr, gpu.V.ptr, gpu.O.ptr,
+                                               gpu.dO.ptr, gpu.L.ptr, dQ.ptr, dK.ptr, dV.ptr, s,
+                                               Bc),
+                        std::runtime_error);
+        CHECK(count_bad(dQ.download_float()) == q_elems(s));
+        CHECK(count_bad(dK.download_float()) == kv_elems(s));
+        CHECK(count_bad(dV.download_float()) == kv_elems(s));
+        return;
+    }
+    gpu.backward(0, Bc);
+    check_against_reference_fp16_backward(gpu.outputs(true), p);
+}
+
+TEST_CASE("The fp16 backward takes the extra memory it states from the stream's pool, and gives it "
+          "back", "[gpu][backward][fp16]") {
+    // The pool's used-memory high watermark over one call: at least what
+    // flash_backward_fp16_scratch_bytes states (dQ in fp32 dominates), at most that rounded up to
+    // the pool's 2 MiB granularity; after the call the pool holds nothing of it.
+    const AttentionShape s{2, 8, 1000, 700, 128, true};
+    const auto p = random_problem_fp16(s, 3000);
+    GpuAttention<__half> gpu(p);
+    gpu.forward();
+    gpu.backward();  // the first call may grow the pool; measure the second
+    int dev = 0;
+    FLASH_CUDA_CHECK(cudaGetDevice(&dev));
+    cudaMemPool_t pool = nullptr;
+    FLASH_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+    uint64_t zero = 0, high = 0, used = 0;
+    FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+    gpu.backward();
+    FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+    FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+    const size_t stated = flash_backward_fp16_scratch_bytes(s);
+    INFO(describe(s) << ": states " << stated << " bytes; the pool's used high watermark "
+                     << high << ", used after the call " << used);
+    CHECK(high >= stated);
+    CHECK(high <= stated + (size_t(2) << 20));
+    CHECK(used == 0);
+    check_against_reference_fp16_backward(gpu.outputs(true), p);
 }
 
 TEST_CASE("Extreme inputs give finite outputs within tolerance of the reference",
@@ -958,9 +1085,9 @@ TEST_CASE("More than 65535 batch*heads: the fp16 forward's heads past 65535 are 
 
 TEST_CASE("More than 65535 batch*heads: the fp16 backward's heads past 65535 are right",
           "[gpu][big][backward][fp16]") {
-    // The fp32 test runs the backward too; this is its fp16 twin: two Q tiles a head for kernel 1
-    // (q_len 129 > its Br = 128), one partial K/V tile (kv_len 33 < 64) for kernel 2, and, when
-    // causal, rows that see no key (0..95).
+    // The fp32 test runs the backward too; this is its fp16 twin: three Q tiles a head (q_len 129,
+    // Br = 64), one partial K/V tile (kv_len 33 < Bc = 64 at d = 16), and, when causal, rows that
+    // see no key (0..95), whose dQ no block adds to.
     const bool causal = GENERATE(false, true);
     const AttentionShape s{70000, 1, 129, 33, 16, causal};
     INFO(describe(s));

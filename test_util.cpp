@@ -257,14 +257,16 @@ void launch_forward(const __half* Q, const __half* K, const __half* V, __half* O
 
 void launch_backward(const float* Q, const float* K, const float* V, const float* O,
                      const float* dO, const float* L, float* dQ, float* dK, float* dV,
-                     const AttentionShape& s, cudaStream_t stream) {
+                     const AttentionShape& s, int Bc, cudaStream_t stream) {
+    REQUIRE(Bc == 0);  // chapter 1's backward takes no caller-chosen tile
     flash_backward(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
 }
 
 void launch_backward(const __half* Q, const __half* K, const __half* V, const __half* O,
                      const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
-                     const AttentionShape& s, cudaStream_t stream) {
-    flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+                     const AttentionShape& s, int Bc, cudaStream_t stream) {
+    if (Bc > 0) flash_backward_fp16_bc(Q, K, V, O, dO, L, dQ, dK, dV, s, Bc, stream);
+    else flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
 }
 
 void check_forward_and_backward(const AttentionShape& s, uint32_t salt) {
@@ -415,7 +417,7 @@ void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d) {
 
 size_t fp16_backward_bytes(int d, int Bc) {
     const size_t Br = d <= 128 ? 64 : 32;  // Q tile rows
-    return (2 * Bc + 4 * Br) * (d + 8) * sizeof(__half) + Bc * (Br + 8) * sizeof(__half) +
+    return (2 * Bc + 4 * Br) * (d + 8) * sizeof(__half) + 2 * Bc * (Br + 8) * sizeof(__half) +
            4 * Br * sizeof(float);
 }
 

@@ -345,9 +345,10 @@ Tolerances fp16_tolerances(const Problem<__half>& p);
 //  (dK_j sums it over queries with weights P_ij <= 1, each query's dD_i of its own sign: a random
 //  walk over at most q_len terms, with the margin 4).
 //  Nothing above depends on the tiles or on how many launches compute a gradient: at d = 256,
-//  where kernel 2 streams 32-row Q tiles and computes dV and dK in a launch each, each launch
-//  recomputes P as in (a) and rounds as in (b); the terms that grow with d (2 d u M, d u max|dO|
-//  max|V|) are computed from the shape's own d.
+//  where the kernel streams 32-row Q tiles and computes dV and (dK, dQ) in a launch each, each
+//  launch recomputes P as in (a) and rounds as in (b); dQ's sum over K/V tiles runs in fp32 in
+//  memory (in a fixed order) and is rounded to fp16 once, as (b) counts; the terms that grow with
+//  d (2 d u M, d u max|dO| max|V|) are computed from the shape's own d.
 // As above: never loosen these to make a test pass; fix the derivation first if it is wrong.
 constexpr double kSafety16 = 8.0;
 
@@ -546,10 +547,10 @@ void launch_forward(const __half* Q, const __half* K, const __half* V, __half* O
                     const AttentionShape& s, int Bc, cudaStream_t stream);
 void launch_backward(const float* Q, const float* K, const float* V, const float* O,
                      const float* dO, const float* L, float* dQ, float* dK, float* dV,
-                     const AttentionShape& s, cudaStream_t stream);
+                     const AttentionShape& s, int Bc, cudaStream_t stream);  // Bc must be 0
 void launch_backward(const __half* Q, const __half* K, const __half* V, const __half* O,
                      const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
-                     const AttentionShape& s, cudaStream_t stream);
+                     const AttentionShape& s, int Bc, cudaStream_t stream);
 
 // One problem on the GPU, tensors of T (L is always float): inputs uploaded once; forward() and
 // backward() poison their outputs, run the kernels and wait for them. dO, dQ, dK and dV are
@@ -580,8 +581,9 @@ struct GpuAttention {
         FLASH_CUDA_CHECK(cudaGetLastError());
         FLASH_CUDA_CHECK(cudaDeviceSynchronize());
     }
-    // Uses O and L as the last forward() left them.
-    void backward(cudaStream_t stream = 0) {
+    // Uses O and L as the last forward() left them. Bc = 0: the device's own tile; Bc > 0 (fp16
+    // only): flash_backward_fp16_bc.
+    void backward(cudaStream_t stream = 0, int Bc = 0) {
         REQUIRE(dO.count == q_elems(s));
         if (dQ.count == 0) {
             dQ = DeviceBuffer<T>(q_elems(s));
@@ -591,7 +593,7 @@ struct GpuAttention {
         dQ.poison();
         dK.poison();
         dV.poison();
-        launch_backward(Q.ptr, K.ptr, V.ptr, O.ptr, dO.ptr, L.ptr, dQ.ptr, dK.ptr, dV.ptr, s,
+        launch_backward(Q.ptr, K.ptr, V.ptr, O.ptr, dO.ptr, L.ptr, dQ.ptr, dK.ptr, dV.ptr, s, Bc,
                         stream);
         FLASH_CUDA_CHECK(cudaGetLastError());
         FLASH_CUDA_CHECK(cudaDeviceSynchronize());
@@ -716,8 +718,8 @@ void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d);
 
 // The fp16 backward's bytes of shared memory at head dim d and Bc keys a K/V tile, as
 // flash_fp16.cu counts them (rows padded by 8 halves): K_j and V_j (Bc rows each), two stages of
-// Q_i and dO_i (Br rows each), dS^T (Bc rows of Br + 8 halves), two stages of L_i and D_i (Br
-// floats each); Br = 64 up to d = 128 and 32 at d = 256.
+// Q_i and dO_i (Br rows each), P^T and dS^T (Bc rows of Br + 8 halves each), two stages of L_i
+// and D_i (Br floats each); Br = 64 up to d = 128 and 32 at d = 256.
 size_t fp16_backward_bytes(int d, int Bc);
 // What the fp16 backward's tile must be: Br = 64 (32 at d = 256), Bc = 64 or 128 (from d = 32),
 // 2 Bc threads (a warp per 16 keys), 4 threads a row, shared_bytes as above, within the device's
