@@ -262,46 +262,43 @@ __device__ __forceinline__ void load_floats_async(float* to, const float* src, i
                  "l"(src + (inside ? first + x : 0)), "r"(inside ? 4 : 0));
     }
 }
-// The two shapes of product in Algorithm 2, each the loop the forward writes out inline, for one
-// warp that owns M tiles of 16 rows (acc[m]: rows 16m .. 16m + 15), every operand in shared memory.
-// Each B fragment is loaded once and feeds M mmas.
-// acc (16M x N, fp32 accumulators) += A B^T: A the warp's 16M rows of a tile, B N rows of another,
-// both K columns wide (S^T = K_j Q_i^T: B's rows are the mma's columns, so no transpose).
-template <int M, int N, int K>
-__device__ __forceinline__ void mma_ABt(float (*acc)[N / 8][4], const __half* A, const __half* B,
-                                        int ld) {
-    uint32_t a[M][4], b[4];
-    for (int k = 0; k < K / 16; k++) {
-        for (int m = 0; m < M; m++) load_16x16<false>(a[m], A + 16 * m * ld + 16 * k, ld);
-        for (int n = 0; n < N / 16; n++) {
-            load_16x16<false, true>(b, B + 16 * n * ld + 16 * k, ld);  // (b[0], b[1]): columns
-            for (int m = 0; m < M; m++) {                              // 0-7; (b[2], b[3]): 8-15
-                mma_16x8x16(acc[m][2 * n], a[m], b[0], b[1]);
-                mma_16x8x16(acc[m][2 * n + 1], a[m], b[2], b[3]);
-            }
-        }
-    }
-}
-// acc (16M x N) += A B: B K rows of a tile, N columns (B's rows are the mma's k, so .trans); A the
-// warp's 16M rows, K columns wide (dV_j += P^T dO_i), or with TransA, stored transposed, K rows of
-// 16M columns (dQ_i += dS K_j, read from dS^T): ldmatrix.trans, quarters across, gives A's.
-template <int M, int K, int N, bool TransA>
+// Every product of Algorithm 2, as the loop the forward writes out inline, for one warp that owns
+// M tiles of 16 rows of acc (acc[m]: rows 16m .. 16m + 15): acc (16M x N, fp32) += A B, K deep,
+// both operands in shared memory as they are stored there. A: the warp's 16M rows, K columns
+// (lda apart), or with At stored transposed, K rows of 16M columns; B: K rows of N columns, or with
+// Bt stored transposed, N rows of K columns. S^T = K_j Q_i^T is <false, true>, dV_j += P^T dO_i
+// <false, false>, dQ_i += dS K_j <true, false> (dS read from dS^T). A transposed operand is read
+// with ldmatrix.trans; every B fragment is loaded once and feeds M mmas.
+template <int M, int K, int N, bool At, bool Bt>
 __device__ __forceinline__ void mma_AB(float (*acc)[N / 8][4], const __half* A, int lda,
                                        const __half* B, int ldb) {
     uint32_t a[M][4], b[4];
     for (int k = 0; k < K / 16; k++) {
         for (int m = 0; m < M; m++) {
-            if constexpr (TransA) load_16x16<true, true>(a[m], A + 16 * k * lda + 16 * m, lda);
+            if constexpr (At) load_16x16<true, true>(a[m], A + 16 * k * lda + 16 * m, lda);
             else load_16x16<false>(a[m], A + 16 * m * lda + 16 * k, lda);
         }
-        for (int n = 0; n < N / 16; n++) {
-            load_16x16<true>(b, B + 16 * k * ldb + 16 * n, ldb);
+        for (int n = 0; n < N / 16; n++) {             // (b[0], b[1]): columns 16n .. 16n + 7
+            if constexpr (Bt) load_16x16<false, true>(b, B + 16 * n * ldb + 16 * k, ldb);
+            else load_16x16<true>(b, B + 16 * k * ldb + 16 * n, ldb);
             for (int m = 0; m < M; m++) {
                 mma_16x8x16(acc[m][2 * n], a[m], b[0], b[1]);
                 mma_16x8x16(acc[m][2 * n + 1], a[m], b[2], b[3]);
             }
         }
     }
+}
+// One warp's tile of 2M rows of 8 a thread by N columns (`rows` rows left in the tensor) out of
+// acc, times scale, in fp16 (row stride D): line 18's dK_j and dV_j.
+template <int M, int N, int D>
+__device__ __forceinline__ void store_tile(__half* out, float (*acc)[N / 8][4], float scale,
+                                           int rows) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    for (int r = 0; r < 2 * M; r++)                    // row 16(r / 2) + g + 8(r % 2), as in mma
+        for (int n = 0; n < N / 8 && 16 * (r / 2) + g + 8 * (r % 2) < rows; n++)
+            *reinterpret_cast<__half2*>(out + size_t(16 * (r / 2) + g + 8 * (r % 2)) * D + 8 * n +
+                                        2 * t) = __floats2half2_rn(
+                acc[r / 2][n][2 * (r % 2)] * scale, acc[r / 2][n][2 * (r % 2) + 1] * scale);
 }
 
 // The ordered add (above). block_ticket: this block's place in the order, for every thread.
@@ -316,12 +313,11 @@ __device__ __forceinline__ int block_ticket(int* next) {
 // (PTX ISA, "Memory Consistency Model"): the adds the blocks before made, before they passed the
 // turn, are then in memory before any of ours.
 __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
-    if (threadIdx.x % 32 == 0) {
-        int now;
-        do asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
-        while (now != mine);
+    int now = mine - 1;
+    while (threadIdx.x % 32 == 0 && now != mine)
+        asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
+    if (threadIdx.x % 32 == 0)
         asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
-    }
     __syncwarp();
 }
 // Passes the turn on (one thread, after a barrier that follows the block's adds); red.release:
@@ -385,32 +381,31 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
     const size_t q_head = bh * q_len * D, kv_head = bh * kv_len * D;
     // Causal: Q tiles before the one holding the first query that sees key j Bc are skipped.
     const int i_first = causal ? max(0, flash_first_query(j * Bc, q_len, kv_len)) / Br : 0;
+    auto load_Q_tile = [&](int stage, int q0) {        // line 9: load Q_i, dO_i, L_i, D_i from q0
+        load_rows_async<Br, D>(Q_i + stage * ld, Q + q_head, q0, q_len);
+        load_rows_async<Br, D>(dO_i + stage * ld, dO + q_head, q0, q_len);
+        load_floats_async<Br>(L_i + stage, L + bh * q_len, q0, q_len);
+        load_floats_async<Br>(D_i + stage, Dsum + bh * q_len, q0, q_len);
+    };
     load_rows_async<Bc, D>(K_j, K + kv_head, j * Bc, kv_len);  // line 6: load K_j, V_j
     load_rows_async<Bc, D>(V_j, V + kv_head, j * Bc, kv_len);
-    load_rows_async<Br, D>(Q_i, Q + q_head, i_first * Br, q_len);  // line 9 for the first Q_i
-    load_rows_async<Br, D>(dO_i, dO + q_head, i_first * Br, q_len);
-    load_floats_async<Br>(L_i, L + bh * q_len, i_first * Br, q_len);
-    load_floats_async<Br>(D_i, Dsum + bh * q_len, i_first * Br, q_len);
+    load_Q_tile(0, i_first * Br);
     float dK_j[TKV::M][TKV::cols / 8][4] = {}, dV_j[TKV::M][TKV::cols / 8][4] = {};  // line 7
     int* added = nullptr;                              // the turn of the dQ_i added to last
     for (int i = i_first; i < Tr; i++) {               // line 8: for each Q_i
-        const int q0 = i * Br, stage = (i - i_first) % 2 * Br * ld, fstage = (i - i_first) % 2 * Br;
+        const int q0 = i * Br, fstage = (i - i_first) % 2 * Br, stage = fstage * ld;
         commit_and_wait<0>();                          // Q_i landed; the other stage, P^T and
         __syncthreads();                               // dS^T are free
         const int k_w = TS::row(warp), q_w = TS::col(warp);  // this warp's tile of S^T
         float S[TS::M][TS::cols / 8][4] = {}, dP[TS::M][TS::cols / 8][4] = {};
-        mma_ABt<TS::M, TS::cols, D>(S, K_j + k_w * ld, Q_i + stage + q_w * ld, ld);  // 10: S^T
-        if constexpr (G != kOnlyDV)                    // line 13: dP^T = V_j dO_i^T
-            mma_ABt<TS::M, TS::cols, D>(dP, V_j + k_w * ld, dO_i + stage + q_w * ld, ld);
+        mma_AB<TS::M, D, TS::cols, false, true>(S, K_j + k_w * ld, ld, Q_i + stage + q_w * ld, ld);
+        if constexpr (G != kOnlyDV)                    // line 10 above: S^T = K_j Q_i^T; line 13:
+            mma_AB<TS::M, D, TS::cols, false, true>(   // dP^T = V_j dO_i^T
+                dP, V_j + k_w * ld, ld, dO_i + stage + q_w * ld, ld);
         // The turn of the dQ_i added to a step ago, passed on by one thread (a warp in turn), after
         // the barrier above: the adds have had time to land, so the release waits little.
         if (added && threadIdx.x == 32 * (i % W)) pass_turn(added);
-        if (i + 1 < Tr) {                              // line 9, a tile ahead: Q_i, dO_i, L_i, D_i
-            load_rows_async<Br, D>(Q_i + (Br * ld - stage), Q + q_head, q0 + Br, q_len);
-            load_rows_async<Br, D>(dO_i + (Br * ld - stage), dO + q_head, q0 + Br, q_len);
-            load_floats_async<Br>(L_i + (Br - fstage), L + bh * q_len, q0 + Br, q_len);
-            load_floats_async<Br>(D_i + (Br - fstage), Dsum + bh * q_len, q0 + Br, q_len);
-        }
+        if (i + 1 < Tr) load_Q_tile(Br - fstage, q0 + Br);  // line 9, a tile ahead
         int first[2 * TS::M];                          // row r: key j Bc + k_w + 16(r/2) + g + 8(r%2),
         for (int r = 0; r < 2 * TS::M; r++) {          // seen by queries first[r] .. q_len - 1
             const int key = j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2);
@@ -437,14 +432,14 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
         __syncthreads();
         const int kv_w = TKV::row(warp), d_w = TKV::col(warp);  // this warp's tile of dK_j, dV_j
         if constexpr (G != kDKdQ)                      // line 12: dV_j += P^T dO_i
-            mma_AB<TKV::M, Br, TKV::cols, false>(dV_j, P_T + kv_w * ldS, ldS, dO_i + stage + d_w, ld);
+            mma_AB<TKV::M, Br, TKV::cols, false, false>(dV_j, P_T + kv_w * ldS, ldS, dO_i + stage + d_w, ld);
         if constexpr (G == kOnlyDV) continue;
-        mma_AB<TKV::M, Br, TKV::cols, false>(dK_j, dS_T + kv_w * ldS, ldS, Q_i + stage + d_w, ld);  // 16
+        mma_AB<TKV::M, Br, TKV::cols, false, false>(dK_j, dS_T + kv_w * ldS, ldS, Q_i + stage + d_w, ld);  // 16
         // Line 15: dQ_i += dS K_j, this warp's tile of it, added in turn (the tiles right of j
         // that see Q_i first; the turn is passed on in the next step, above).
         const int dq_q = TQ::row(warp), dq_d = TQ::col(warp);
         float dQ_i[TQ::M][TQ::cols / 8][4] = {};
-        mma_AB<TQ::M, Bc, TQ::cols, true>(dQ_i, dS_T + dq_q, ldS, K_j + dq_d, ld);
+        mma_AB<TQ::M, Bc, TQ::cols, true, false>(dQ_i, dS_T + dq_q, ldS, K_j + dq_d, ld);
         added = turns + bh * Tr + i;
         const int mine = (flash_kv_end(q0, Br, q_len, kv_len, causal) - 1) / Bc - j;
         wait_turn(added, mine);
@@ -454,18 +449,10 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
     commit_and_wait<0>();                              // no copy may land after the block exits
     __syncthreads();                                   // every warp's last adds were issued
     if (added && threadIdx.x == 0) pass_turn(added);
-    for (int r = 0; r < 2 * TKV::M; r++) {             // line 18: write dK_j / sqrt(d), dV_j
-        const int key = j * Bc + TKV::row(warp) + 16 * (r / 2) + g + 8 * (r % 2);
-        for (int n = 0; n < TKV::cols / 8 && key < kv_len; n++) {
-            const size_t at = kv_head + size_t(key) * D + TKV::col(warp) + 8 * n + 2 * t;
-            if (G != kOnlyDV)
-                *reinterpret_cast<__half2*>(dK + at) = __floats2half2_rn(
-                    dK_j[r / 2][n][2 * (r % 2)] * rsqrtf(D), dK_j[r / 2][n][2 * (r % 2) + 1] * rsqrtf(D));
-            if (G != kDKdQ)
-                *reinterpret_cast<__half2*>(dV + at) =
-                    __floats2half2_rn(dV_j[r / 2][n][2 * (r % 2)], dV_j[r / 2][n][2 * (r % 2) + 1]);
-        }
-    }
+    const int key = j * Bc + TKV::row(warp);           // line 18: write dK_j / sqrt(d), dV_j
+    const size_t at = kv_head + size_t(key) * D + TKV::col(warp);
+    if (G != kOnlyDV) store_tile<TKV::M, TKV::cols, D>(dK + at, dK_j, rsqrtf(D), kv_len - key);
+    if (G != kDKdQ) store_tile<TKV::M, TKV::cols, D>(dV + at, dV_j, 1.f, kv_len - key);
 }
 // Line 4, before the kernel: D = rowsum(dO o O), fp32, one thread a row of the (B*H*q_len) rows.
 template <int D>
