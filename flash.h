@@ -106,7 +106,7 @@ void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __
 // The fp16 backward takes the forward's head dims, kFlashFp16HeadDims. Its tile: Br = 64 query
 // rows a Q tile (32 at d = 256), Bc = 128 keys a K/V tile, one per block of 8 warps, where that
 // fits the device's shared memory (d >= 32), else Bc = 64 (4 warps); shared_bytes is the block's.
-// At d = 128 that is 155 KB with Bc = 128 and 112 KB with 64, so a GPU with 99 KB (sm_86, sm_89)
+// At d = 128 that is 173 KiB with Bc = 128 and 121 KiB with 64, so a GPU with 99 KiB (sm_86, sm_89)
 // gets the runtime_error there. Throws as the forward's does.
 FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_dim);
 // flash_backward_fp16 with Bc (64, or 128 from head_dim 32) given by the caller.

@@ -3,8 +3,8 @@
 // contract as chapter 1 (flash.h); read it beside flash.cu and FA2's Algorithms 1 and 2.
 //
 // Build and test:   make test        Demo:   ./flash_bench --dtype fp16
-// Sections, in order: constants, fragment helpers, the forward kernel, the backward's helpers and
-// two kernels, the tiles, the launchers.
+// Sections, in order: constants, fragment helpers, the forward kernel, the backward (its order of
+// adds, warp tiles, helpers, kernel, and the two small passes around it), the tiles, the launchers.
 //
 // What changes from chapter 1: the two matrix products of Algorithm 1, S = Q_i K_j^T (line 8) and
 // O_i += P~ V_j (line 10), run as mma.sync.m16n8k16 instructions, each a 16x8x16 product by one
@@ -69,7 +69,8 @@ __device__ __forceinline__ void mma_16x8x16(float c[4], const uint32_t a[4], uin
 template <bool Trans, bool Across = false>
 __device__ __forceinline__ void load_16x16(uint32_t r[4], const __half* tile, int ld) {
     const int lane = threadIdx.x % 32;
-    const int row = Across ? lane % 8 + lane / 16 * 8 : lane % 16, col = Across ? lane / 8 % 2 * 8 : lane / 16 * 8;
+    const int row = Across ? lane % 8 + lane / 16 * 8 : lane % 16;
+    const int col = Across ? lane / 8 % 2 * 8 : lane / 16 * 8;
     const unsigned p = unsigned(__cvta_generic_to_shared(tile + row * ld + col));
     if constexpr (Trans)
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -229,9 +230,10 @@ flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict
 // The order of line 15's adds. Every block takes a ticket as it starts (atomicAdd on a zeroed
 // counter): the order blocks start in. Tickets run over each head's K/V tiles from the right
 // (j = Tc - 1 first; without a mask, four heads' tiles interleaved), and every dQ_i takes its
-// adds in decreasing j, from the block with the lowest ticket up: a turn counter per (head, Q tile) says how many blocks have added there. Each
-// warp of block j waits until it equals the number of tiles right of j that see Q_i, adds its
-// tile of dQ_i, and one thread of the block passes the turn on once all have. A block only ever
+// adds in decreasing j, from the block with the lowest ticket up: a turn counter per (head, Q
+// tile) says how many blocks have added there. Each warp of block j waits until it equals the
+// number of tiles right of j that see Q_i, adds its tile of dQ_i, and one thread of the block
+// passes the turn on once all have. A block only ever
 // waits for blocks with lower tickets, which have started and so are running or done, and the
 // lowest-ticket block still running waits for nobody: no deadlock (NOTES.md section 14).
 enum Grads { kAll, kOnlyDV, kDKdQ };  // kOnlyDV, then kDKdQ: d = 256, where dK_j + dV_j is too big
@@ -289,14 +291,14 @@ __device__ __forceinline__ void mma_AB(float (*acc)[N / 8][4], const __half* A, 
     }
 }
 // One warp's tile of 2M rows of 8 a thread by N columns (`rows` rows left in the tensor) out of
-// acc, times scale, in fp16 (row stride D): line 18's dK_j and dV_j.
-template <int M, int N, int D>
+// acc, times scale, in fp16, row stride LD: P^T and dS^T to shared memory, dK_j and dV_j (line 18).
+template <int M, int N, int LD>
 __device__ __forceinline__ void store_tile(__half* out, float (*acc)[N / 8][4], float scale,
                                            int rows) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int r = 0; r < 2 * M; r++)                    // row 16(r / 2) + g + 8(r % 2), as in mma
         for (int n = 0; n < N / 8 && 16 * (r / 2) + g + 8 * (r % 2) < rows; n++)
-            *reinterpret_cast<__half2*>(out + size_t(16 * (r / 2) + g + 8 * (r % 2)) * D + 8 * n +
+            *reinterpret_cast<__half2*>(out + size_t(16 * (r / 2) + g + 8 * (r % 2)) * LD + 8 * n +
                                         2 * t) = __floats2half2_rn(
                 acc[r / 2][n][2 * (r % 2)] * scale, acc[r / 2][n][2 * (r % 2) + 1] * scale);
 }
@@ -330,12 +332,14 @@ __device__ __forceinline__ void pass_turn(int* turn) {
 // rows left in the tensor): the first block in the order stores, the others add (a red: the add
 // happens in L2, nothing comes back; on sm_90 two floats at once).
 template <int M, int N, int D>
-__device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], int rows, bool first) {
+__device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], int rows,
+                                         bool first) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int r = 0; r < 2 * M; r++)                    // row 16(r / 2) + g + 8(r % 2), as in mma
         for (int n = 0; n < N / 8 && 16 * (r / 2) + g + 8 * (r % 2) < rows; n++) {
             float* to = dQacc + size_t(16 * (r / 2) + g + 8 * (r % 2)) * D + 8 * n + 2 * t;
-            const float2 v = make_float2(acc[r / 2][n][2 * (r % 2)], acc[r / 2][n][2 * (r % 2) + 1]);
+            const float2 v =
+                make_float2(acc[r / 2][n][2 * (r % 2)], acc[r / 2][n][2 * (r % 2) + 1]);
             if (first) *reinterpret_cast<float2*>(to) = v;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
             else atomicAdd(reinterpret_cast<float2*>(to), v);
@@ -406,10 +410,11 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
         // the barrier above: the adds have had time to land, so the release waits little.
         if (added && threadIdx.x == 32 * (i % W)) pass_turn(added);
         if (i + 1 < Tr) load_Q_tile(Br - fstage, q0 + Br);  // line 9, a tile ahead
-        int first[2 * TS::M];                          // row r: key j Bc + k_w + 16(r/2) + g + 8(r%2),
-        for (int r = 0; r < 2 * TS::M; r++) {          // seen by queries first[r] .. q_len - 1
+        int first[2 * TS::M];                          // row r: key j Bc + k_w + 16(r/2) + g +
+        for (int r = 0; r < 2 * TS::M; r++) {          // 8(r%2), seen by queries first[r] ..
             const int key = j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2);
-            first[r] = key >= kv_len ? q_len : causal ? flash_first_query(key, q_len, kv_len) : 0;
+            first[r] = key >= kv_len ? q_len   // .. q_len - 1
+                       : causal ? flash_first_query(key, q_len, kv_len) : 0;
         }
         for (int c = 0; c < TS::cols / 4; c++) {       // column c: query q0 + x
             const int x = q_w + 8 * (c / 2) + 2 * t + c % 2;
@@ -423,18 +428,18 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
                         p * (dP[r / 2][c / 2][2 * (r % 2) + c % 2] - D_x);
             }
         }
-        for (int r = 0; r < 2 * TS::M; r++)            // P^T and dS^T to shared memory, in fp16
-            for (int n = 0; n < TS::cols / 8; n++) {
-                const int at = (k_w + 16 * (r / 2) + g + 8 * (r % 2)) * ldS + q_w + 8 * n + 2 * t;
-                if (G != kDKdQ) *reinterpret_cast<uint32_t*>(P_T + at) = pack_half2(S[r / 2][n] + 2 * (r % 2));
-                if (G != kOnlyDV) *reinterpret_cast<uint32_t*>(dS_T + at) = pack_half2(dP[r / 2][n] + 2 * (r % 2));
-            }
+        if constexpr (G != kDKdQ)                      // P^T and dS^T to shared memory, in fp16
+            store_tile<TS::M, TS::cols, ldS>(P_T + k_w * ldS + q_w, S, 1.f, Bc);
+        if constexpr (G != kOnlyDV)
+            store_tile<TS::M, TS::cols, ldS>(dS_T + k_w * ldS + q_w, dP, 1.f, Bc);
         __syncthreads();
         const int kv_w = TKV::row(warp), d_w = TKV::col(warp);  // this warp's tile of dK_j, dV_j
         if constexpr (G != kDKdQ)                      // line 12: dV_j += P^T dO_i
-            mma_AB<TKV::M, Br, TKV::cols, false, false>(dV_j, P_T + kv_w * ldS, ldS, dO_i + stage + d_w, ld);
+            mma_AB<TKV::M, Br, TKV::cols, false, false>(dV_j, P_T + kv_w * ldS, ldS,
+                                                        dO_i + stage + d_w, ld);
         if constexpr (G == kOnlyDV) continue;
-        mma_AB<TKV::M, Br, TKV::cols, false, false>(dK_j, dS_T + kv_w * ldS, ldS, Q_i + stage + d_w, ld);  // 16
+        mma_AB<TKV::M, Br, TKV::cols, false, false>(   // line 16: dK_j += dS^T Q_i
+            dK_j, dS_T + kv_w * ldS, ldS, Q_i + stage + d_w, ld);
         // Line 15: dQ_i += dS K_j, this warp's tile of it, added in turn (the tiles right of j
         // that see Q_i first; the turn is passed on in the next step, above).
         const int dq_q = TQ::row(warp), dq_d = TQ::col(warp);
@@ -575,10 +580,10 @@ void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __
 }
 
 // The backward's tile. Br = 64 query rows a Q tile (32 at d = 256, where a thread's dK_j alone is
-// 128 floats: S^T and dP^T take Br / 2 floats each). Bc = 16 W keys a K/V tile: 128 (8 warps)
-// where the block fits the device's shared memory, else 64 (4 warps); 64 at d = 16, where 8 warps
-// would split dQ_i's 16 columns too finely. Shared memory: K_j, V_j, two stages of Q_i and dO_i,
-// dS^T (Bc x Br, padded), two stages of L_i and D_i.
+// 128 floats). Bc = 16 W keys a K/V tile: 128 (8 warps) where the block fits the device's shared
+// memory, else 64 (4 warps; 38% slower at d = 128 on the H100); 64 at d = 16, where 8 warps would
+// split dQ_i's 16 columns too finely. Shared memory: K_j, V_j, two stages of Q_i and dO_i, P^T and
+// dS^T (Bc x Br each, padded), two stages of L_i and D_i.
 constexpr int bwd_Br(int head_dim) { return head_dim <= 128 ? 64 : 32; }
 
 static size_t bwd_shared_bytes(int head_dim, int Bc) {
@@ -651,7 +656,8 @@ static void launch_backward_fp16(const __half* Q, const __half* K, const __half*
             Tc, int(rows / s.q_len), group, scale_log2);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
         if constexpr (G == kOnlyDV) {                  // d = 256: that launch wrote dV
-            flash_backward_fp16_kernel<D, W, Br, kDKdQ><<<blocks, 32 * W, tile.shared_bytes, stream>>>(
+            auto dkdq_kernel = flash_backward_fp16_kernel<D, W, Br, kDKdQ>;
+            dkdq_kernel<<<blocks, 32 * W, tile.shared_bytes, stream>>>(
                 Q, K, V, dO, L, Dsum, dQacc, turn, turn + turns + 1, dK, dV, s.q_len, s.kv_len,
                 s.causal, Tc, int(rows / s.q_len), group, scale_log2);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
