@@ -3,8 +3,8 @@ FlashAttention demo and benchmark: flash attention against standard attention do
 frameworks do it (cuBLAS GEMMs around a softmax kernel, with the whole (q_len, kv_len) score
 matrix of every head in device memory), in fp32 (chapter 1: flash_forward / flash_backward,
 flash.cu, on the CUDA cores) or fp16 (chapter 2: flash_forward_fp16 / flash_backward_fp16,
-flash_fp16.cu, on the tensor cores; at head_dim 256 the fp16 backward needs 143 KB of shared
-memory a block: A100, H100).
+flash_fp16.cu, on the tensor cores; at head_dim 128 and 256 the fp16 backward needs 121 and
+142.5 KiB of shared memory a block at least: A100, H100).
 
 Build and run the demo (one shape, timed, checked against the CPU reference; exits 1 on FAIL):
 make flash_bench && ./flash_bench
