@@ -233,9 +233,9 @@ flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict
 // adds in decreasing j, from the block with the lowest ticket up: a turn counter per (head, Q
 // tile) says how many blocks have added there. Each warp of block j waits until it equals the
 // number of tiles right of j that see Q_i, adds its tile of dQ_i, and one thread of the block
-// passes the turn on once all have. A block only ever
-// waits for blocks with lower tickets, which have started and so are running or done, and the
-// lowest-ticket block still running waits for nobody: no deadlock (NOTES.md section 14).
+// passes the turn on once all have. A block only ever waits for blocks with lower tickets, which
+// have started and so are running or done, and the lowest-ticket block still running waits for
+// nobody: no deadlock (NOTES.md section 14).
 enum Grads { kAll, kOnlyDV, kDKdQ };  // kOnlyDV, then kDKdQ: d = 256, where dK_j + dV_j is too big
 
 // An (R x C) product split over W warps: a grid of R / rows by `across` tiles of `rows` x `cols`.
@@ -402,19 +402,21 @@ flash_backward_fp16_kernel(const __half* __restrict__ Q, const __half* __restric
         __syncthreads();                               // dS^T are free
         const int k_w = TS::row(warp), q_w = TS::col(warp);  // this warp's tile of S^T
         float S[TS::M][TS::cols / 8][4] = {}, dP[TS::M][TS::cols / 8][4] = {};
+        // Line 10: S^T = K_j Q_i^T; line 13: dP^T = V_j dO_i^T (this warp's tile of each).
         mma_AB<TS::M, D, TS::cols, false, true>(S, K_j + k_w * ld, ld, Q_i + stage + q_w * ld, ld);
-        if constexpr (G != kOnlyDV)                    // line 10 above: S^T = K_j Q_i^T; line 13:
-            mma_AB<TS::M, D, TS::cols, false, true>(   // dP^T = V_j dO_i^T
-                dP, V_j + k_w * ld, ld, dO_i + stage + q_w * ld, ld);
+        if constexpr (G != kOnlyDV)
+            mma_AB<TS::M, D, TS::cols, false, true>(dP, V_j + k_w * ld, ld, dO_i + stage + q_w * ld,
+                                                    ld);
         // The turn of the dQ_i added to a step ago, passed on by one thread (a warp in turn), after
         // the barrier above: the adds have had time to land, so the release waits little.
         if (added && threadIdx.x == 32 * (i % W)) pass_turn(added);
         if (i + 1 < Tr) load_Q_tile(Br - fstage, q0 + Br);  // line 9, a tile ahead
-        int first[2 * TS::M];                          // row r: key j Bc + k_w + 16(r/2) + g +
-        for (int r = 0; r < 2 * TS::M; r++) {          // 8(r%2), seen by queries first[r] ..
+        // Row r of the warp's tile is key j Bc + k_w + 16(r/2) + g + 8(r%2), which the queries
+        // first[r] .. q_len - 1 see (none when it is past kv_len).
+        int first[2 * TS::M];
+        for (int r = 0; r < 2 * TS::M; r++) {
             const int key = j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2);
-            first[r] = key >= kv_len ? q_len   // .. q_len - 1
-                       : causal ? flash_first_query(key, q_len, kv_len) : 0;
+            first[r] = key >= kv_len ? q_len : causal ? flash_first_query(key, q_len, kv_len) : 0;
         }
         for (int c = 0; c < TS::cols / 4; c++) {       // column c: query q0 + x
             const int x = q_w + 8 * (c / 2) + 2 * t + c % 2;
