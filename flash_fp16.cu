@@ -162,10 +162,10 @@ flash_forward_fp16_kernel(const __half* __restrict__ Q, const __half* __restrict
         float S[Bc / 8][4] = {};                       // line 8: S_ij = Q_i K_j^T, 16 dims a
         for (int k = 0; k < D / 16; k++) {             // step, 16 keys (two mmas) at a time
             load_16x16<false>(a, Q_i + 16 * warp * ld + 16 * k, ld);
-            for (int n = 0; n < Bc / 16; n++) {
-                load_16x16<false>(b, K_j + stage + 16 * n * ld + 16 * k, ld);
-                mma_16x8x16(S[2 * n], a, b[0], b[2]);
-                mma_16x8x16(S[2 * n + 1], a, b[1], b[3]);
+            for (int n = 0; n < Bc / 16; n++) {       // (b[0], b[1]): keys 16n .. 16n + 7
+                load_16x16<false, true>(b, K_j + stage + 16 * n * ld + 16 * k, ld);
+                mma_16x8x16(S[2 * n], a, b[0], b[1]);
+                mma_16x8x16(S[2 * n + 1], a, b[2], b[3]);
             }
         }
         for (int h = 0; h < 2; h++) {                  // line 9 for row + 8h: mask, scale, max
