@@ -253,7 +253,8 @@ struct WarpTile {
     static __device__ int col(int warp) { return cols * (warp % across); }
 };
 
-// The same for N floats of a vector (4 bytes per cp.async): entries at or past `len` become 0.
+// Entries [first, first + N) of a float vector into shared memory, 4 bytes per cp.async, as
+// load_rows_async does rows: entries at or past `len` become 0. Not waited for.
 template <int N>
 __device__ __forceinline__ void load_floats_async(float* to, const float* src, int first,
                                                   int len) {
