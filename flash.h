@@ -6,6 +6,7 @@
 // std::runtime_error for a CUDA failure (with cudaGetErrorString and file:line).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -67,6 +68,18 @@ void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __hal
 // memory pool (cudaMallocAsync) during the call and given back. Head dims: see below.
 void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
                          const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
+                         const AttentionShape& shape, cudaStream_t stream = 0);
+
+// The same forward and backward in bf16 (__nv_bfloat16: fp32's 8-bit exponent, 8 bits of
+// mantissa, where fp16 has 5 and 11): the very kernels of flash_fp16.cu, compiled for the other
+// element type (mma.sync ... .bf16.bf16.f32). Same contract, same tiles, same extra memory
+// (flash_backward_fp16_scratch_bytes) and the same compute capability 8.0 as the fp16 pair.
+void flash_forward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
+                        __nv_bfloat16* O, float* L, const AttentionShape& shape,
+                        cudaStream_t stream = 0);
+void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
+                         const __nv_bfloat16* O, const __nv_bfloat16* dO, const float* L,
+                         __nv_bfloat16* dQ, __nv_bfloat16* dK, __nv_bfloat16* dV,
                          const AttentionShape& shape, cudaStream_t stream = 0);
 
 // ---------------------------------------------------------------------------------------------

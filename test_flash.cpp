@@ -275,24 +275,31 @@ TEST_CASE("The fp16 tile chooser gives valid tiles on A100, RTX 4090 and H100, a
         for (int d : kFlashFp16HeadDims) {
             const FlashTile t = flash_choose_tile_fp16(prop, d);
             check_tile_fp16(t, prop, d);
-            // The rule: Bc = 64 where four blocks of the Bc = 64 tile share an SM, else 32.
-            const size_t bytes_64 = size_t(64 + 4 * 64) * (d + 8) * sizeof(__half);
-            const bool four_fit =
-                4 * (bytes_64 + prop.reservedSharedMemPerBlock) <= prop.sharedMemPerMultiprocessor;
-            INFO("head_dim " << d << ": the Bc = 64 tile needs " << bytes_64 << " bytes (+"
-                             << prop.reservedSharedMemPerBlock << " reserved) a block; the SM has "
-                             << prop.sharedMemPerMultiprocessor);
-            CHECK(t.Bc == (four_fit ? 64 : 32));
+            // The rule: the most keys registers allow (128 to d = 64, 64 to d = 128, 32 at 256),
+            // halved while the block does not fit the device's shared memory.
+            int Bc = d <= 64 ? 128 : d <= 128 ? 64 : 32;
+            while (Bc > 32 && size_t(t.Br + 4 * Bc) * (d + 8) * 2 > prop.sharedMemPerBlockOptin)
+                Bc /= 2;
+            INFO("head_dim " << d << ": the block may have " << prop.sharedMemPerBlockOptin
+                             << " bytes");
+            CHECK(t.Bc == Bc);
         }
     }
-    // The H100 figures, by hand: 4 blocks of (64 + 4*64)(d + 8) * 2 bytes (+1 KiB reserved each)
-    // fit in its 228 KiB up to d = 64 (4 * 46 KiB), not from d = 96 (4 * 66 KiB).
-    const cudaDeviceProp h100 = known_gpus().back();
-    REQUIRE(std::string(h100.name).find("H100") != std::string::npos);
-    REQUIRE(h100.major == 9);
-    for (int d : kFlashFp16HeadDims) {
-        CAPTURE(d);
-        CHECK(flash_choose_tile_fp16(h100, d).Bc == (d <= 64 ? 64 : 32));
+    // By hand: (Br + 4 Bc)(d + 8) * 2 bytes, Br = 128 (64 at d = 256). The H100 (227 KiB a block)
+    // and the A100 (163 KiB) take the register-bound Bc at every d; the RTX 4090 (99 KiB) fits
+    // d = 128 with Bc = 32 only (Bc = 64 needs 104448 bytes, it has 101376), and d = 256 exactly.
+    const std::vector<std::pair<int, size_t>> h100_bytes = {
+        {16, 30720}, {32, 51200}, {64, 92160}, {96, 79872}, {128, 104448}, {256, 101376}};
+    for (const cudaDeviceProp& prop : known_gpus()) {
+        if (prop.major < 8) continue;
+        const bool small = prop.sharedMemPerBlockOptin < 104448;  // the RTX 4090
+        for (const auto& db : h100_bytes) {
+            const int d = int(db.first);
+            CAPTURE(prop.name, d);
+            const FlashTile t = flash_choose_tile_fp16(prop, d);
+            CHECK(t.Bc == (d <= 64 ? 128 : d == 256 ? 32 : small && d == 128 ? 32 : 64));
+            if (!(small && d == 128)) CHECK(t.shared_bytes == db.second);
+        }
     }
 }
 

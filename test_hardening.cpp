@@ -523,15 +523,27 @@ TEST_CASE("flash_forward_bc refuses Bc below 1, naming it", "[cpu][validation]")
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("flash_forward_fp16_bc refuses Bc other than 32 and 64, naming it and the allowed values",
-          "[cpu][validation][fp16]") {
-    const int Bc = GENERATE(0, -1, -32, INT_MIN, 1, 16, 31, 33, 48, 63, 65, 96, 128, INT_MAX);
+TEST_CASE("flash_forward_fp16_bc refuses Bc other than 32, 64 and 128 (to head_dim 64), naming it "
+          "and the allowed values", "[cpu][validation][fp16]") {
+    const int Bc = GENERATE(0, -1, -32, INT_MIN, 1, 16, 31, 33, 48, 63, 65, 96, 127, 129, 256,
+                            INT_MAX);
     CAPTURE(Bc);
     FakeTensors t;
     CHECK_THAT(refusal([&] {
                    flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, valid_shape(), Bc);
                }),
-               NamesWord("Bc") && NamesWord("32") && NamesWord("64"));
+               NamesWord("Bc") && NamesWord("32") && NamesWord("64") && NamesWord("128"));
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("flash_forward_fp16_bc refuses Bc = 128 above head_dim 64 (registers)",
+          "[cpu][validation][fp16]") {
+    AttentionShape s = valid_shape();
+    s.head_dim = GENERATE(96, 128, 256);
+    CAPTURE(s.head_dim);
+    FakeTensors t;
+    CHECK_THAT(refusal([&] { flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, s, 128); }),
+               NamesWord("Bc") && NamesWord("128") && NamesWord("head_dim"));
     CHECK(t.outputs_untouched());
 }
 

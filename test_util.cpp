@@ -406,10 +406,10 @@ void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d) {
                          << d << ": Br=" << t.Br << " Bc=" << t.Bc << " threads=" << t.threads
                          << " threads_per_row=" << t.threads_per_row
                          << " shared_bytes=" << t.shared_bytes);
-    CHECK(t.Br == 64);               // four warps of 16 rows (the mma's M)
-    CHECK(t.threads == 128);         // four warps
-    CHECK(t.threads_per_row == 4);   // an mma fragment spreads a row over 4 threads
-    CHECK((t.Bc == 32 || t.Bc == 64));
+    CHECK(t.Br == (d <= 128 ? 128 : 64));  // four warps of two mma tiles of 16 rows (one at 256)
+    CHECK(t.threads == 128);               // four warps
+    CHECK(t.threads_per_row == 4);         // an mma fragment spreads a row over 4 threads
+    CHECK((t.Bc == 32 || t.Bc == 64 || (t.Bc == 128 && d <= 64)));  // registers: M (d + Bc) / 2
     CHECK(t.shared_bytes == size_t(t.Br + 4 * t.Bc) * (d + 8) * sizeof(__half));
     CHECK(t.shared_bytes <= prop.sharedMemPerBlockOptin);
     CHECK(t.shared_bytes + prop.reservedSharedMemPerBlock <= prop.sharedMemPerMultiprocessor);
