@@ -1,8 +1,8 @@
-// flash_fp16.cu: chapter 2, FlashAttention-2 on tensor cores, forward and backward: fp16 Q, K,
-// V, O and gradients; the softmax statistics (m, l, L), D and every accumulation in fp32. The same
-// contract as chapter 1 (flash.h); read it beside flash.cu and FA2's Algorithms 1 and 2.
+// flash_fp16.cu: chapter 2, FlashAttention-2 on tensor cores, forward and backward: fp16 (or bf16)
+// Q, K, V, O and gradients; the softmax statistics (m, l, L), D and every accumulation in fp32.
+// The same contract as chapter 1 (flash.h); read it beside flash.cu and FA2's Algorithms 1 and 2.
 //
-// Build and test:   make test        Demo:   ./flash_bench --dtype fp16
+// Build and test:   make test        Demo:   ./flash_bench --dtype fp16   (or --dtype bf16)
 // Sections, in order: constants, fragment helpers, the forward kernel, the backward (its order of
 // adds, warp tiles, helpers, kernel, and the two small passes around it), the tiles, the launchers.
 //
@@ -63,6 +63,8 @@ __device__ __forceinline__ auto pair_of(float x, float y) {
     if constexpr (is_bf16<T>) return __floats2bfloat162_rn(x, y);
     else return __floats2half2_rn(x, y);
 }
+template <typename T>
+using Pair = decltype(pair_of<T>(0.f, 0.f));
 __device__ __forceinline__ float2 float2_of(__half2 h) { return __half22float2(h); }
 __device__ __forceinline__ float2 float2_of(__nv_bfloat162 h) { return __bfloat1622float2(h); }
 
@@ -110,8 +112,9 @@ __device__ __forceinline__ uint32_t pack2(const float* c) {
 }
 
 // 2^x, flushing results below 2^-126 to 0 (ex2.approx.ftz: one instruction, where exp2f adds a
-// range check and two multiplies to keep them). In the backward, P = 2^x is rounded to fp16, whose
-// smallest value is 2^-24, before any product uses it.
+// range check and two multiplies to keep them). What is flushed is a weight P = 2^x below 2^-126,
+// lost anyway beside the row's largest weight, 1: summed into l >= 1, or rounded to T (fp16's
+// smallest value is 2^-24) and multiplied by inputs of the order of 1.
 __device__ __forceinline__ float exp2_ftz(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -260,7 +263,7 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // A row that saw a key has l >= 1 (its max's own term is e^0); one that saw none has
         // l = 0 and O_i = 0: it gets O = 0 / 1 = 0 and L = -inf.
         for (int c = 0; c < D / 8 && row + 8 * r < q_len; c++)
-            *reinterpret_cast<decltype(pair_of<T>(0.f, 0.f))*>(O + q * D + 8 * c + 2 * t) =
+            *reinterpret_cast<Pair<T>*>(O + q * D + 8 * c + 2 * t) =
                 pair_of<T>(O_i[r / 2][c][2 * (r % 2)] / fmaxf(l_row, 1.f),
                            O_i[r / 2][c][2 * (r % 2) + 1] / fmaxf(l_row, 1.f));
         if (t == 0 && row + 8 * r < q_len)
@@ -323,15 +326,15 @@ __device__ __forceinline__ void load_floats_async(float* to, const float* src, i
     }
 }
 // One warp's tile of 2M rows of 8 a thread by N columns (`rows` rows left in the tensor) out of
-// acc, times scale, in fp16, row stride LD: P^T and dS^T to shared memory, dK_j and dV_j (line 18).
+// acc, times scale, in T, row stride LD: P^T and dS^T to shared memory, dK_j and dV_j (line 18).
 template <int M, int N, int LD, typename T>
 __device__ __forceinline__ void store_tile(T* out, float (*acc)[N / 8][4], float scale, int rows) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int r = 0; r < 2 * M; r++)                    // row 16(r / 2) + g + 8(r % 2), as in mma
         for (int n = 0; n < N / 8 && 16 * (r / 2) + g + 8 * (r % 2) < rows; n++)
-            *reinterpret_cast<decltype(pair_of<T>(0.f, 0.f))*>(
-                out + size_t(16 * (r / 2) + g + 8 * (r % 2)) * LD + 8 * n + 2 * t) =
-                pair_of<T>(acc[r / 2][n][2 * (r % 2)] * scale, acc[r / 2][n][2 * (r % 2) + 1] * scale);
+            *reinterpret_cast<Pair<T>*>(out + size_t(16 * (r / 2) + g + 8 * (r % 2)) * LD + 8 * n +
+                                        2 * t) = pair_of<T>(
+                acc[r / 2][n][2 * (r % 2)] * scale, acc[r / 2][n][2 * (r % 2) + 1] * scale);
 }
 
 // The ordered add (above). block_ticket: this block's place in the order, for every thread.
@@ -501,12 +504,11 @@ __global__ void flash_backward_dot_fp16_kernel(const T* __restrict__ O, const T*
          q += size_t(gridDim.x) * blockDim.x) {
         float sum = 0.f;
         for (int c = 0; c < D; c += 8) {               // 8 elements (16 bytes) of each at a time
-            using T2 = decltype(pair_of<T>(0.f, 0.f));
             const uint4 o = *reinterpret_cast<const uint4*>(O + q * D + c);
             const uint4 g = *reinterpret_cast<const uint4*>(dO + q * D + c);
             for (int k = 0; k < 4; k++) {
-                const float2 a = float2_of(reinterpret_cast<const T2*>(&o)[k]);
-                const float2 b = float2_of(reinterpret_cast<const T2*>(&g)[k]);
+                const float2 a = float2_of(reinterpret_cast<const Pair<T>*>(&o)[k]);
+                const float2 b = float2_of(reinterpret_cast<const Pair<T>*>(&g)[k]);
                 sum += a.x * b.x + a.y * b.y;
             }
         }
@@ -523,17 +525,17 @@ __global__ void flash_backward_dq_fp16_kernel(const float* __restrict__ dQacc, T
          x += 4 * size_t(gridDim.x) * blockDim.x) {
         const bool seen = !causal || flash_last_key(int(x / D % q_len), q_len, kv_len) >= 0;
         const float4 a = seen ? *reinterpret_cast<const float4*>(dQacc + x) : float4{};
-        using T2 = decltype(pair_of<T>(0.f, 0.f));
-        reinterpret_cast<T2*>(dQ + x)[0] = pair_of<T>(a.x * rsqrtf(D), a.y * rsqrtf(D));
-        reinterpret_cast<T2*>(dQ + x)[1] = pair_of<T>(a.z * rsqrtf(D), a.w * rsqrtf(D));
+        reinterpret_cast<Pair<T>*>(dQ + x)[0] = pair_of<T>(a.x * rsqrtf(D), a.y * rsqrtf(D));
+        reinterpret_cast<Pair<T>*>(dQ + x)[1] = pair_of<T>(a.z * rsqrtf(D), a.w * rsqrtf(D));
     }
 }
 // ---------------------------------------------------------------------------------------------
 // The tile. Br = 16 M kWarps: M = 2 mma tiles of 16 rows a warp (Br = 128) where registers hold
 // them, M = 1 (Br = 64) at d = 256, where a thread's O_i alone would be 256 floats. Bc (a multiple
 // of 16, the k of the P~ V mma) is set by registers too: a thread holds M (D + Bc) / 2
-// accumulators (O_i and S_ij), so Bc = 128 at d <= 64, 64 at d = 96 and 128, and 32 at d = 256:
-// at most 192 floats, and two blocks of 4 warps an SM (FA2 takes the same tiles on the H100).
+// accumulators (O_i and S_ij), so Bc = 128 at d <= 64, 64 at d = 96 and 128 (at most 192 floats:
+// two blocks of 4 warps an SM; FA2 takes the same tiles on the H100), and 32 at d = 256, where
+// shared memory would hold one block of Bc = 64 an SM.
 // Shared memory holds Q_i and two stages of K_j and V_j; a device with too little for that Bc
 // takes half of it.
 constexpr int fwd_M(int head_dim) { return head_dim <= 128 ? 2 : 1; }
@@ -611,7 +613,8 @@ static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T
     dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
         if constexpr (fwd_max_Bc(D) >= 128)
-            if (tile.Bc == 128) return launch_forward_fp16<T, D, 128>(Q, K, V, O, L, s, tile, stream);
+            if (tile.Bc == 128)
+                return launch_forward_fp16<T, D, 128>(Q, K, V, O, L, s, tile, stream);
         if (tile.Bc == 64) launch_forward_fp16<T, D, 64>(Q, K, V, O, L, s, tile, stream);
         else launch_forward_fp16<T, D, 32>(Q, K, V, O, L, s, tile, stream);
     });
@@ -663,12 +666,21 @@ FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_d
     return bwd_tile(prop, head_dim, fits_128 ? 128 : 64);
 }
 
+// The backward's scratch, in this order: dQacc (B*H*q_len*d floats), the turns (one per head and
+// Q tile: B*H*Tr ints), two tickets (one a launch of the kernel), D (B*H*q_len floats).
+struct BwdScratch {
+    size_t dq, turns, rows;                            // element counts
+    explicit BwdScratch(const AttentionShape& s)
+        : dq(q_elems(s)), turns(l_elems(s) / s.q_len * ((s.q_len + bwd_Br(s.head_dim) - 1) /
+                                                         bwd_Br(s.head_dim))),
+          rows(l_elems(s)) {}
+    size_t bytes() const { return sizeof(float) * (dq + rows) + sizeof(int) * (turns + 2); }
+};
+
 size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(__half));
-    const size_t Tr = (size_t(s.q_len) + bwd_Br(s.head_dim) - 1) / bwd_Br(s.head_dim);
     require(q_elems(s) < SIZE_MAX / 8, "shape: the fp16 backward's fp32 dQ would overflow size_t");
-    return sizeof(float) * (q_elems(s) + l_elems(s)) +
-           sizeof(int) * (l_elems(s) / s.q_len * Tr + 2);
+    return BwdScratch(s).bytes();
 }
 
 template <typename T, int D, int Bc>
@@ -684,7 +696,8 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     if constexpr (G == kOnlyDV)
         allow_shared(flash_backward_fp16_kernel<T, D, W, Br, kDKdQ>, tile.shared_bytes);
     const float scale_log2 = kLog2e / sqrtf(float(D));
-    const size_t rows = l_elems(s), turns = rows / s.q_len * ((s.q_len + Br - 1) / Br);
+    const BwdScratch scratch(s);
+    const size_t rows = scratch.rows, turns = scratch.turns;
     // Without a mask, every K/V tile of a head adds to every dQ_i, each after the one before:
     // interleaving 4 heads' tiles keeps those of one head further apart in time (+1-6% on the
     // H100, NOTES.md section 14). Under the mask the shortest-first order does that already.
@@ -692,11 +705,9 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     // Element-wise passes: 256 threads a block, at most 64 blocks an SM's worth (grid-stride).
     const int sms = flash_device_props().multiProcessorCount;
     const auto grid = [&](size_t n) { return int(std::min<size_t>((n + 255) / 256, 64 * sms)); };
-    // The scratch, in this order: dQacc (B*H*q_len*d floats), the turns (B*H*Tr ints), two
-    // tickets (one a launch of the kernel), D (B*H*q_len floats).
-    with_scratch(flash_backward_fp16_scratch_bytes(s), stream, [&](void* scratch) {
-        float* dQacc = static_cast<float*>(scratch);
-        int* turn = reinterpret_cast<int*>(dQacc + q_elems(s));
+    with_scratch(scratch.bytes(), stream, [&](void* memory) {  // laid out as BwdScratch says
+        float* dQacc = static_cast<float*>(memory);
+        int* turn = reinterpret_cast<int*>(dQacc + scratch.dq);
         float* Dsum = reinterpret_cast<float*>(turn + turns + 2);
         // Zero bytes are the int 0: cudaMemsetAsync is right here (it would not be for a float
         // other than 0). dQacc needs no zeroing: each dQ_i's first block stores.
@@ -715,8 +726,8 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
                 s.causal, Tc, int(rows / s.q_len), group, scale_log2);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
         }
-        flash_backward_dq_fp16_kernel<T, D><<<grid(q_elems(s) / 4), 256, 0, stream>>>(
-            dQacc, dQ, q_elems(s), s.q_len, s.kv_len, s.causal);
+        flash_backward_dq_fp16_kernel<T, D><<<grid(scratch.dq / 4), 256, 0, stream>>>(
+            dQacc, dQ, scratch.dq, s.q_len, s.kv_len, s.causal);
         return cudaGetLastError();
     });
 }

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""PyTorch's scaled_dot_product_attention backends on the FlashAttention-2 protocol shapes, fp16:
-the yardstick NOTES.md chapter 2 compares flash_forward_fp16 and flash_backward_fp16 against.
+"""PyTorch's scaled_dot_product_attention backends on the FlashAttention-2 protocol shapes, fp16
+(or bf16): the yardstick NOTES.md chapter 2 compares the fp16 and bf16 kernels against.
 
 Run on a GPU machine with PyTorch:
     python3 .ci/sdpa-reference.py [--csv FILE] [--seqs 1024,2048] [--dims 64,128,256] [--backward]
-        [--backends flash,cudnn]
+        [--backends flash,cudnn] [--dtype fp16|bf16]
 Counts FLOPs as flash_bench does: forward 4 * batch * heads * (visible query-key pairs) *
 head_dim; backward 2.5 times that. Times: median of 10 timed calls after 3 warm-up calls, CUDA
 events. With --backward, the row's pass is the backward alone: torch.autograd.grad of the output
@@ -43,9 +43,11 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--backward", action="store_true", help="time the backward, not the forward")
     ap.add_argument("--backends", default=",".join(name for name, _ in BACKENDS))
+    ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    rows = ["backend,pass,dim,heads,batch,seq,causal,ms,tflops"]
+    rows = ["backend,dtype,pass,dim,heads,batch,seq,causal,ms,tflops"]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     which = "backward" if args.backward else "forward"
     print(f"{'backend':>14} {'d':>4} {'H':>3} {'B':>3} {'N':>6} {'causal':>6} {'ms':>9} {'TFLOP/s':>8}")
     for dim in map(int, args.dims.split(",")):
@@ -55,7 +57,7 @@ def main():
                 batch = 16384 // seq
                 gen = torch.Generator(device="cuda").manual_seed(seq)
                 q, k, v, do = (torch.randn(batch, heads, seq, dim, device="cuda",
-                                           dtype=torch.float16, generator=gen,
+                                           dtype=dtype, generator=gen,
                                            requires_grad=args.backward) for _ in range(4))
                 pairs = seq * (seq + 1) / 2 if causal else seq * seq
                 flops = 4 * batch * heads * pairs * dim * (2.5 if args.backward else 1)
@@ -81,7 +83,7 @@ def main():
                     tflops = flops / (ms * 1e-3) / 1e12
                     print(f"{name:>14} {dim:4d} {heads:3d} {batch:3d} {seq:6d} {int(causal):6d} "
                           f"{ms:9.3f} {tflops:8.1f}", flush=True)
-                    rows.append(f"{name},{which},{dim},{heads},{batch},{seq},{int(causal)},{ms:.4f},"
+                    rows.append(f"{name},{args.dtype},{which},{dim},{heads},{batch},{seq},{int(causal)},{ms:.4f},"
                                 f"{tflops:.2f}")
                 del q, k, v, do
                 torch.cuda.empty_cache()
