@@ -9,8 +9,14 @@
 //   [masking]    rows that see no key: O = 0, L = -inf, zero gradients
 //   [fp16]       chapter 2's tensor-core forward and backward, next to each fp32 twin: their tile
 //                choosers, the forward and backward grids, the sanitizer subset and the rows that
-//                see no key (against the reference run in double on the exact fp16 inputs,
-//                within fp16_tolerances and fp16_backward_tolerances)
+//                see no key (against the reference run in double on the exact rounded inputs,
+//                within tolerances16 and backward_tolerances16)
+//   [bf16]       the same tests in bf16: each of chapter 2's tests is one body run in each type,
+//                a TEMPLATE_TEST_CASE tagged [fp16][bf16] whose instances end in " - fp16" and
+//                " - bf16" (so [fp16] and [bf16] both select both types' runs, and a name's ending
+//                selects one type's), but for the tile choosers' and the backward's extra memory
+//                (one tile, one count serve both types) and those that pass a Bc (fp16 only:
+//                flash_forward_fp16_bc, flash_backward_fp16_bc)
 //   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
 // Everything else (argument validation, determinism, the caller-chosen Bc, extreme inputs, tensors
 // past 65535 heads and 2^31 elements, the [.timing] test) is in test_hardening.cpp; the helpers
@@ -23,7 +29,9 @@
 // Examples: ./test_flash "[cpu]"     ./test_flash "[reference]"     ./test_flash "[gpu]~[big]"
 //           ./test_flash -s "[tile]"     ./test_flash --list-tests     ./test_flash "[fp16]"
 //           ./test_flash "[fp16]~[big]"  (chapter 2 only; "[fp16][cpu]" without a GPU)
-//           ./test_flash "[fp16][backward]"  (the fp16 backward's tests, both files)
+//           ./test_flash "[fp16][backward]"  (chapter 2's backward's tests, both files)
+//           ./test_flash "[bf16]"        (chapter 2's tests that run in both types, in both)
+//           ./test_flash "* - bf16"      (their bf16 runs alone, by name; "* - fp16": fp16's)
 
 #include "test_util.h"
 
@@ -363,138 +371,88 @@ TEST_CASE("The fp16 backward tile chooser takes Bc = 128 where that block fits s
 }
 
 // =============================================================================================
-// GPU: the kernels against the reference
+// GPU: the kernels against the reference. Chapter 2's tests run one body in each of its element
+// types (TEMPLATE_TEST_CASE over fp16 and bf16: instances "<name> - fp16" and "<name> - bf16"),
+// against the reference run in double on the exact rounded inputs, within tolerances16 and
+// backward_tolerances16 (derived in test_util.h from the type's rounding).
 
 TEST_CASE("The forward matches the reference over a grid of shapes", "[gpu][forward]") {
     const AttentionShape s = GENERATE(from_range(forward_grid(kHeadDims)));
-    INFO(describe(s));
-    const auto p = random_problem(s, 100);
-    GpuAttention<float> gpu(p);
-    gpu.forward();
-    check_forward(gpu.outputs(false), reference_forward(p), tolerances(p, Rounding::random), s);
+    check_forward_on_gpu<float>(s, 100);
 }
 
-TEST_CASE("The fp16 forward matches the reference over a grid of shapes", "[gpu][forward][fp16]") {
+TEMPLATE_TEST_CASE("The tensor-core forward matches the reference over a grid of shapes",
+                   "[gpu][forward][fp16][bf16]", fp16, bf16) {
     // The same grid as the fp32 forward's (odd lengths, q_len != kv_len both ways, causal and
-    // not, batched heads), over the fp16 head dims; the reference runs in double on the
-    // fp16-rounded inputs.
+    // not, batched heads), over chapter 2's head dims; the reference runs in double on the
+    // inputs as rounded to TestType.
     const AttentionShape s = GENERATE(from_range(forward_grid(kFp16HeadDims)));
-    check_fp16_forward(s, 1100);
+    check_forward_on_gpu<TestType>(s, 1100);
 }
 
 TEST_CASE("The backward matches the reference over a grid of shapes", "[gpu][backward]") {
     const AttentionShape s = GENERATE(from_range(backward_grid(kHeadDims)));
-    check_forward_and_backward(s, 200);
+    check_backward_on_gpu<float>(s, 200);
 }
 
-TEST_CASE("The fp16 backward matches the reference over a grid of shapes",
-          "[gpu][backward][fp16]") {
+TEMPLATE_TEST_CASE("The tensor-core backward matches the reference over a grid of shapes",
+                   "[gpu][backward][fp16][bf16]", fp16, bf16) {
     // The fp32 backward's grid (odd lengths, q_len != kv_len both ways, causal and not, batched
-    // heads) over the fp16 backward's head dims. Q, K, V and a random dO are rounded to fp16; the
-    // kernels run the fp16 forward for their own O and L, then the backward; the reference runs
-    // in double on the same fp16 values and computes its own O and L.
+    // heads) over chapter 2's head dims. Q, K, V and a random dO are rounded to TestType; the
+    // kernels run the forward for their own O and L, then the backward; the reference runs in
+    // double on the same rounded values and computes its own O and L.
     const AttentionShape s = GENERATE(from_range(backward_grid(kFp16HeadDims)));
-    check_fp16_backward(s, 2100);
+    check_backward_on_gpu<TestType>(s, 2100);
 }
 
 // The subset `make sanitize` runs under compute-sanitizer (which slows kernels 10-100x): small
 // shapes that still cover odd and unequal lengths, a partial last tile, causal on and off,
-// batched heads and every head dim, forward and backward.
+// batched heads and every head dim, forward and backward (sanitizer_shapes).
 TEST_CASE("Small shapes for the sanitizer: forward and backward match the reference",
           "[gpu][sanitize][forward][backward]") {
-    const auto qk = GENERATE(std::make_pair(1, 1), std::make_pair(17, 33), std::make_pair(33, 17),
-                             std::make_pair(100, 100));
-    const bool causal = GENERATE(false, true);
-    const int bh = GENERATE(1, 6);
-    const int d = GENERATE(from_range(kHeadDims));
-    const AttentionShape s{bh == 1 ? 1 : 2, bh == 1 ? 1 : 3, qk.first, qk.second, d, causal};
-    check_forward_and_backward(s, 300);
+    const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kHeadDims, 100)));
+    check_backward_on_gpu<float>(s, 300);
 }
 
-// The fp16 forward's share of the sanitizer's subset: the same small shapes, forward only.
-TEST_CASE("Small shapes for the sanitizer: the fp16 forward matches the reference",
-          "[gpu][sanitize][forward][fp16]") {
-    const auto qk = GENERATE(std::make_pair(1, 1), std::make_pair(17, 33), std::make_pair(33, 17),
-                             std::make_pair(100, 100));
-    const bool causal = GENERATE(false, true);
-    const int bh = GENERATE(1, 6);
-    const int d = GENERATE(from_range(kFp16HeadDims));
-    const AttentionShape s{bh == 1 ? 1 : 2, bh == 1 ? 1 : 3, qk.first, qk.second, d, causal};
-    check_fp16_forward(s, 1300);
+// Chapter 2's forward's share of the sanitizer's subset, in fp16 and bf16: the same small shapes,
+// forward only.
+TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core forward matches the reference",
+                   "[gpu][sanitize][forward][fp16][bf16]", fp16, bf16) {
+    const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kFp16HeadDims, 100)));
+    check_forward_on_gpu<TestType>(s, 1300);
 }
 
-// The fp16 backward's share: the same small shapes, forward then backward, but 150 for 100, so
+// Chapter 2's backward's share: the same small shapes, forward then backward, but 150 for 100, so
 // that a head has three Q tiles (64 rows, the last partial) and two K/V tiles (128 keys; three of
 // 64 at d = 16), whose blocks add into each dQ_i in turn: the ordered add runs under the sanitizer.
-TEST_CASE("Small shapes for the sanitizer: the fp16 backward matches the reference",
-          "[gpu][sanitize][backward][fp16]") {
-    const auto qk = GENERATE(std::make_pair(1, 1), std::make_pair(17, 33), std::make_pair(33, 17),
-                             std::make_pair(150, 150));
-    const bool causal = GENERATE(false, true);
-    const int bh = GENERATE(1, 6);
-    const int d = GENERATE(from_range(kFp16HeadDims));
-    const AttentionShape s{bh == 1 ? 1 : 2, bh == 1 ? 1 : 3, qk.first, qk.second, d, causal};
-    check_fp16_backward(s, 2300);
+TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core backward matches the reference",
+                   "[gpu][sanitize][backward][fp16][bf16]", fp16, bf16) {
+    const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kFp16HeadDims, 150)));
+    check_backward_on_gpu<TestType>(s, 2300);
 }
 
+// The masking tests check every output against the reference, masked rows included (dK and dV
+// get nothing from the masked rows: the reference's contributions are exactly zero there), then
+// that the masked rows hold exactly O = 0, L = -inf and dQ = 0.
 TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU",
           "[gpu][masking][forward][backward][hardening]") {
-    const auto qk = GENERATE(std::make_pair(5, 1), std::make_pair(100, 17), std::make_pair(257, 256),
-                             std::make_pair(1000, 1), std::make_pair(300, 64));
-    const int d = GENERATE(from_range(kHeadDims));
-    const AttentionShape s{2, 3, qk.first, qk.second, d, true};
+    const AttentionShape s = GENERATE(from_range(masking_shapes(kHeadDims)));
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    const auto p = random_problem(s, 300);
-    GpuAttention<float> gpu(p);
-    gpu.forward();
-    gpu.backward();
-    const auto got = gpu.outputs(true);
-    check_masked_rows("O", got.O, s, d, 0.0f);
-    check_masked_rows("L", got.L, s, 1, -std::numeric_limits<float>::infinity());
-    check_masked_rows("dQ", got.dQ, s, d, 0.0f);
-    // And everything, masked rows included, against the reference (dK and dV get nothing from
-    // the masked rows: the reference's contributions are exactly zero there).
-    const auto want = reference_backward(p);
-    const Tolerances tol = tolerances(p, Rounding::random);
-    check_forward(got, want, tol, s);
-    check_backward(got, want, tol, s);
+    check_masked_rows(check_backward_on_gpu<float>(s, 300), s);
 }
 
-TEST_CASE("Rows that see no key get O = 0 and L = -inf from the fp16 forward",
-          "[gpu][masking][forward][hardening][fp16]") {
-    const auto qk = GENERATE(std::make_pair(5, 1), std::make_pair(100, 17), std::make_pair(257, 256),
-                             std::make_pair(1000, 1), std::make_pair(300, 64));
-    const int d = GENERATE(from_range(kFp16HeadDims));
-    const AttentionShape s{2, 3, qk.first, qk.second, d, true};
+TEMPLATE_TEST_CASE("Rows that see no key get O = 0 and L = -inf from the tensor-core forward",
+                   "[gpu][masking][forward][hardening][fp16][bf16]", fp16, bf16) {
+    const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims)));
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    const auto p = random_problem_fp16(s, 1400);
-    GpuAttention<__half> gpu(p);
-    gpu.forward();
-    const auto got = gpu.outputs(false);
-    check_masked_rows("O", got.O, s, d, 0.0f);
-    check_masked_rows("L", got.L, s, 1, -std::numeric_limits<float>::infinity());
-    // And everything, masked rows included, against the reference.
-    check_against_reference_fp16(got, p);
+    check_masked_rows(check_forward_on_gpu<TestType>(s, 1400), s);
 }
 
-TEST_CASE("Rows that see no key get zero gradients from the fp16 backward",
-          "[gpu][masking][backward][hardening][fp16]") {
-    const auto qk = GENERATE(std::make_pair(5, 1), std::make_pair(100, 17), std::make_pair(257, 256),
-                             std::make_pair(1000, 1), std::make_pair(300, 64));
-    const int d = GENERATE(from_range(kFp16HeadDims));
-    const AttentionShape s{2, 3, qk.first, qk.second, d, true};
+TEMPLATE_TEST_CASE("Rows that see no key get zero gradients from the tensor-core backward",
+                   "[gpu][masking][backward][hardening][fp16][bf16]", fp16, bf16) {
+    const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims)));
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    const auto p = random_problem_fp16(s, 2400);
-    GpuAttention<__half> gpu(p);
-    gpu.forward();
-    gpu.backward();
-    const auto got = gpu.outputs(true);
-    check_masked_rows("O", got.O, s, d, 0.0f);
-    check_masked_rows("L", got.L, s, 1, -std::numeric_limits<float>::infinity());
-    check_masked_rows("dQ", got.dQ, s, d, 0.0f);
-    // And everything, masked rows included, against the reference (dK and dV get nothing from
-    // the masked rows: the reference's contributions are exactly zero there).
-    check_against_reference_fp16_backward(got, p);
+    check_masked_rows(check_backward_on_gpu<TestType>(s, 2400), s);
 }
 
 // =============================================================================================

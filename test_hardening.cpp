@@ -8,16 +8,21 @@
 //                  not fit in shared memory
 //   [hardening]    extreme inputs: huge, tiny, equal and one-hot scores
 //   [big]          more than 65535 batch*heads, and tensors of more than 2^31 elements (8.6 GB
-//                  each, 4.3 GB in fp16: skipped, with a warning, where the GPU has too little
-//                  memory)
+//                  each, 4.3 GB in fp16 or bf16: skipped, with a warning, where the GPU has too
+//                  little memory)
 //   [fp16]         chapter 2's forward (flash_forward_fp16, _bc) and backward
-//                  (flash_backward_fp16): each test above that applies to them has an fp16 twin
-//                  next to it, tagged [fp16] too (and [backward] for the backward's)
+//                  (flash_backward_fp16, _bc): each test above that applies to them has a
+//                  tensor-core twin next to it, tagged [fp16] too (and [backward] for the
+//                  backward's)
+//   [bf16]         the same twins in bf16 (flash_forward_bf16, flash_backward_bf16): every twin
+//                  but those of the tile choosers (one tile serves both types) and those that pass
+//                  a Bc (fp16 only) is one TEMPLATE_TEST_CASE body over fp16 and bf16, tagged
+//                  [fp16][bf16], its instances named "<name> - fp16" and "<name> - bf16"
 //   [.timing]      hidden: how long the CPU reference takes over the GPU grids
 // They are built into the same binary, test_flash. Examples: ./test_flash "[validation]"
 //   ./test_flash "[gpu]~[big]"     ./test_flash "[big]"     ./test_flash "[.timing]"
 //   ./test_flash "[fp16]"          ./test_flash "[fp16][cpu]"  (without a GPU)
-//   ./test_flash "[fp16][backward]"
+//   ./test_flash "[fp16][backward]"     ./test_flash "[bf16]"     ./test_flash "[bf16][cpu]"
 
 #include "test_util.h"
 
@@ -121,29 +126,24 @@ TEST_CASE("Shape fields that are zero or negative are refused, naming the field"
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("The fp16 forward refuses shape fields that are zero or negative, naming the field",
-          "[cpu][validation][fp16]") {
+TEMPLATE_TEST_CASE("The tensor-core forward refuses shape fields that are zero or negative, "
+                   "naming the field", "[cpu][validation][fp16][bf16]", fp16, bf16) {
     const int field = GENERATE(range(0, 5));
     const int value = GENERATE(0, -1, INT_MIN);
+    const int Bc = GENERATE(from_range(bc_choices<TestType>({32, 64})));  // checked after the shape
     const char* names[] = {"batch", "heads", "q_len", "kv_len", "head_dim"};
     AttentionShape s = valid_shape();
     int* fields[] = {&s.batch, &s.heads, &s.q_len, &s.kv_len, &s.head_dim};
     *fields[field] = value;
-    INFO(names[field] << " = " << value);
-    FakeTensors t;
-    const NamesWord names_field(names[field]);
-    CHECK_THAT(refusal([&] { flash_forward_fp16(t.Q16, t.K16, t.V16, t.O16, t.L, s); }),
-               names_field);
-    for (int Bc : {32, 64}) {  // the shape is checked first, whatever Bc
-        CAPTURE(Bc);
-        CHECK_THAT(refusal([&] { flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, s, Bc); }),
-                   names_field);
-    }
+    INFO(names[field] << " = " << value << ", Bc = " << Bc);
+    FakeTensors<TestType> t;
+    CHECK_THAT(refusal([&] { launch_forward(t.Q16, t.K16, t.V16, t.O16, t.L, s, Bc); }),
+               NamesWord(names[field]));
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("The fp16 backward refuses shape fields that are zero or negative, naming the field",
-          "[cpu][validation][fp16][backward]") {
+TEMPLATE_TEST_CASE("The tensor-core backward refuses shape fields that are zero or negative, "
+                   "naming the field", "[cpu][validation][fp16][bf16][backward]", fp16, bf16) {
     const int field = GENERATE(range(0, 5));
     const int value = GENERATE(0, -1, INT_MIN);
     const char* names[] = {"batch", "heads", "q_len", "kv_len", "head_dim"};
@@ -151,31 +151,44 @@ TEST_CASE("The fp16 backward refuses shape fields that are zero or negative, nam
     int* fields[] = {&s.batch, &s.heads, &s.q_len, &s.kv_len, &s.head_dim};
     *fields[field] = value;
     INFO(names[field] << " = " << value);
-    FakeTensors t;
+    FakeTensors<TestType> t;
     CHECK_THAT(refusal([&] {
-                   flash_backward_fp16(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16,
-                                       t.dV16, s);
+                   launch_backward(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16, t.dV16,
+                                   s);
                }),
                NamesWord(names[field]));
     CHECK(t.outputs_untouched());
 }
 
+// A shape whose tensors overflow size_t, and the length the overflowing tensor runs along.
+struct Overflow {
+    const char* what;
+    AttentionShape s;
+    const char* field;
+};
+
+// The cases for chapter 2's 2-byte elements: fp32's (below, with their arithmetic), less the one
+// that overflows only in fp32's bytes: 2^62 2-byte elements are 2^63 bytes, which fit; 2^63 of
+// them (2^64 bytes) do not. Every head dim here has a forward and a backward kernel.
+static std::vector<Overflow> overflows16() {
+    return {{"Q: every field huge", {INT_MAX, INT_MAX, INT_MAX, 1, 64, false}, "q_len"},
+            {"K, V only", {1 << 20, 1 << 20, 1, 1 << 30, 64, false}, "kv_len"},
+            {"Q: only the last product", {INT_MAX, INT_MAX, 4, 1, 16, false}, "q_len"},
+            {"Q, K, V: wraps to 0", {1 << 30, 1 << 30, 1, 1, 16, true}, "q_len"},
+            {"Q, K, V: the 2-byte count only", {1 << 30, 1 << 29, 1, 1, 16, false}, "q_len"}};
+}
+
 TEST_CASE("Shapes whose tensors overflow size_t are refused", "[cpu][validation]") {
-    struct Case {
-        const char* what;
-        AttentionShape s;
-        const char* field;  // the length the overflowing tensor runs along
-    };
-    const Case c = GENERATE(
-        Case{"Q: every field huge", {INT_MAX, INT_MAX, INT_MAX, 1, 64, false}, "q_len"},
+    const Overflow c = GENERATE(
+        Overflow{"Q: every field huge", {INT_MAX, INT_MAX, INT_MAX, 1, 64, false}, "q_len"},
         // 2^20 * 2^20 * 1 * 64 = 2^46 fits for Q; 2^20 * 2^20 * 2^30 * 64 does not for K, V
-        Case{"K, V only", {1 << 20, 1 << 20, 1, 1 << 30, 64, false}, "kv_len"},
+        Overflow{"K, V only", {1 << 20, 1 << 20, 1, 1 << 30, 64, false}, "kv_len"},
         // (2^31 - 1)^2 * 4 fits in 64 bits; times head_dim 16 it does not
-        Case{"Q: only the last product", {INT_MAX, INT_MAX, 4, 1, 16, false}, "q_len"},
+        Overflow{"Q: only the last product", {INT_MAX, INT_MAX, 4, 1, 16, false}, "q_len"},
         // 2^30 * 2^30 * 16 = 2^64 wraps to exactly 0
-        Case{"Q, K, V: wraps to 0", {1 << 30, 1 << 30, 1, 1, 16, true}, "q_len"},
+        Overflow{"Q, K, V: wraps to 0", {1 << 30, 1 << 30, 1, 1, 16, true}, "q_len"},
         // 2^29 * 2^29 * 16 = 2^62 elements fit, but not their 2^64 bytes
-        Case{"Q, K, V: the byte count only", {1 << 29, 1 << 29, 1, 1, 16, false}, "q_len"});
+        Overflow{"Q, K, V: the byte count only", {1 << 29, 1 << 29, 1, 1, 16, false}, "q_len"});
     INFO(c.what << ": " << describe(c.s));
     FakeTensors t;
     const std::string msg = refusal([&] { validate_shape(c.s); });
@@ -188,48 +201,26 @@ TEST_CASE("Shapes whose tensors overflow size_t are refused", "[cpu][validation]
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("The fp16 forward refuses shapes whose tensors overflow size_t", "[cpu][validation][fp16]") {
-    struct Case {
-        const char* what;
-        AttentionShape s;
-        const char* field;  // the length the overflowing tensor runs along
-    };
-    // The fp32 cases, less the one that overflows only in fp32's bytes: 2^62 fp16 elements are
-    // 2^63 bytes, which fit; 2^63 of them (2^64 bytes) do not.
-    const Case c = GENERATE(
-        Case{"Q: every field huge", {INT_MAX, INT_MAX, INT_MAX, 1, 64, false}, "q_len"},
-        Case{"K, V only", {1 << 20, 1 << 20, 1, 1 << 30, 64, false}, "kv_len"},
-        Case{"Q: only the last product", {INT_MAX, INT_MAX, 4, 1, 16, false}, "q_len"},
-        Case{"Q, K, V: wraps to 0", {1 << 30, 1 << 30, 1, 1, 16, true}, "q_len"},
-        Case{"Q, K, V: the fp16 byte count only", {1 << 30, 1 << 29, 1, 1, 16, false}, "q_len"});
-    INFO(c.what << ": " << describe(c.s));
-    FakeTensors t;
-    const std::string msg = refusal([&] { flash_forward_fp16(t.Q16, t.K16, t.V16, t.O16, t.L, c.s); });
+TEMPLATE_TEST_CASE("The tensor-core forward refuses shapes whose tensors overflow size_t",
+                   "[cpu][validation][fp16][bf16]", fp16, bf16) {
+    const Overflow c = GENERATE(from_range(overflows16()));
+    const int Bc = GENERATE(from_range(bc_choices<TestType>({64})));
+    INFO(c.what << ": " << describe(c.s) << ", Bc = " << Bc);
+    FakeTensors<TestType> t;
+    const std::string msg =
+        refusal([&] { launch_forward(t.Q16, t.K16, t.V16, t.O16, t.L, c.s, Bc); });
     INFO("message: " << msg);
     CHECK_THAT(msg, NamesWord(c.field));
-    CHECK_THAT(refusal([&] { flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, c.s, 64); }),
-               NamesWord(c.field));
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("The fp16 backward refuses shapes whose tensors overflow size_t",
-          "[cpu][validation][fp16][backward]") {
-    struct Case {
-        const char* what;
-        AttentionShape s;
-        const char* field;  // the length the overflowing tensor runs along
-    };
-    // The fp16 forward's cases (every head dim here has a backward kernel).
-    const Case c = GENERATE(
-        Case{"Q: every field huge", {INT_MAX, INT_MAX, INT_MAX, 1, 64, false}, "q_len"},
-        Case{"K, V only", {1 << 20, 1 << 20, 1, 1 << 30, 64, false}, "kv_len"},
-        Case{"Q: only the last product", {INT_MAX, INT_MAX, 4, 1, 16, false}, "q_len"},
-        Case{"Q, K, V: wraps to 0", {1 << 30, 1 << 30, 1, 1, 16, true}, "q_len"},
-        Case{"Q, K, V: the fp16 byte count only", {1 << 30, 1 << 29, 1, 1, 16, false}, "q_len"});
+TEMPLATE_TEST_CASE("The tensor-core backward refuses shapes whose tensors overflow size_t",
+                   "[cpu][validation][fp16][bf16][backward]", fp16, bf16) {
+    const Overflow c = GENERATE(from_range(overflows16()));
     INFO(c.what << ": " << describe(c.s));
-    FakeTensors t;
+    FakeTensors<TestType> t;
     const std::string msg = refusal([&] {
-        flash_backward_fp16(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16, t.dV16, c.s);
+        launch_backward(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16, t.dV16, c.s);
     });
     INFO("message: " << msg);
     CHECK_THAT(msg, NamesWord(c.field));
@@ -253,21 +244,20 @@ TEST_CASE("Null pointers given to the forward are refused, naming the argument",
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("Null pointers given to the fp16 forward are refused, naming the argument",
-          "[cpu][validation][fp16]") {
+TEMPLATE_TEST_CASE("Null pointers given to the tensor-core forward are refused, naming the "
+                   "argument and the call", "[cpu][validation][fp16][bf16]", fp16, bf16) {
     const AttentionShape s = valid_shape();
     const int which = GENERATE(range(0, 5));
-    FakeTensors t;
-    const __half* in[] = {t.Q16, t.K16, t.V16};
-    __half* O = t.O16;
+    const int Bc = GENERATE(from_range(bc_choices<TestType>({32})));
+    FakeTensors<TestType> t;
+    const TestType* in[] = {t.Q16, t.K16, t.V16};
+    TestType* O = t.O16;
     float* L = t.L;
     const char* names[] = {"Q", "K", "V", "O", "L"};
     if (which < 3) in[which] = nullptr; else if (which == 3) O = nullptr; else L = nullptr;
-    INFO(names[which] << " = nullptr");
-    CHECK_THAT(refusal([&] { flash_forward_fp16(in[0], in[1], in[2], O, L, s); }),
-               NamesWord(names[which]));
-    CHECK_THAT(refusal([&] { flash_forward_fp16_bc(in[0], in[1], in[2], O, L, s, 32); }),
-               NamesWord(names[which]));
+    INFO(names[which] << " = nullptr, Bc = " << Bc);
+    CHECK_THAT(refusal([&] { launch_forward(in[0], in[1], in[2], O, L, s, Bc); }),
+               NamesWord(names[which]) && NamesWord(Format16<TestType>::forward_api));
     CHECK(t.outputs_untouched());
 }
 
@@ -315,44 +305,54 @@ TEST_CASE("Outputs overlapping another tensor, and misaligned tensors, are refus
     CHECK(all_nan(dK));
 }
 
-TEST_CASE("The fp16 forward refuses outputs overlapping another tensor, and misaligned tensors",
-          "[cpu][validation][fp16]") {
+TEMPLATE_TEST_CASE("The tensor-core forward refuses outputs overlapping another tensor, and "
+                   "misaligned tensors", "[cpu][validation][fp16][bf16]", fp16, bf16) {
     const AttentionShape s = valid_shape();
     const size_t nq = q_elems(s), nkv = kv_elems(s), nl = l_elems(s);
-    // Separate heap arrays (16-byte aligned, as malloc's are), 8 halves (one float for L) longer
-    // than needed, so that a shifted pointer stays inside.
-    std::vector<__half> Q(nq + 8, __float2half(0.5f)), K(nkv + 8, __float2half(0.25f)),
-        V(nkv, __float2half(0.75f)), O(nq, quiet_nan<__half>());
+    const int Bc = GENERATE(from_range(bc_choices<TestType>({64})));
+    CAPTURE(Bc);
+    // Separate heap arrays (16-byte aligned, as malloc's are), 8 elements (one float for L)
+    // longer than needed, so that a shifted pointer stays inside.
+    std::vector<TestType> Q(nq + 8, TestType(0.5f)), K(nkv + 8, TestType(0.25f)),
+        V(nkv, TestType(0.75f)), O(nq, quiet_nan<TestType>());
     std::vector<float> L(nl + 1, std::numeric_limits<float>::quiet_NaN());
-    // A float L laid over the start of an fp16 tensor, 16-byte aligned: the overlap is of bytes.
-    auto as_L = [](__half* p) { return reinterpret_cast<float*>(p); };
+    // The forward's arguments, all valid: each section spoils one, then calls launch_forward
+    // (flash_forward_fp16 or _bf16, or with Bc flash_forward_fp16_bc) through refused().
+    struct {
+        const TestType *Q, *K, *V;
+        TestType* O;
+        float* L;
+    } a{Q.data(), K.data(), V.data(), O.data(), L.data()};
+    const auto refused = [&] {
+        return refusal([&] { launch_forward(a.Q, a.K, a.V, a.O, a.L, s, Bc); });
+    };
     SECTION("O is Q") {
-        CHECK_THAT(refusal([&] { flash_forward_fp16(Q.data(), K.data(), V.data(), Q.data(), L.data(), s); }),
-                   NamesWord("O") && NamesWord("Q") && Contains("overlaps"));
+        a.O = Q.data();
+        CHECK_THAT(refused(), NamesWord("O") && NamesWord("Q") && Contains("overlaps"));
     }
-    SECTION("L lies inside V") {
-        CHECK_THAT(refusal([&] { flash_forward_fp16(Q.data(), K.data(), V.data(), O.data(), as_L(V.data() + 8), s); }),
-                   NamesWord("L") && NamesWord("V") && Contains("overlaps"));
+    SECTION("L lies inside V (a float L over a 2-byte V: the overlap is of bytes)") {
+        a.L = reinterpret_cast<float*>(V.data() + 8);
+        CHECK_THAT(refused(), NamesWord("L") && NamesWord("V") && Contains("overlaps"));
     }
-    SECTION("O lies inside K, with Bc given") {
-        CHECK_THAT(refusal([&] { flash_forward_fp16_bc(Q.data(), K.data(), V.data(), K.data() + 8, L.data(), s, 64); }),
-                   NamesWord("O") && NamesWord("K") && Contains("overlaps"));
+    SECTION("O lies inside K") {
+        a.O = K.data() + 8;
+        CHECK_THAT(refused(), NamesWord("O") && NamesWord("K") && Contains("overlaps"));
     }
     SECTION("Q is not 16-byte aligned (2 bytes off)") {
-        CHECK_THAT(refusal([&] { flash_forward_fp16(Q.data() + 1, K.data(), V.data(), O.data(), L.data(), s); }),
-                   NamesWord("Q") && Contains("16-byte aligned"));
+        a.Q = Q.data() + 1;
+        CHECK_THAT(refused(), NamesWord("Q") && Contains("16-byte aligned"));
     }
     SECTION("K is not 16-byte aligned (8 bytes off)") {
-        CHECK_THAT(refusal([&] { flash_forward_fp16(Q.data(), K.data() + 4, V.data(), O.data(), L.data(), s); }),
-                   NamesWord("K") && Contains("16-byte aligned"));
+        a.K = K.data() + 4;
+        CHECK_THAT(refused(), NamesWord("K") && Contains("16-byte aligned"));
     }
     SECTION("L is not 16-byte aligned (4 bytes off)") {
-        CHECK_THAT(refusal([&] { flash_forward_fp16_bc(Q.data(), K.data(), V.data(), O.data(), L.data() + 1, s, 32); }),
-                   NamesWord("L") && Contains("16-byte aligned"));
+        a.L = L.data() + 1;
+        CHECK_THAT(refused(), NamesWord("L") && Contains("16-byte aligned"));
     }
-    CHECK(std::all_of(O.begin(), O.end(), [](__half x) { return std::isnan(to_float(x)); }));
+    CHECK(std::all_of(O.begin(), O.end(), [](TestType x) { return std::isnan(to_float(x)); }));
     CHECK(std::all_of(L.begin(), L.end(), [](float x) { return std::isnan(x); }));
-    CHECK(std::all_of(K.begin(), K.end(), [](__half x) { return to_float(x) == 0.25f; }));
+    CHECK(std::all_of(K.begin(), K.end(), [](TestType x) { return to_float(x) == 0.25f; }));
 }
 
 TEST_CASE("Null pointers given to the backward are refused, naming the argument",
@@ -373,94 +373,84 @@ TEST_CASE("Null pointers given to the backward are refused, naming the argument"
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("Null pointers given to the fp16 backward are refused, naming the argument",
-          "[cpu][validation][fp16][backward]") {
+TEMPLATE_TEST_CASE("Null pointers given to the tensor-core backward are refused, naming the "
+                   "argument and the call", "[cpu][validation][fp16][bf16][backward]", fp16, bf16) {
     const AttentionShape s = valid_shape();
     const int which = GENERATE(range(0, 9));
-    FakeTensors t;
-    const __half* in[] = {t.Q16, t.K16, t.V16, t.O16, t.dO16};
+    FakeTensors<TestType> t;
+    const TestType* in[] = {t.Q16, t.K16, t.V16, t.O16, t.dO16};
     const float* L = t.L;
-    __half* out[] = {t.dQ16, t.dK16, t.dV16};
+    TestType* out[] = {t.dQ16, t.dK16, t.dV16};
     const char* names[] = {"Q", "K", "V", "O", "dO", "L", "dQ", "dK", "dV"};
     if (which < 5) in[which] = nullptr; else if (which == 5) L = nullptr; else out[which - 6] = nullptr;
     INFO(names[which] << " = nullptr");
     CHECK_THAT(refusal([&] {
-                   flash_backward_fp16(in[0], in[1], in[2], in[3], in[4], L, out[0], out[1],
-                                       out[2], s);
+                   launch_backward(in[0], in[1], in[2], in[3], in[4], L, out[0], out[1], out[2],
+                                   s);
                }),
-               NamesWord(names[which]));
+               NamesWord(names[which]) && NamesWord(Format16<TestType>::backward_api));
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("The fp16 backward refuses outputs overlapping another tensor, and misaligned tensors",
-          "[cpu][validation][fp16][backward]") {
+TEMPLATE_TEST_CASE("The tensor-core backward refuses outputs overlapping another tensor, and "
+                   "misaligned tensors", "[cpu][validation][fp16][bf16][backward]", fp16, bf16) {
     const AttentionShape s = valid_shape();
     const size_t nq = q_elems(s), nkv = kv_elems(s), nl = l_elems(s);
-    // Separate heap arrays (16-byte aligned, as malloc's are), 8 halves (one float for L) longer
+    // Separate heap arrays (16-byte aligned, as malloc's are), 8 elements (one float for L) longer
     // than needed where a shifted pointer must stay inside.
-    const __half nan16 = quiet_nan<__half>();
-    std::vector<__half> Q(nq, __float2half(0.5f)), K(nkv + 8, __float2half(0.25f)),
-        V(nkv, __float2half(0.75f)), O(nq, __float2half(0.375f)), dO(nq + 8, __float2half(0.125f));
+    const TestType nan16 = quiet_nan<TestType>();
+    std::vector<TestType> Q(nq, TestType(0.5f)), K(nkv + 8, TestType(0.25f)),
+        V(nkv, TestType(0.75f)), O(nq, TestType(0.375f)), dO(nq + 8, TestType(0.125f));
     std::vector<float> L(nl + 1, 1.5f);
-    std::vector<__half> dQ(nq + 8, nan16), dK(nkv, nan16), dV(nkv, nan16);
+    std::vector<TestType> dQ(nq + 8, nan16), dK(nkv, nan16), dV(nkv, nan16);
+    // The backward's arguments, all valid: each section spoils one, then calls launch_backward
+    // (flash_backward_fp16 or _bf16) through refused().
+    struct {
+        const TestType *Q, *K, *V, *O, *dO;
+        const float* L;
+        TestType *dQ, *dK, *dV;
+    } a{Q.data(), K.data(), V.data(), O.data(), dO.data(), L.data(), dQ.data(), dK.data(),
+        dV.data()};
+    const auto refused = [&] {
+        return refusal(
+            [&] { launch_backward(a.Q, a.K, a.V, a.O, a.dO, a.L, a.dQ, a.dK, a.dV, s); });
+    };
     SECTION("dK is dV") {
-        CHECK_THAT(refusal([&] {
-                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
-                                           L.data(), dQ.data(), dV.data(), dV.data(), s);
-                   }),
-                   NamesWord("dK") && NamesWord("dV") && Contains("overlaps"));
+        a.dK = dV.data();
+        CHECK_THAT(refused(), NamesWord("dK") && NamesWord("dV") && Contains("overlaps"));
     }
     SECTION("dQ is dO") {
-        CHECK_THAT(refusal([&] {
-                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
-                                           L.data(), dO.data(), dK.data(), dV.data(), s);
-                   }),
-                   NamesWord("dQ") && NamesWord("dO") && Contains("overlaps"));
+        a.dQ = dO.data();
+        CHECK_THAT(refused(), NamesWord("dQ") && NamesWord("dO") && Contains("overlaps"));
     }
     SECTION("dV lies inside K") {
-        CHECK_THAT(refusal([&] {
-                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
-                                           L.data(), dQ.data(), dK.data(), K.data() + 8, s);
-                   }),
-                   NamesWord("dV") && NamesWord("K") && Contains("overlaps"));
+        a.dV = K.data() + 8;
+        CHECK_THAT(refused(), NamesWord("dV") && NamesWord("K") && Contains("overlaps"));
     }
-    SECTION("L lies inside dQ (a float L over fp16 dQ: the overlap is of bytes)") {
-        CHECK_THAT(refusal([&] {
-                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
-                                           reinterpret_cast<const float*>(dQ.data() + 8),
-                                           dQ.data(), dK.data(), dV.data(), s);
-                   }),
-                   NamesWord("dQ") && NamesWord("L") && Contains("overlaps"));
+    SECTION("L lies inside dQ (a float L over a 2-byte dQ: the overlap is of bytes)") {
+        a.L = reinterpret_cast<const float*>(dQ.data() + 8);
+        CHECK_THAT(refused(), NamesWord("dQ") && NamesWord("L") && Contains("overlaps"));
     }
     SECTION("dO is not 16-byte aligned (2 bytes off)") {
-        CHECK_THAT(refusal([&] {
-                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data() + 1,
-                                           L.data(), dQ.data(), dK.data(), dV.data(), s);
-                   }),
-                   NamesWord("dO") && Contains("16-byte aligned"));
+        a.dO = dO.data() + 1;
+        CHECK_THAT(refused(), NamesWord("dO") && Contains("16-byte aligned"));
     }
     SECTION("dQ is not 16-byte aligned (8 bytes off)") {
-        CHECK_THAT(refusal([&] {
-                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
-                                           L.data(), dQ.data() + 4, dK.data(), dV.data(), s);
-                   }),
-                   NamesWord("dQ") && Contains("16-byte aligned"));
+        a.dQ = dQ.data() + 4;
+        CHECK_THAT(refused(), NamesWord("dQ") && Contains("16-byte aligned"));
     }
     SECTION("L is not 16-byte aligned (4 bytes off)") {
-        CHECK_THAT(refusal([&] {
-                       flash_backward_fp16(Q.data(), K.data(), V.data(), O.data(), dO.data(),
-                                           L.data() + 1, dQ.data(), dK.data(), dV.data(), s);
-                   }),
-                   NamesWord("L") && Contains("16-byte aligned"));
+        a.L = L.data() + 1;
+        CHECK_THAT(refused(), NamesWord("L") && Contains("16-byte aligned"));
     }
-    auto all_nan = [](const std::vector<__half>& v) {
-        return std::all_of(v.begin(), v.end(), [](__half x) { return std::isnan(to_float(x)); });
+    auto all_nan = [](const std::vector<TestType>& v) {
+        return std::all_of(v.begin(), v.end(), [](TestType x) { return std::isnan(to_float(x)); });
     };
     CHECK(all_nan(dQ));
     CHECK(all_nan(dK));
     CHECK(all_nan(dV));
-    CHECK(std::all_of(K.begin(), K.end(), [](__half x) { return to_float(x) == 0.25f; }));
-    CHECK(std::all_of(dO.begin(), dO.end(), [](__half x) { return to_float(x) == 0.125f; }));
+    CHECK(std::all_of(K.begin(), K.end(), [](TestType x) { return to_float(x) == 0.25f; }));
+    CHECK(std::all_of(dO.begin(), dO.end(), [](TestType x) { return to_float(x) == 0.125f; }));
     CHECK(std::all_of(L.begin(), L.end(), [](float x) { return x == 1.5f; }));
 }
 
@@ -480,33 +470,31 @@ TEST_CASE("Unsupported head dims are refused, listing the supported ones", "[cpu
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("The fp16 forward refuses unsupported head dims, listing the supported ones",
-          "[cpu][validation][fp16]") {
+TEMPLATE_TEST_CASE("The tensor-core forward refuses unsupported head dims, listing the supported "
+                   "ones", "[cpu][validation][fp16][bf16]", fp16, bf16) {
     const int d = GENERATE(48, 0, 512, 8, 24, 257);
+    const int Bc = GENERATE(from_range(bc_choices<TestType>({32, 64})));
     AttentionShape s = valid_shape();
     s.head_dim = d;
-    INFO(describe(s));
-    FakeTensors t;
-    for (const std::string& msg :
-         {refusal([&] { flash_forward_fp16(t.Q16, t.K16, t.V16, t.O16, t.L, s); }),
-          refusal([&] { flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, s, 32); }),
-          refusal([&] { flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, s, 64); })}) {
-        CHECK_THAT(msg, NamesWord("head_dim"));
-        CHECK_THAT(msg, Contains(fp16_head_dims_string()));
-    }
+    INFO(describe(s) << ", Bc = " << Bc);
+    FakeTensors<TestType> t;
+    const std::string msg =
+        refusal([&] { launch_forward(t.Q16, t.K16, t.V16, t.O16, t.L, s, Bc); });
+    CHECK_THAT(msg, NamesWord("head_dim"));
+    CHECK_THAT(msg, Contains(fp16_head_dims_string()));
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("The fp16 backward refuses unsupported head dims, listing 16, 32, 64, 96, 128, 256",
-          "[cpu][validation][fp16][backward]") {
+TEMPLATE_TEST_CASE("The tensor-core backward refuses unsupported head dims, listing 16, 32, 64, "
+                   "96, 128, 256", "[cpu][validation][fp16][bf16][backward]", fp16, bf16) {
     // The same six as the forward's: 256 is accepted (on a GPU with the shared memory for it).
     const int d = GENERATE(48, 0, 512, 8, 24, 257);
     AttentionShape s = valid_shape();
     s.head_dim = d;
     INFO(describe(s));
-    FakeTensors t;
+    FakeTensors<TestType> t;
     const std::string msg = refusal([&] {
-        flash_backward_fp16(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16, t.dV16, s);
+        launch_backward(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16, t.dV16, s);
     });
     INFO("message: " << msg);
     CHECK_THAT(msg, NamesWord("head_dim"));
@@ -626,12 +614,12 @@ TEST_CASE("The forward gives bitwise identical O and L on every call, on any str
     check_bitwise("L (on a stream of its own)", first.L, third.L, s, l_layout(s));
 }
 
-TEST_CASE("The fp16 forward gives bitwise identical O and L on every call, on any stream",
-          "[gpu][forward][determinism][fp16]") {
+TEMPLATE_TEST_CASE("The tensor-core forward gives bitwise identical O and L on every call, on "
+                   "any stream", "[gpu][forward][determinism][fp16][bf16]", fp16, bf16) {
     const AttentionShape s = GENERATE(from_range(determinism_shapes(1000)));
     INFO(describe(s));
-    const auto p = random_problem_fp16(s, 1500);
-    GpuAttention<__half> gpu(p);
+    const auto p = rounded_problem<TestType>(s, 1500);
+    GpuAttention<TestType> gpu(p);
     gpu.forward();
     const auto first = gpu.outputs(false);
     REQUIRE(count_bad(first.O) == 0);  // every O written (L may be -inf in masked rows)
@@ -664,34 +652,28 @@ TEST_CASE("The backward gives bitwise identical dQ, dK and dV on every call",
     check_bitwise("dV", first.dV, second.dV, s, kv_layout(s));
 }
 
-TEST_CASE("The fp16 backward gives bitwise identical dQ, dK and dV on every call, on any stream",
-          "[gpu][backward][determinism][fp16]") {
+TEMPLATE_TEST_CASE("The tensor-core backward gives bitwise identical dQ, dK and dV on every "
+                   "call, on any stream", "[gpu][backward][determinism][fp16][bf16]", fp16, bf16) {
     // The fp32 backward's shapes (d = 256 among them: the kernel's two launches), and, as in the
-    // fp16 forward's test, two streams of its own: the backward allocates its scratch (dQ in fp32,
-    // D, the turn counters) on the stream.
+    // tensor-core forward's test, two streams of its own: the backward allocates its scratch (dQ
+    // in fp32, D, the turn counters) on the stream.
     const AttentionShape s = GENERATE(from_range(determinism_shapes(300)));
     INFO(describe(s));
-    const auto p = random_problem_fp16(s, 2500);
-    GpuAttention<__half> gpu(p);
+    const auto p = rounded_problem<TestType>(s, 2500);
+    GpuAttention<TestType> gpu(p);
     gpu.forward();
     gpu.backward();
     const auto first = gpu.outputs(true);
     for (const auto* g : {&first.dQ, &first.dK, &first.dV}) REQUIRE(count_bad(*g) == 0);
     gpu.backward();
-    const auto second = gpu.outputs(true);
-    check_bitwise("dQ", first.dQ, second.dQ, s, q_layout(s));
-    check_bitwise("dK", first.dK, second.dK, s, kv_layout(s));
-    check_bitwise("dV", first.dV, second.dV, s, kv_layout(s));
+    check_bitwise(first, gpu.outputs(true), s);  // O and L too: the backward must not touch them
     for (unsigned flags : {unsigned(cudaStreamDefault), unsigned(cudaStreamNonBlocking)}) {
         const char* which = flags == cudaStreamDefault ? "a stream of its own"
                                                        : "a non-blocking stream of its own";
         INFO("on " << which);
         ScopedStream stream(flags);
         gpu.backward(stream.stream);
-        const auto again = gpu.outputs(true);
-        check_bitwise("dQ", first.dQ, again.dQ, s, q_layout(s));
-        check_bitwise("dK", first.dK, again.dK, s, kv_layout(s));
-        check_bitwise("dV", first.dV, again.dV, s, kv_layout(s));
+        check_bitwise(first, gpu.outputs(true), s);
     }
 }
 
@@ -740,7 +722,7 @@ TEST_CASE("flash_forward_fp16_bc with Bc = 32 and 64 matches the reference for l
         // with std::runtime_error, and O and L untouched.
         INFO("the tile needs " << bytes << " bytes of shared memory; the device has "
                                << prop.sharedMemPerBlockOptin);
-        GpuAttention<__half> gpu(random_problem_fp16(s, 1600));
+        GpuAttention<__half> gpu(rounded_problem<__half>(s, 1600));
         gpu.O.poison();
         gpu.L.poison();
         CHECK_THROWS_AS(flash_forward_fp16_bc(gpu.Q.ptr, gpu.K.ptr, gpu.V.ptr, gpu.O.ptr,
@@ -750,7 +732,7 @@ TEST_CASE("flash_forward_fp16_bc with Bc = 32 and 64 matches the reference for l
         CHECK(count_bad(gpu.L.download()) == l_elems(s));
         return;
     }
-    check_fp16_forward(s, 1600, Bc);
+    check_forward_on_gpu<__half>(s, 1600, Bc);
 }
 
 TEST_CASE("flash_forward_bc refuses a Bc that does not fit in shared memory, naming it",
@@ -787,40 +769,38 @@ TEST_CASE("100 calls of the forward and the backward give bitwise identical resu
     INFO(describe(s));
     const auto p = random_problem(s, 800);
     GpuAttention<float> gpu(p);
-    const Outputs<float> first = outputs_of_identical_calls(gpu, 100, true);  // O, L, dQ, dK, dV
-    const auto want = reference_backward(p);
-    const Tolerances tol = tolerances(p, Rounding::random);
-    check_forward(first, want, tol, s);
-    check_backward(first, want, tol, s);
+    check_against_reference_backward(outputs_of_identical_calls(gpu, 100, true), p);  // all five
 }
 
-TEST_CASE("100 calls of the fp16 forward give bitwise identical results",
-          "[gpu][hardening][determinism][fp16]") {
+TEMPLATE_TEST_CASE("100 calls of the tensor-core forward give bitwise identical results",
+                   "[gpu][hardening][determinism][fp16][bf16]", fp16, bf16) {
     const int d = GENERATE(from_range(kFp16HeadDims));
     const AttentionShape s{1, 2, 100, 77, d, true};
     INFO(describe(s));
-    const auto p = random_problem_fp16(s, 1700);
-    GpuAttention<__half> gpu(p);
-    check_against_reference_fp16(outputs_of_identical_calls(gpu, 100, false), p);  // O, L
+    const auto p = rounded_problem<TestType>(s, 1700);
+    GpuAttention<TestType> gpu(p);
+    check_against_reference(outputs_of_identical_calls(gpu, 100, false), p);  // O, L
 }
 
-TEST_CASE("100 calls of the fp16 forward and backward give bitwise identical results",
-          "[gpu][hardening][determinism][backward][fp16]") {
+TEMPLATE_TEST_CASE("100 calls of the tensor-core forward and backward give bitwise identical "
+                   "results", "[gpu][hardening][determinism][backward][fp16][bf16]", fp16, bf16) {
     const int d = GENERATE(from_range(kFp16HeadDims));
     const AttentionShape s{1, 2, 100, 77, d, true};
     INFO(describe(s));
-    const auto p = random_problem_fp16(s, 2700);
-    GpuAttention<__half> gpu(p);
-    check_against_reference_fp16_backward(outputs_of_identical_calls(gpu, 100, true), p);
+    const auto p = rounded_problem<TestType>(s, 2700);
+    GpuAttention<TestType> gpu(p);
+    check_against_reference_backward(outputs_of_identical_calls(gpu, 100, true), p);
 }
 
-TEST_CASE("100 calls of the fp16 backward on grids of many more blocks than the GPU holds at once "
-          "give bitwise identical results", "[gpu][hardening][determinism][backward][fp16]") {
+TEMPLATE_TEST_CASE("100 calls of the tensor-core backward on grids of many more blocks than the "
+                   "GPU holds at once give bitwise identical results",
+                   "[gpu][hardening][determinism][backward][fp16][bf16]", fp16, bf16) {
     // The ordered add of dQ (flash_fp16.cu) at work: many heads, several K/V tiles a head, and at
     // least twice as many blocks as the GPU can hold (an upper bound: as many blocks an SM as its
     // shared memory takes), so that blocks wait for turns held by blocks started waves earlier,
     // and blocks of one head run on different waves. Causal and not (causal: the tiles of a head
-    // are of different lengths, and the shortest, rightmost, take the first turns).
+    // are of different lengths, and the shortest, rightmost, take the first turns). One tile
+    // serves both types: flash_choose_tile_fp16_backward's.
     const bool causal = GENERATE(false, true);
     const AttentionShape s = GENERATE_COPY(AttentionShape{16, 16, 300, 600, 16, causal},
                                            AttentionShape{4, 8, 300, 1100, 128, causal});
@@ -833,9 +813,9 @@ TEST_CASE("100 calls of the fp16 backward on grids of many more blocks than the 
     INFO(describe(s) << ": " << blocks << " blocks of Bc = " << tile.Bc << "; at most "
                      << resident << " fit the GPU at once");
     REQUIRE(blocks >= 2 * resident);
-    const auto p = random_problem_fp16(s, 2800);
-    GpuAttention<__half> gpu(p);
-    check_against_reference_fp16_backward(outputs_of_identical_calls(gpu, 100, true), p);
+    const auto p = rounded_problem<TestType>(s, 2800);
+    GpuAttention<TestType> gpu(p);
+    check_against_reference_backward(outputs_of_identical_calls(gpu, 100, true), p);
 }
 
 TEST_CASE("flash_backward_fp16_bc with Bc = 64 and 128 matches the reference", "[gpu][backward][tile][fp16]") {
@@ -851,7 +831,7 @@ TEST_CASE("flash_backward_fp16_bc with Bc = 64 and 128 matches the reference", "
     s.head_dim = d;
     INFO(describe(s) << ", Bc = " << Bc);
     const cudaDeviceProp prop = current_device_props();
-    const auto p = random_problem_fp16(s, 2900);
+    const auto p = rounded_problem<__half>(s, 2900);
     GpuAttention<__half> gpu(p);
     gpu.forward();
     if (fp16_backward_bytes(d, Bc) > prop.sharedMemPerBlockOptin) {
@@ -868,17 +848,18 @@ TEST_CASE("flash_backward_fp16_bc with Bc = 64 and 128 matches the reference", "
         return;
     }
     gpu.backward(0, Bc);
-    check_against_reference_fp16_backward(gpu.outputs(true), p);
+    check_against_reference_backward(gpu.outputs(true), p);
 }
 
-TEST_CASE("The fp16 backward takes the extra memory it states from the stream's pool, and gives it "
-          "back", "[gpu][backward][fp16]") {
+TEMPLATE_TEST_CASE("The tensor-core backward takes the extra memory it states from the stream's "
+                   "pool, and gives it back", "[gpu][backward][fp16][bf16]", fp16, bf16) {
     // The pool's used-memory high watermark over one call: at least what
-    // flash_backward_fp16_scratch_bytes states (dQ in fp32 dominates), at most that rounded up to
-    // the pool's 2 MiB granularity; after the call the pool holds nothing of it.
+    // flash_backward_fp16_scratch_bytes states (dQ in fp32 dominates; the same for both types),
+    // at most that rounded up to the pool's 2 MiB granularity; after the call the pool holds
+    // nothing of it.
     const AttentionShape s{2, 8, 1000, 700, 128, true};
-    const auto p = random_problem_fp16(s, 3000);
-    GpuAttention<__half> gpu(p);
+    const auto p = rounded_problem<TestType>(s, 3000);
+    GpuAttention<TestType> gpu(p);
     gpu.forward();
     gpu.backward();  // the first call may grow the pool; measure the second
     int dev = 0;
@@ -896,7 +877,7 @@ TEST_CASE("The fp16 backward takes the extra memory it states from the stream's 
     CHECK(high >= stated);
     CHECK(high <= stated + (size_t(2) << 20));
     CHECK(used == 0);
-    check_against_reference_fp16_backward(gpu.outputs(true), p);
+    check_against_reference_backward(gpu.outputs(true), p);
 }
 
 TEST_CASE("Extreme inputs give finite outputs within tolerance of the reference",
@@ -957,19 +938,21 @@ TEST_CASE("Extreme inputs give finite outputs within tolerance of the reference"
     check_backward(got, want, tol, s);
 }
 
-TEST_CASE("Extreme inputs give the fp16 forward finite outputs within tolerance of the reference",
-          "[gpu][hardening][fp16]") {
+TEMPLATE_TEST_CASE("Extreme inputs give the tensor-core forward finite outputs within tolerance "
+                   "of the reference", "[gpu][hardening][fp16][bf16]", fp16, bf16) {
     // The fp32 test's cases, each within fp16's range (largest finite 65504; these inputs stay
-    // below 5e4 after rounding), plus one of fp16's own: V near that range. The inputs are built
-    // in float, then rounded to fp16; the reference runs on the rounded values. fp16_tolerances
+    // below 5e4 after rounding), plus one of fp16's own: V near that range. bf16 has fp32's
+    // range, so there they are ordinary inputs, rounded more coarsely. The inputs are built in
+    // float, then rounded to TestType; the reference runs on the rounded values. tolerances16
     // assume aligned score errors (d u M), so where M is large they are loose: with Q and K
     // scaled by 30, and with keys of +-1e4, the check on O is little more than "written and
-    // finite", and L (in the thousands, checked to about 3e-3 relative or better) carries it.
+    // finite", and L (in the thousands, checked to about 3e-3 relative or better, in either
+    // type: L is fp32) carries it.
     enum Kind { large, tiny, equal_scores, one_huge, big_keys, big_values };
     const Kind kind = GENERATE(large, tiny, equal_scores, one_huge, big_keys, big_values);
     const char* names[] = {"Q and K scaled by 30: scores in the hundreds and thousands",
-                           "Q and K scaled by 1e-3 (some fp16 subnormal): scores ~1e-6, attention "
-                           "almost uniform",
+                           "Q and K scaled by 1e-3 (some subnormal in fp16): scores ~1e-6, "
+                           "attention almost uniform",
                            "every key equal: all of a row's scores equal",
                            "one huge score: Q row 5 and K row 7 of norm 100 (score 1e4/sqrt(d))",
                            "keys of +-1e4: scores ~1e4, attention one-hot",
@@ -978,7 +961,7 @@ TEST_CASE("Extreme inputs give the fp16 forward finite outputs within tolerance 
     const int d = GENERATE(from_range(kFp16HeadDims));
     const AttentionShape s{1, 2, 77, 80, d, causal};
     INFO(names[kind] << "; " << describe(s));
-    auto f = random_problem(s, 1800 + kind);
+    auto f = random_problem(s, 1800 + kind);  // in float: rounded to TestType below
     switch (kind) {
         case large:
             for (auto* t : {&f.Q, &f.K}) for (auto& x : *t) x *= 30.0f;
@@ -1004,14 +987,14 @@ TEST_CASE("Extreme inputs give the fp16 forward finite outputs within tolerance 
             for (auto& x : f.V) x *= 1e4f;
             break;
     }
-    const Problem<__half> p = converted<__half>(f);
+    const Problem<TestType> p = converted<TestType>(f);
     for (const auto* t : {&p.Q, &p.K, &p.V}) {  // nothing rounded to infinity
         const std::vector<float> values = converted<float>(*t);
-        INFO(count_bad(values) << " inputs are not finite in fp16; the largest is "
-                               << max_abs(values));
+        INFO(count_bad(values) << " inputs are not finite in " << Format16<TestType>::name
+                               << "; the largest is " << max_abs(values));
         REQUIRE(count_bad(values) == 0);
     }
-    GpuAttention<__half> gpu(p);
+    GpuAttention<TestType> gpu(p);
     gpu.forward();
     const auto got = gpu.outputs(false);
     for (const auto& out : {std::make_pair("O", &got.O), std::make_pair("L", &got.L)}) {
@@ -1019,7 +1002,7 @@ TEST_CASE("Extreme inputs give the fp16 forward finite outputs within tolerance 
         INFO(out.first << " has " << count_bad(*out.second) << " NaN or infinite elements");
         CHECK(count_bad(*out.second) == 0);
     }
-    check_against_reference_fp16(got, p);
+    check_against_reference(got, p);
 }
 
 // =============================================================================================
@@ -1076,16 +1059,17 @@ TEST_CASE("Tensors of more than 2^31 elements: the heads past 2^31 are right", "
     }
 }
 
-TEST_CASE("More than 65535 batch*heads: the fp16 forward's heads past 65535 are right",
-          "[gpu][big][fp16]") {
+TEMPLATE_TEST_CASE("More than 65535 batch*heads: the tensor-core forward's heads past 65535 are "
+                   "right", "[gpu][big][fp16][bf16]", fp16, bf16) {
     // As the fp32 test, with two Q tiles a head (q_len 65 > Br = 64), a partial K tile, and,
     // when causal, rows that see no key (0..31).
     const bool causal = GENERATE(false, true);
     const AttentionShape s{70000, 1, 65, 33, 16, causal};
     INFO(describe(s));
-    std::vector<std::vector<__half>> patterns;
-    for (uint32_t t = 0; t < 3; ++t) patterns.push_back(converted<__half>(random_pattern(3000 + t)));
-    GpuAttention<__half> gpu(s);
+    std::vector<std::vector<TestType>> patterns;
+    for (uint32_t t = 0; t < 3; ++t)
+        patterns.push_back(converted<TestType>(random_pattern(3000 + t)));
+    GpuAttention<TestType> gpu(s);
     gpu.Q.fill_repeating(patterns[0]);
     gpu.K.fill_repeating(patterns[1]);
     gpu.V.fill_repeating(patterns[2]);
@@ -1095,21 +1079,22 @@ TEST_CASE("More than 65535 batch*heads: the fp16 forward's heads past 65535 are 
         check_big_head(gpu, bh, patterns, false);
 }
 
-TEST_CASE("More than 65535 batch*heads: the fp16 backward's heads past 65535 are right",
-          "[gpu][big][backward][fp16]") {
-    // The fp32 test runs the backward too; this is its fp16 twin: three Q tiles a head (q_len 129,
-    // Br = 64), one partial K/V tile (kv_len 33 < Bc = 64 at d = 16), and, when causal, rows that
-    // see no key (0..95), whose dQ no block adds to.
+TEMPLATE_TEST_CASE("More than 65535 batch*heads: the tensor-core backward's heads past 65535 are "
+                   "right", "[gpu][big][backward][fp16][bf16]", fp16, bf16) {
+    // The fp32 test runs the backward too; this is its tensor-core twin: three Q tiles a head
+    // (q_len 129, Br = 64), one partial K/V tile (kv_len 33 < Bc = 64 at d = 16), and, when
+    // causal, rows that see no key (0..95), whose dQ no block adds to.
     const bool causal = GENERATE(false, true);
     const AttentionShape s{70000, 1, 129, 33, 16, causal};
     INFO(describe(s));
-    std::vector<std::vector<__half>> patterns;
-    for (uint32_t t = 0; t < 4; ++t) patterns.push_back(converted<__half>(random_pattern(5000 + t)));
-    GpuAttention<__half> gpu(s);
+    std::vector<std::vector<TestType>> patterns;
+    for (uint32_t t = 0; t < 4; ++t)
+        patterns.push_back(converted<TestType>(random_pattern(5000 + t)));
+    GpuAttention<TestType> gpu(s);
     gpu.Q.fill_repeating(patterns[0]);
     gpu.K.fill_repeating(patterns[1]);
     gpu.V.fill_repeating(patterns[2]);
-    gpu.dO = DeviceBuffer<__half>(q_elems(s));
+    gpu.dO = DeviceBuffer<TestType>(q_elems(s));
     gpu.dO.fill_repeating(patterns[3]);
     gpu.forward();
     gpu.backward();
@@ -1118,13 +1103,13 @@ TEST_CASE("More than 65535 batch*heads: the fp16 backward's heads past 65535 are
         check_big_head(gpu, bh, patterns, true);
 }
 
-TEST_CASE("Tensors of more than 2^31 elements: the fp16 forward's heads past 2^31 are right",
-          "[gpu][big][fp16]") {
-    // The fp32 test's shape: Q, K, V, O of 2^31 + 2^19 fp16 elements each (4.3 GB; 17 GB in all).
-    // Head 65536 starts at element 2^30, byte 2^31 (where a 32-bit byte offset wraps); heads
+TEMPLATE_TEST_CASE("Tensors of more than 2^31 elements: the tensor-core forward's heads past "
+                   "2^31 are right", "[gpu][big][fp16][bf16]", fp16, bf16) {
+    // The fp32 test's shape: Q, K, V, O of 2^31 + 2^19 2-byte elements each (4.3 GB; 17 GB in
+    // all). Head 65536 starts at element 2^30, byte 2^31 (where a 32-bit byte offset wraps); heads
     // 131072.. lie wholly past element 2^31 (where a 32-bit element index wraps).
     AttentionShape s{4097, 32, 128, 128, 128, false};
-    const size_t need = (2 * q_elems(s) + 2 * kv_elems(s)) * sizeof(__half) +
+    const size_t need = (2 * q_elems(s) + 2 * kv_elems(s)) * sizeof(TestType) +
                         l_elems(s) * sizeof(float);
     REQUIRE(q_elems(s) > (size_t(1) << 31));
     size_t free_bytes = 0, total_bytes = 0;
@@ -1136,9 +1121,10 @@ TEST_CASE("Tensors of more than 2^31 elements: the fp16 forward's heads past 2^3
                                << total_bytes / GiB);
         return;
     }
-    std::vector<std::vector<__half>> patterns;
-    for (uint32_t t = 0; t < 3; ++t) patterns.push_back(converted<__half>(random_pattern(4000 + t)));
-    GpuAttention<__half> gpu(s);
+    std::vector<std::vector<TestType>> patterns;
+    for (uint32_t t = 0; t < 3; ++t)
+        patterns.push_back(converted<TestType>(random_pattern(4000 + t)));
+    GpuAttention<TestType> gpu(s);
     gpu.Q.fill_repeating(patterns[0]);
     gpu.K.fill_repeating(patterns[1]);
     gpu.V.fill_repeating(patterns[2]);

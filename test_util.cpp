@@ -65,6 +65,18 @@ std::vector<AttentionShape> backward_grid(const std::vector<int>& head_dims) {
     return grid(lengths, 100 * 100, head_dims);
 }
 
+std::vector<AttentionShape> sanitizer_shapes(const std::vector<int>& head_dims, int n) {
+    return grid({{1, 1}, {17, 33}, {33, 17}, {n, n}}, static_cast<long long>(n) * n, head_dims);
+}
+
+std::vector<AttentionShape> masking_shapes(const std::vector<int>& head_dims) {
+    std::vector<AttentionShape> shapes;
+    for (const auto& qk : {std::make_pair(5, 1), std::make_pair(100, 17), std::make_pair(257, 256),
+                           std::make_pair(1000, 1), std::make_pair(300, 64)})
+        for (int d : head_dims) shapes.push_back({2, 3, qk.first, qk.second, d, true});
+    return shapes;
+}
+
 std::vector<AttentionShape> determinism_shapes(int long_kv_len) {
     return {{2, 3, 257, 257, 64, true},  {1, 2, 100, long_kv_len, 128, false},
             {1, 1, 333, 77, 256, true},  {3, 1, 65, 129, 16, false},
@@ -91,23 +103,27 @@ Tolerances tolerances(const Problem<float>& p, Rounding rounding) {
     return t;
 }
 
-Tolerances fp16_tolerances(const Problem<__half>& p) {
-    const Problem<double> x = converted<double>(p);  // the fp16 values, exactly
-    const double u = kUnitRoundoff, u16 = kHalfUnitRoundoff, d = p.s.head_dim, N = p.s.kv_len;
+template <typename T>
+Tolerances tolerances16(const Problem<T>& p) {
+    const Problem<double> x = converted<double>(p);  // the T values, exactly
+    const double u = kUnitRoundoff, u16 = Format16<T>::unit_roundoff, d = p.s.head_dim,
+                 N = p.s.kv_len;
     Tolerances t{};
     t.M = max_row_norm(x.Q, p.s.head_dim) * max_row_norm(x.K, p.s.head_dim) / std::sqrt(d);
     t.L = 2 * d * u * t.M + kSafety * u * (std::sqrt(N) + 8);
-    t.O = max_abs(x.V) * (3 * u16 + N * kHalfSubnormalError + t.L);
+    t.O = max_abs(x.V) * (3 * u16 + N * Format16<T>::tiny_weight_error + t.L);
     return t;
 }
+template Tolerances tolerances16(const Problem<__half>&);
+template Tolerances tolerances16(const Problem<__nv_bfloat16>&);
 
-template <typename W>
-Tolerances fp16_backward_tolerances(const Problem<__half>& p, const Outputs<float>& got,
-                                    const Outputs<W>& want) {
-    Tolerances t = fp16_tolerances(p);  // M; the forward's own tol_L, tol_O (for O and L)
+template <typename T, typename W>
+Tolerances backward_tolerances16(const Problem<T>& p, const Outputs<float>& got,
+                                 const Outputs<W>& want) {
+    Tolerances t = tolerances16(p);  // M; the forward's own tol_L, tol_O (for O and L)
     const Problem<double> x = converted<double>(p);
     const int dim = p.s.head_dim;
-    const double u = kUnitRoundoff, u16 = kHalfUnitRoundoff, d = dim, q = p.s.q_len;
+    const double u = kUnitRoundoff, u16 = Format16<T>::unit_roundoff, d = dim, q = p.s.q_len;
     REQUIRE(x.dO.size() == q_elems(p.s));
     REQUIRE(got.O.size() == want.O.size());
     REQUIRE(got.L.size() == want.L.size());
@@ -117,7 +133,7 @@ Tolerances fp16_backward_tolerances(const Problem<__half>& p, const Outputs<floa
         if (std::isfinite(double(want.L[i])))
             dL = std::max(dL, std::fabs(got.L[i] - double(want.L[i])));
     const double eps = dL + 2 * d * u * t.M;
-    // (b) P, dS and each gradient rounded to fp16: 3 u16, with the statistical margin.
+    // (b) P, dS and each gradient rounded to T: 3 u16, with the statistical margin.
     t.grad_rel = kSafety16 * (3 * u16 + eps);
     // (c) D_i from the forward's O: its exact error over each row of dO, and its fp32 sum.
     double dD = 0;
@@ -134,8 +150,10 @@ Tolerances fp16_backward_tolerances(const Problem<__half>& p, const Outputs<floa
     t.dK_floor = 4 * dD * max_abs(x.Q) * std::sqrt(q) / std::sqrt(d);
     return t;
 }
-template Tolerances fp16_backward_tolerances(const Problem<__half>&, const Outputs<float>&,
-                                             const Outputs<double>&);
+template Tolerances backward_tolerances16(const Problem<__half>&, const Outputs<float>&,
+                                          const Outputs<double>&);
+template Tolerances backward_tolerances16(const Problem<__nv_bfloat16>&, const Outputs<float>&,
+                                          const Outputs<double>&);
 
 // =============================================================================================
 // Comparing tensors
@@ -161,20 +179,45 @@ std::string where(const Layout& l, size_t e) {
     return os.str();
 }
 
-void check_against_reference_fp16(const Outputs<float>& got, const Problem<__half>& p) {
-    const Tolerances tol = fp16_tolerances(p);
-    INFO("fp16 forward, score bound M = " << tol.M << ": tolerance on O " << tol.O << ", on L "
-                                          << tol.L);
-    check_forward(got, reference_forward(converted<double>(p)), tol, p.s);
+// The element type's name, for messages: "fp32", "fp16" or "bf16".
+template <typename T>
+static const char* name_of() {
+    if constexpr (std::is_same<T, float>::value) return "fp32";
+    else return Format16<T>::name;
 }
 
-void check_against_reference_fp16_backward(const Outputs<float>& got, const Problem<__half>& p) {
-    const auto want = reference_backward(converted<double>(p));
-    const Tolerances tol = fp16_backward_tolerances(p, got, want);
-    INFO("fp16 backward, score bound M = " << tol.M << ": tolerance on O " << tol.O << ", on L "
-                                           << tol.L << "; gradients: " << tol.grad_rel
-                                           << " of the largest entry, + " << tol.dQ_floor
-                                           << " on dQ, + " << tol.dK_floor << " on dK");
+// The type the reference runs in for inputs of T: float for float (chapter 1's tolerances allow
+// for its rounding of the results to float), double for chapter 2's types (on their exact values).
+template <typename T>
+using Reference = typename std::conditional<std::is_same<T, float>::value, float, double>::type;
+
+// The tolerances for problem p in element type T (derived in test_util.h): fp32's (random
+// rounding), or chapter 2's, whose backward tolerances read the GPU's O and L (got) beside the
+// reference's (want).
+template <typename T, typename W>
+static Tolerances tolerances_of(const Problem<T>& p, const Outputs<float>& got,
+                                const Outputs<W>& want, bool with_gradients) {
+    if constexpr (std::is_same<T, float>::value) return tolerances(p, Rounding::random);
+    else return with_gradients ? backward_tolerances16(p, got, want) : tolerances16(p);
+}
+
+template <typename T>
+void check_against_reference(const Outputs<float>& got, const Problem<T>& p) {
+    const auto want = reference_forward(converted<Reference<T>>(p));
+    const Tolerances tol = tolerances_of(p, got, want, false);
+    INFO(name_of<T>() << " forward, score bound M = " << tol.M << ": tolerance on O " << tol.O
+                      << ", on L " << tol.L);
+    check_forward(got, want, tol, p.s);
+}
+
+template <typename T>
+void check_against_reference_backward(const Outputs<float>& got, const Problem<T>& p) {
+    const auto want = reference_backward(converted<Reference<T>>(p));
+    const Tolerances tol = tolerances_of(p, got, want, true);
+    INFO(name_of<T>() << " backward, score bound M = " << tol.M << ": tolerance on O " << tol.O
+                      << ", on L " << tol.L << "; gradients: " << tol.grad_rel
+                      << " of the largest entry, + " << tol.dQ_floor << " on dQ, + "
+                      << tol.dK_floor << " on dK");
     check_forward(got, want, tol, p.s);
     check_backward(got, want, tol, p.s);
 }
@@ -194,6 +237,12 @@ void check_masked_rows(const char* name, const std::vector<float>& got, const At
               << value << "; " << wrong << " element(s) are not, first at " << where(layout, first)
               << " = " << got[first]);
     CHECK_THAT(double(got[first]), Catch::Matchers::WithinAbs(double(value), 0.0));
+}
+
+void check_masked_rows(const Outputs<float>& got, const AttentionShape& s) {
+    check_masked_rows("O", got.O, s, s.head_dim, 0.0f);
+    check_masked_rows("L", got.L, s, 1, -std::numeric_limits<float>::infinity());
+    if (!got.dQ.empty()) check_masked_rows("dQ", got.dQ, s, s.head_dim, 0.0f);
 }
 
 size_t count_bad(const std::vector<float>& v) {
@@ -239,64 +288,60 @@ void check_bitwise(const Outputs<float>& first, const Outputs<float>& again,
 // =============================================================================================
 // Device memory
 
-void launch_forward(const float* Q, const float* K, const float* V, float* O, float* L,
-                    const AttentionShape& s, int Bc, cudaStream_t stream) {
-    if (Bc > 0)
-        flash_forward_bc(Q, K, V, O, L, s, Bc, stream);
-    else
+template <typename T>
+void launch_forward(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape& s,
+                    int Bc, cudaStream_t stream) {
+    if constexpr (std::is_same<T, float>::value) {
+        if (Bc > 0) return flash_forward_bc(Q, K, V, O, L, s, Bc, stream);
         flash_forward(Q, K, V, O, L, s, stream);
-}
-
-void launch_forward(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
-                    const AttentionShape& s, int Bc, cudaStream_t stream) {
-    if (Bc > 0)
-        flash_forward_fp16_bc(Q, K, V, O, L, s, Bc, stream);
-    else
+    } else if constexpr (std::is_same<T, __half>::value) {
+        if (Bc > 0) return flash_forward_fp16_bc(Q, K, V, O, L, s, Bc, stream);
         flash_forward_fp16(Q, K, V, O, L, s, stream);
+    } else {
+        if (Bc > 0)
+            FAIL("Bc = " << Bc << " asked of the bf16 forward: there is no flash_forward_bf16_bc");
+        flash_forward_bf16(Q, K, V, O, L, s, stream);
+    }
 }
 
-void launch_backward(const float* Q, const float* K, const float* V, const float* O,
-                     const float* dO, const float* L, float* dQ, float* dK, float* dV,
-                     const AttentionShape& s, int Bc, cudaStream_t stream) {
-    REQUIRE(Bc == 0);  // chapter 1's backward takes no caller-chosen tile
-    flash_backward(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+template <typename T>
+void launch_backward(const T* Q, const T* K, const T* V, const T* O, const T* dO, const float* L,
+                     T* dQ, T* dK, T* dV, const AttentionShape& s, int Bc, cudaStream_t stream) {
+    if constexpr (std::is_same<T, __half>::value) {
+        if (Bc > 0) return flash_backward_fp16_bc(Q, K, V, O, dO, L, dQ, dK, dV, s, Bc, stream);
+        flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+    } else {
+        if (Bc > 0)
+            FAIL("Bc = " << Bc << " asked of the " << name_of<T>() << " backward: only fp16's "
+                         "takes a caller-chosen Bc (flash_backward_fp16_bc)");
+        if constexpr (std::is_same<T, float>::value)
+            flash_backward(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+        else
+            flash_backward_bf16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+    }
 }
 
-void launch_backward(const __half* Q, const __half* K, const __half* V, const __half* O,
-                     const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
-                     const AttentionShape& s, int Bc, cudaStream_t stream) {
-    if (Bc > 0) flash_backward_fp16_bc(Q, K, V, O, dO, L, dQ, dK, dV, s, Bc, stream);
-    else flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
-}
-
-void check_forward_and_backward(const AttentionShape& s, uint32_t salt) {
-    INFO(describe(s));
-    const auto p = random_problem(s, salt);
-    GpuAttention<float> gpu(p);
-    gpu.forward();
-    gpu.backward();
-    const auto got = gpu.outputs(true);
-    const auto want = reference_backward(p);
-    const Tolerances tol = tolerances(p, Rounding::random);
-    check_forward(got, want, tol, s);
-    check_backward(got, want, tol, s);
-}
-
-void check_fp16_forward(const AttentionShape& s, uint32_t salt, int Bc) {
+template <typename T>
+Outputs<float> check_forward_on_gpu(const AttentionShape& s, uint32_t salt, int Bc) {
     INFO(describe(s) << (Bc > 0 ? ", Bc = " + std::to_string(Bc) : std::string()));
-    const auto p = random_problem_fp16(s, salt);
-    GpuAttention<__half> gpu(p);
+    const auto p = rounded_problem<T>(s, salt);
+    GpuAttention<T> gpu(p);
     gpu.forward(Bc);
-    check_against_reference_fp16(gpu.outputs(false), p);
+    const Outputs<float> got = gpu.outputs(false);
+    check_against_reference(got, p);
+    return got;
 }
 
-void check_fp16_backward(const AttentionShape& s, uint32_t salt) {
+template <typename T>
+Outputs<float> check_backward_on_gpu(const AttentionShape& s, uint32_t salt) {
     INFO(describe(s));
-    const auto p = random_problem_fp16(s, salt);
-    GpuAttention<__half> gpu(p);
-    gpu.forward();   // the kernel's own O (fp16) and L (fp32), which the backward reads
+    const auto p = rounded_problem<T>(s, salt);
+    GpuAttention<T> gpu(p);
+    gpu.forward();   // the kernels' own O and L, which the backward reads
     gpu.backward();  // dQ, dK, dV poisoned with NaN first
-    check_against_reference_fp16_backward(gpu.outputs(true), p);
+    const Outputs<float> got = gpu.outputs(true);
+    check_against_reference_backward(got, p);
+    return got;
 }
 
 cudaDeviceProp current_device_props() {
@@ -320,7 +365,8 @@ bool NamesWord::match(const std::string& msg) const {
     return false;
 }
 
-FakeTensors::FakeTensors() {
+template <typename T16>
+FakeTensors<T16>::FakeTensors() {
     float* inputs[] = {Q, K, V, dO};
     for (size_t t = 0; t < 4; ++t)
         for (size_t e = 0; e < kN; ++e) inputs[t][e] = float(t * 1000 + e) + 0.5f;
@@ -329,25 +375,28 @@ FakeTensors::FakeTensors() {
         std::fill(outs[t], outs[t] + kN, std::numeric_limits<float>::quiet_NaN());
         std::memcpy(snapshot[t], outs[t], sizeof(snapshot[t]));
     }
-    __half* inputs16[] = {Q16, K16, V16, dO16};
+    T16* inputs16[] = {Q16, K16, V16, dO16};
     for (size_t t = 0; t < 4; ++t)
-        for (size_t e = 0; e < kN; ++e) inputs16[t][e] = __float2half(float(t * 100 + e) + 0.5f);
-    __half* outs16[] = {O16, dQ16, dK16, dV16};
+        for (size_t e = 0; e < kN; ++e) inputs16[t][e] = T16(float(t * 100 + e) + 0.5f);
+    T16* outs16[] = {O16, dQ16, dK16, dV16};
     for (size_t t = 0; t < 4; ++t) {
-        std::fill(outs16[t], outs16[t] + kN, quiet_nan<__half>());
+        std::fill(outs16[t], outs16[t] + kN, quiet_nan<T16>());
         std::memcpy(snapshot16[t], outs16[t], sizeof(snapshot16[t]));
     }
 }
 
-bool FakeTensors::outputs_untouched() const {
+template <typename T16>
+bool FakeTensors<T16>::outputs_untouched() const {
     const float* outs[] = {O, L, dQ, dK, dV};
     for (size_t t = 0; t < 5; ++t)
         if (std::memcmp(snapshot[t], outs[t], sizeof(snapshot[t])) != 0) return false;
-    const __half* outs16[] = {O16, dQ16, dK16, dV16};
+    const T16* outs16[] = {O16, dQ16, dK16, dV16};
     for (size_t t = 0; t < 4; ++t)
         if (std::memcmp(snapshot16[t], outs16[t], sizeof(snapshot16[t])) != 0) return false;
     return true;
 }
+template struct FakeTensors<__half>;
+template struct FakeTensors<__nv_bfloat16>;
 
 // =============================================================================================
 // The tile chooser
@@ -448,7 +497,6 @@ std::vector<float> random_pattern(uint32_t seed) {
 template <typename T>
 void check_big_head(const GpuAttention<T>& gpu, size_t bh,
                     const std::vector<std::vector<T>>& patterns, bool with_gradients) {
-    constexpr bool fp16 = std::is_same<T, __half>::value;
     const AttentionShape& s = gpu.s;
     const size_t d = s.head_dim, q_head = size_t(s.q_len) * d, kv_head = size_t(s.kv_len) * d;
     Problem<T> one{{1, 1, s.q_len, s.kv_len, s.head_dim, s.causal}, {}, {}, {}, {}};
@@ -456,23 +504,18 @@ void check_big_head(const GpuAttention<T>& gpu, size_t bh,
     one.K = pattern_slice(patterns[1], bh * kv_head, kv_head);
     one.V = pattern_slice(patterns[2], bh * kv_head, kv_head);
     if (with_gradients) one.dO = pattern_slice(patterns[3], bh * q_head, q_head);
-    // The reference runs on the float inputs as they are (fp32), or in double on the exact fp16
-    // values (fp16): converted<float> of floats is a plain copy.
-    using Ref = typename std::conditional<fp16, double, float>::type;
-    const Problem<Ref> exact = converted<Ref>(one);
-    const Outputs<Ref> want = with_gradients ? reference_backward(exact) : reference_forward(exact);
+    // The reference runs on the float inputs as they are (fp32), or in double on the exact values
+    // (fp16, bf16): converted<float> of floats is a plain copy.
+    const Problem<Reference<T>> exact = converted<Reference<T>>(one);
+    const Outputs<Reference<T>> want =
+        with_gradients ? reference_backward(exact) : reference_forward(exact);
     Outputs<float> got;
     got.O = gpu.O.download_float(bh * q_head, q_head);
     got.L = gpu.L.download(bh * s.q_len, s.q_len);
-    const Tolerances tol = [&] {
-        if constexpr (fp16)
-            return with_gradients ? fp16_backward_tolerances(one, got, want) : fp16_tolerances(one);
-        else
-            return tolerances(one, Rounding::random);
-    }();
-    INFO((fp16 ? "fp16 " : "fp32 ") << (with_gradients ? "forward and backward" : "forward")
-                                    << ", head " << bh << " of " << size_t(s.batch) * s.heads
-                                    << " (elements from " << bh * q_head << ")");
+    const Tolerances tol = tolerances_of(one, got, want, with_gradients);
+    INFO(name_of<T>() << (with_gradients ? " forward and backward" : " forward") << ", head "
+                      << bh << " of " << size_t(s.batch) * s.heads << " (elements from "
+                      << bh * q_head << ")");
     check_close("O", got.O, want.O, tol.O, s, q_layout(s, bh));
     check_close("L", got.L, want.L, tol.L, s, l_layout(s, bh));
     if (!with_gradients) return;
@@ -485,10 +528,23 @@ void check_big_head(const GpuAttention<T>& gpu, size_t bh,
                 kv_layout(s, bh));
     check_close("dV", got.dV, want.dV, tol.grad_rel * max_abs(want.dV), s, kv_layout(s, bh));
 }
-template void check_big_head(const GpuAttention<float>&, size_t,
-                             const std::vector<std::vector<float>>&, bool);
-template void check_big_head(const GpuAttention<__half>&, size_t,
-                             const std::vector<std::vector<__half>>&, bool);
+
+// The generic helpers above, for every element type the tests run: float, __half, __nv_bfloat16.
+#define FLASH_TEST_INSTANTIATE(T)                                                                  \
+    template void launch_forward(const T*, const T*, const T*, T*, float*,                         \
+                                 const AttentionShape&, int, cudaStream_t);                        \
+    template void launch_backward(const T*, const T*, const T*, const T*, const T*, const float*,  \
+                                  T*, T*, T*, const AttentionShape&, int, cudaStream_t);           \
+    template void check_against_reference(const Outputs<float>&, const Problem<T>&);               \
+    template void check_against_reference_backward(const Outputs<float>&, const Problem<T>&);      \
+    template Outputs<float> check_forward_on_gpu<T>(const AttentionShape&, uint32_t, int);         \
+    template Outputs<float> check_backward_on_gpu<T>(const AttentionShape&, uint32_t);             \
+    template void check_big_head(const GpuAttention<T>&, size_t,                                   \
+                                 const std::vector<std::vector<T>>&, bool);
+FLASH_TEST_INSTANTIATE(float)
+FLASH_TEST_INSTANTIATE(__half)
+FLASH_TEST_INSTANTIATE(__nv_bfloat16)
+#undef FLASH_TEST_INSTANTIATE
 
 // =============================================================================================
 // Source files

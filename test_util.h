@@ -1,28 +1,37 @@
 // test_util.h: what the test files share (Catch2 v2). Nothing here is a test: the tests are in
 // test_flash.cpp (the classroom core) and test_hardening.cpp; main() is in test_util.cpp.
 //
-//   Element types      float (chapter 1's tensors), __half (chapter 2's) and double (the
-//                      reference): NaN and the conversion to float for each
+//   Element types      float (chapter 1's tensors), __half and __nv_bfloat16 (chapter 2's, named
+//                      fp16 and bf16 in its tests' type lists) and double (the reference): NaN
+//                      and the conversion to float for each; Format16, what the tests need to
+//                      know of each 16-bit type (its name, its API's names, its rounding)
 //   Shapes, inputs     describe(), masked_rows(), seeds, random problems (fp32, and rounded to
-//                      fp16), the reference's outputs
-//   Shape lists        the head dims (fp32's, the fp16 forward's and backward's), the forward and
-//                      backward grids, the determinism shapes
-//   Tolerances         fp32's error bounds, the fp16 forward's and the fp16 backward's, each with
-//                      its derivation
+//                      fp16 or bf16: rounded_problem<T>), the reference's outputs
+//   Shape lists        the head dims (fp32's, chapter 2's), the forward and backward grids, the
+//                      sanitizer's and the masking tests' shapes, the determinism shapes
+//   Tolerances         fp32's error bounds, and chapter 2's forward's and backward's
+//                      (tolerances16, backward_tolerances16: one derivation for fp16 and bf16,
+//                      from the type's rounding), each with its derivation
 //   Comparing          check_close (the one comparison every test uses), masked rows, bitwise;
-//                      the fp16 forward and backward against the reference run on their exact
-//                      inputs
+//                      any element type's outputs against the reference run on its exact inputs
+//                      (check_against_reference, ..._backward)
 //   Device memory      DeviceBuffer<T> and GpuAttention<T>: upload, poison with NaN, run, download
-//                      (T = float runs chapter 1's kernels, T = __half chapter 2's); the same
-//                      calls repeated, every call's outputs bitwise the first's
-//   Validation         refusal(), NamesWord, FakeTensors: for the argument-validation tests
-//   Tile chooser       four real GPUs' properties, and what every tile (fp32, fp16 forward and
-//                      backward) must satisfy
+//                      (T = float runs chapter 1's kernels, T = __half or __nv_bfloat16 chapter
+//                      2's, through launch_forward<T> and launch_backward<T>); one random problem
+//                      checked on the GPU; the same calls repeated, every call's outputs bitwise
+//                      the first's
+//   Validation         refusal(), NamesWord, FakeTensors<T16>: for the argument-validation tests
+//   Tile chooser       four real GPUs' properties, and what every tile (fp32, chapter 2's forward
+//                      and backward: one for both types) must satisfy
 //   Big tensors        inputs built from a repeating pattern, checked one head at a time
 //   Source files       the lines of NOTES.md and flash.cu, for the [notes] test
+//
+// Chapter 2's tests are TEMPLATE_TEST_CASEs over (fp16, bf16), tagged [fp16][bf16]; a helper's
+// "16" (tolerances16, kSafety16, u16, Q16) stands for either 16-bit type.
 #pragma once
 
 #include <catch2/catch.hpp>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "flash.h"
@@ -37,6 +46,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -44,24 +54,55 @@
 // Element types. Every helper below that touches tensor elements goes through these, so that a
 // new element type needs only its own versions of them.
 
+// Chapter 2's two element types, by the names its tests list them under:
+// TEMPLATE_TEST_CASE(name, tags, fp16, bf16) runs the one body as "name - fp16" and "name - bf16".
+using fp16 = __half;
+using bf16 = __nv_bfloat16;
+
 // The NaN that outputs are filled with before a kernel runs: an element still NaN afterwards was
 // never written.
 template <typename T>
 T quiet_nan() {
     return std::numeric_limits<T>::quiet_NaN();
 }
-// fp16 has NaN too: exponent all ones and a nonzero mantissa, 0x7E00 for the quiet one.
+// fp16 and bf16 have NaN too: exponent all ones and a nonzero mantissa. The quiet one is 0x7E00
+// in fp16, and 0x7FC0 in bf16 (fp32's 0x7FC00000 cut to its upper 16 bits).
 template <>
 inline __half quiet_nan<__half>() {
-    __half_raw raw;
-    raw.x = 0x7E00;
-    return __half(raw);
+    return __half(__half_raw{0x7E00});
+}
+template <>
+inline __nv_bfloat16 quiet_nan<__nv_bfloat16>() {
+    return __nv_bfloat16(__nv_bfloat16_raw{0x7FC0});
 }
 
-// An element as a float, to compare and print. Exact for float and for __half (every fp16 value
-// is a float); the GPU's results come back to the host in this form.
+// An element as a float, to compare and print. Exact for every element type: every fp16 value is
+// a float, and so is every bf16 value (a float's upper 16 bits). The GPU's results come back to
+// the host in this form.
 inline float to_float(float x) { return x; }
 inline float to_float(__half x) { return __half2float(x); }
+inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// What the tests need to know of each 16-bit type T, fp16 or bf16 (one beside the other on each
+// line): its name (for messages), its API (the names the pointer refusals give, whether it takes
+// a Bc) and its rounding: `unit_roundoff`, the largest relative error of rounding a float to T
+// (to nearest), and `tiny_weight_error`, the largest absolute error of a softmax weight too small
+// for that relative bound. Both are derived under "Tolerances".
+template <typename T>
+struct Format16 {
+    static constexpr bool bf = std::is_same<T, __nv_bfloat16>::value;
+    static_assert(bf || std::is_same<T, __half>::value, "chapter 2's types: __half, __nv_bfloat16");
+    static constexpr const char* name = bf ? "bf16" : "fp16";
+    static constexpr const char* forward_api = bf ? "flash_forward_bf16" : "flash_forward_fp16";
+    static constexpr const char* backward_api = bf ? "flash_backward_bf16" : "flash_backward_fp16";
+    // whether its API has calls with a caller-chosen Bc: flash_forward_fp16_bc and
+    // flash_backward_fp16_bc exist, no bf16 twins
+    static constexpr bool takes_bc = !bf;
+    // 8 or 11 significant bits
+    static constexpr double unit_roundoff = bf ? 1.0 / (1 << 8) : 1.0 / (1 << 11);
+    // what ex2.approx.ftz flushes to 0 (2^-126), or half the spacing of fp16's subnormals (2^-25)
+    static constexpr double tiny_weight_error = bf ? 0x1p-126 : 1.0 / (1 << 25);
+};
 
 // =============================================================================================
 // Shapes and random inputs
@@ -105,8 +146,8 @@ Problem<T> random_problem(const AttentionShape& s, uint32_t salt) {
     return p;
 }
 
-// v with every element converted to To: float to __half rounds to nearest; __half to float or
-// double, and float to double, are exact.
+// v with every element converted to To: float to __half or __nv_bfloat16 rounds to nearest;
+// either to float or double, and float to double, are exact.
 template <typename To, typename From>
 std::vector<To> converted(const std::vector<From>& v) {
     std::vector<To> out(v.size());
@@ -120,11 +161,13 @@ Problem<To> converted(const Problem<From>& p) {
     return {p.s, converted<To>(p.Q), converted<To>(p.K), converted<To>(p.V), converted<To>(p.dO)};
 }
 
-// The fp16 forward's problem of shape s for this salt: random_problem's N(0, 1) floats, rounded
-// to fp16 (to nearest). The reference runs on these very values (converted<double>, exact), so
-// the rounding of the inputs is no part of the error the fp16 tests measure.
-inline Problem<__half> random_problem_fp16(const AttentionShape& s, uint32_t salt) {
-    return converted<__half>(random_problem(s, salt));
+// The problem of shape s for this salt in element type T: random_problem's N(0, 1) floats, as
+// they are for float (a copy), rounded to nearest for chapter 2's fp16 or bf16. The reference
+// runs on these very values (converted<double>, exact), so the rounding of the inputs is no part
+// of the error chapter 2's tests measure.
+template <typename T>
+Problem<T> rounded_problem(const AttentionShape& s, uint32_t salt) {
+    return converted<T>(random_problem(s, salt));
 }
 
 // A problem's outputs on the host: the reference's (in float or double), or the GPU's (as float).
@@ -176,18 +219,6 @@ double max_row_norm(const std::vector<T>& v, int d) {
     return m;
 }
 
-// The largest L1 norm (sum of |entries|) of a row of length d.
-template <typename T>
-double max_row_l1(const std::vector<T>& v, int d) {
-    double m = 0;
-    for (size_t r = 0; r < v.size() / size_t(d); ++r) {
-        double sum = 0;
-        for (int x = 0; x < d; ++x) sum += std::fabs(double(v[r * d + x]));
-        m = std::max(m, sum);
-    }
-    return m;
-}
-
 // =============================================================================================
 // Shape lists, named once. The CPU reference costs about batch*heads * q_len * kv_len * head_dim,
 // so the long sequences get one head only: the whole [gpu] suite's reference work stays a few
@@ -195,7 +226,7 @@ double max_row_l1(const std::vector<T>& v, int d) {
 
 // Every head dim with a kernel (flash.h's kFlashHeadDims), for GENERATE(from_range(kHeadDims)).
 inline const std::vector<int> kHeadDims(std::begin(kFlashHeadDims), std::end(kFlashHeadDims));
-// The same for chapter 2, forward and backward (kFlashFp16HeadDims), for GENERATE(from_range(...)).
+// The same for chapter 2, forward and backward, fp16 and bf16 (kFlashFp16HeadDims).
 inline const std::vector<int> kFp16HeadDims(std::begin(kFlashFp16HeadDims),
                                             std::end(kFlashFp16HeadDims));
 
@@ -220,6 +251,17 @@ std::vector<AttentionShape> grid(const std::vector<std::pair<int, int>>& lengths
 // The forward's grid (kForwardLengths, then kForwardUnequalLengths) and the backward's.
 std::vector<AttentionShape> forward_grid(const std::vector<int>& head_dims);
 std::vector<AttentionShape> backward_grid(const std::vector<int>& head_dims);
+
+// The sanitizer's subset (`make sanitize` runs the [sanitize] tests under compute-sanitizer, which
+// slows kernels 10-100x): small shapes that still cover odd and unequal lengths, a partial last
+// tile, causal on and off, batched heads and every head dim in `head_dims`. grid() over
+// (1, 1), (17, 33), (33, 17) and (n, n), every pair batched too.
+std::vector<AttentionShape> sanitizer_shapes(const std::vector<int>& head_dims, int n);
+
+// The masking tests' shapes: causal with q_len > kv_len (rows 0 .. q_len - kv_len - 1 of every
+// head see no key: from one, 257 against 256, to 999, 1000 against 1), batch 2, heads 3, every
+// head dim in `head_dims`.
+std::vector<AttentionShape> masking_shapes(const std::vector<int>& head_dims);
 
 // The determinism tests' shapes: odd and unequal lengths, batched heads, causal on and off, every
 // head dim once. long_kv_len is the kv_len of the one long case, (1, 2, 100, long_kv_len, 128).
@@ -251,7 +293,8 @@ std::vector<AttentionShape> determinism_shapes(int long_kv_len);
 // these very tests, stays below 1/12 of every tolerance (1/25 for the N(0, 1) grids), while the
 // bugs these tests exist for (a wrong mask, a lost tile, a wrong scale, even O off by 1e-4
 // relative) exceed them.
-// (The fp16 kernel has its own derivation, from fp16's rounding: below, fp16_tolerances.)
+// (Chapter 2's kernels have their own derivation, from fp16's and bf16's rounding: below,
+// tolerances16.)
 constexpr double kUnitRoundoff = 1.0 / (1 << 24);
 constexpr double kSafety = 32.0;
 
@@ -268,97 +311,112 @@ struct Tolerances {
 Tolerances tolerances(const Problem<float>& p, Rounding rounding);
 
 // ---------------------------------------------------------------------------------------------
-// Tolerances of the fp16 forward (chapter 2) against the reference, which runs in double on
-// exactly the fp16-rounded inputs (random_problem_fp16, then converted<double>): the rounding of
-// the inputs is not an error here, only the kernel's own arithmetic is. u16 = 2^-11 is fp16's
-// unit roundoff, u = 2^-24 fp32's; M = max|Q_i| max|K_j| / sqrt(d) as above; N = kv_len.
-//  - S = Q K^T on the tensor cores: an fp16 x fp16 product is exact in fp32, and the products
-//    are summed in fp32, but the tensor cores' fp32 accumulation is not guaranteed to round to
-//    nearest (it may truncate), so the errors can all have one sign: the aligned case above,
-//    |error of S_ij| <= d u M. That is already a worst case, so it takes no statistical safety
-//    factor, only 2 (the fp32 scaling of S by log2(e)/sqrt(d) and exp2f's few ulp add about one
-//    more u M). From S on, m, l and L are fp32, as in chapter 1, so
+// Tolerances of chapter 2's forward, in either 16-bit element type T (fp16 or bf16), against the
+// reference, which runs in double on exactly the rounded inputs (rounded_problem<T>, then
+// converted<double>): the rounding of the inputs is not an error here, only the kernel's own
+// arithmetic is. u16 is T's unit roundoff (Format16<T>::unit_roundoff): 2^-11 for fp16 (11
+// significant bits), 2^-8 for bf16 (8); u = 2^-24 is fp32's; M = max|Q_i| max|K_j| / sqrt(d) as
+// above; N = kv_len.
+//  - S = Q K^T on the tensor cores: a product of two T values (11 by 11 significant bits, or 8 by
+//    8) is exact in fp32 (24), and the products are summed in fp32, but the tensor cores' fp32
+//    accumulation is not guaranteed to round to nearest (it may truncate), so the errors can all
+//    have one sign: the aligned case above, |error of S_ij| <= d u M. That is already a worst
+//    case, so it takes no statistical safety factor, only 2 (the fp32 scaling of S by
+//    log2(e)/sqrt(d) and exp2's few ulp add about one more u M). From S on, m, l and L are fp32,
+//    as in chapter 1, so
 //        tol_L = 2 d u M + 32 u (sqrt(N) + 8)
-//    (the fp32 formula's random-rounding terms, 32 = kSafety as there, and the score term).
-//  - O: P~ = exp(S - m) <= 1 is rounded to fp16 before P~ V. Each weight is off by at most u16
-//    relative, plus 2^-25 absolute where it is subnormal (below 2^-14 ~ 6.1e-5), and the weights
-//    (divided by l) sum to 1, so O moves by at most u16 max|V| + N 2^-25 max|V|. l is summed from
-//    the unrounded fp32 P~, so the rounded weights sum to 1 only within u16: another u16 max|V|.
-//    O itself is rounded to fp16 (|O| <= max|V|): u16 max|V|. A score error e moves each weight
-//    by a relative e: tol_L max|V|. So
-//        tol_O = max|V| (3 u16 + N 2^-25 + tol_L).
-//    The P~ V products are exact in fp32 (fp16 x fp16) and their fp32 sums add about N u, far
-//    below u16. This bound is a worst case (every error aligned), not a statistical estimate, so
-//    it needs no safety factor beyond tol_L's. Its u16 terms alone are about 7 times the worst
-//    |error| on O an H100 showed on N(0, 1) inputs (9e-4, with max|V| ~ 4.5); the bugs the tests
-//    exist for (a wrong mask, a lost tile, a wrong scale) give errors of 0.1 to 1. The score
-//    term 2 d u M grows with d and with the scores: on N(0, 1) inputs tol_L is about 1e-4 at
-//    d = 16 and 8e-4 at d = 256 (tol_O about 7e-3 and 1e-2), and with Q and K scaled by 30 (the
-//    hardening test) tol_O approaches max|V|: there L, whose values are in the thousands, carries
-//    the check.
+//    (the fp32 formula's random-rounding terms, 32 = kSafety as there, and the score term): the
+//    same formula for both types, as nothing on L's way is rounded to 16 bits.
+//  - O: P~ = exp(S - m) <= 1 is rounded to T before P~ V. Each weight is off by at most u16
+//    relative, plus e16 absolute (Format16<T>::tiny_weight_error) where it is too small for T's
+//    normal numbers. fp16 rounds weights below 2^-14 ~ 6.1e-5 to its subnormals, spaced 2^-24:
+//    e16 = 2^-25. bf16's normal numbers reach down to fp32's 2^-126, and below that the kernels'
+//    exp2 (ex2.approx.ftz) has already flushed a weight to 0: e16 = 2^-126 (bf16's own
+//    subnormals, spaced 2^-133, never arise). fp16's e16 covers that flush too: a weight is
+//    flushed or rounded, never both, and 2^-126 is far below 2^-25. The weights (divided by l)
+//    sum to 1, so O moves by at most u16 max|V| + N e16 max|V|. l is summed from the unrounded
+//    fp32 P~, so the rounded weights sum to 1 only within u16: another u16 max|V|. O itself is
+//    rounded to T (|O| <= max|V|): u16 max|V|. A score error e moves each weight by a relative e:
+//    tol_L max|V|. So
+//        tol_O = max|V| (3 u16 + N e16 + tol_L).
+//    The P~ V products are exact in fp32 (T by T) and their fp32 sums add about N u, far below
+//    u16. This bound is a worst case (every error aligned), not a statistical estimate, so it
+//    needs no safety factor beyond tol_L's. In fp16 its u16 terms alone are about 7 times the
+//    worst |error| on O an H100 showed on N(0, 1) inputs (9e-4, with max|V| ~ 4.5). In bf16 they
+//    are 8 times larger, and so are the errors: over the forward grid an H100's worst |error| on
+//    O was 2.4e-3 max|V| in bf16 (3e-4 max|V| in fp16), a fifth of bf16's 3 u16 = 1.2e-2. The
+//    bugs the tests exist for (a wrong mask, a lost tile, a wrong scale) give errors of 0.1 to 1.
+//    The score term 2 d u M grows with d and with the scores: on N(0, 1) inputs tol_L is about
+//    1e-4 at d = 16 and 8e-4 at d = 256 (tol_O about 7e-3 and 1e-2 in fp16, 6e-2 at both in
+//    bf16), and with Q and K scaled by 30 (the hardening test) tol_O approaches max|V|: there L,
+//    whose values are in the thousands, carries the check.
 // Never loosen these to make a test pass: a test that fails them has found a bug, or a flaw in
 // this derivation (then fix the derivation, here, first).
-constexpr double kHalfUnitRoundoff = 1.0 / (1 << 11);  // u16
-constexpr double kHalfSubnormalError = 1.0 / (1 << 25);  // half the spacing of fp16's subnormals
 
-// The fp16 tolerances for problem p (its fp16 values, exactly): M, L and O (see above); the
-// gradient fields stay 0 (fp16_backward_tolerances fills them).
-Tolerances fp16_tolerances(const Problem<__half>& p);
+// Chapter 2's forward tolerances for problem p (its T values, exactly): M, L and O (see above);
+// the gradient fields stay 0 (backward_tolerances16 fills them). T: __half or __nv_bfloat16.
+template <typename T>
+Tolerances tolerances16(const Problem<T>& p);
 
 // ---------------------------------------------------------------------------------------------
-// Tolerances of the fp16 backward (flash_backward_fp16) against the reference, which runs in
-// double on exactly the fp16 inputs Q, K, V and dO and computes its own exact O and L, while the
-// kernels read the fp16 forward's O (fp16) and L (fp32). Those two are inputs of the backward, and
-// the test has both them and the reference's: so their actual errors are measured, element by
-// element, and carried through, rather than bounded by the forward's worst-case tol_O and tol_L.
-// u16, u, M, d as above.
-//  (a) P_ij = exp(S_ij - L_i) is recomputed: S_ij once more from exact fp16 products summed in
-//      fp32 (aligned at worst, as in the forward: d u M, and 2 d u M with the scaling and exp2f),
-//      L_i as the forward wrote it, off by dL = max_i |L_i - L_i(reference)|. An absolute error e
-//      of the exponent is a relative error e of P, so every P_ij is off by at most
+// Tolerances of chapter 2's backward (flash_backward_fp16, flash_backward_bf16) against the
+// reference, which runs in double on exactly the rounded inputs Q, K, V and dO and computes its
+// own exact O and L, while the kernels read the forward's O (in T) and L (fp32). Those two are
+// inputs of the backward, and the test has both them and the reference's: so their actual errors
+// are measured, element by element, and carried through, rather than bounded by the forward's
+// worst-case tol_O and tol_L. u16 (2^-11 in fp16, 2^-8 in bf16), u, M, d as above.
+//  (a) P_ij = exp(S_ij - L_i) is recomputed: S_ij once more from exact products of T values
+//      summed in fp32 (aligned at worst, as in the forward: d u M, and 2 d u M with the scaling
+//      and exp2), L_i as the forward wrote it, off by dL = max_i |L_i - L_i(reference)|. An
+//      absolute error e of the exponent is a relative error e of P, so every P_ij is off by at
+//      most
 //          eps = dL + 2 d u M   (relative).
-//  (b) Three fp16 roundings, each u16 relative to the element it rounds: P to fp16 for
-//      dV = P^T dO; dS = P o (dP - D) to fp16 for dQ = dS K and dK = dS^T Q; each gradient to fp16
-//      when it is written. dP = dO V^T itself is fp32 sums of exact fp16 products: d u M_dP with
+//  (b) Three roundings to T, each u16 relative to the element it rounds: P to T for
+//      dV = P^T dO; dS = P o (dP - D) to T for dQ = dS K and dK = dS^T Q; each gradient to T
+//      when it is written. dP = dO V^T itself is fp32 sums of exact products: d u M_dP with
 //      M_dP = max|dO_i| max|V_j|, far below u16, so it adds nothing worth a term.
-//  (c) D_i = rowsum(dO_i o O_i) is computed from the forward's fp16 O: it is off by exactly
+//  (c) D_i = rowsum(dO_i o O_i) is computed from the forward's O (in T): it is off by exactly
 //      dD_i = sum_x dO_ix (O_ix - O_ix(reference)), plus its fp32 sum's rounding, d u max|dO| max|V|
 //      at worst. dD = max_i |dD_i| + d u max|dO| max|V|.
 //  Each gradient element is a sum of many terms (over keys for dQ, over queries for dK and dV),
 //  each term carrying its own, independent roundings from (a) and (b). Measured against the
 //  reference gradient's largest entry, the error is then a few u16 plus the error of P:
-//      grad_rel = kSafety16 (3 u16 + eps).
+//      grad_rel = kSafety16 (3 u16 + eps)
+//  (on N(0, 1) inputs about 1.2e-2 + 8 eps in fp16, 9.4e-2 + 8 eps in bf16; over the backward
+//  grid an H100's worst gradient error stayed below a ninth of its tolerance in either type).
 //  kSafety16 = 8 is a statistical margin, not a worst case. The terms' rounding errors have
 //  random signs, so they add up as a random walk (the square root of their sum of squares), just
 //  as random terms themselves do: a sum's error stays a few u16 of the sum's typical size, not of
 //  the sum of the terms' sizes. 8 covers the tail: the worst of the many thousand elements one
 //  test compares sits some 5 standard deviations out. (A worst case, every rounding of a sum's
-//  terms aligned, would grow with the number of terms, and at u16 = 4.9e-4 would leave no test.)
+//  terms aligned, would grow with the number of terms, and at u16 = 4.9e-4, fp16's, let alone
+//  bf16's 3.9e-3, would leave no test.)
 //  Cancellation, as in the fp32 derivation: where dP_ij ~ D_i (e.g. kv_len = 1, where the exact
 //  dQ and dK are 0), dS_ij is nothing but the error of D_i, and no bound relative to the (tiny)
 //  reference gradient covers it. So the floors carry (c) through the two products:
 //      dQ_floor = 2 dD max|K| / sqrt(d)
 //  (dQ_i sums that error over keys with weights P_ij adding up to 1, times K_j / sqrt(d); every
-//  term of the sum has the same dD_i, so it is a worst case: 2 covers the fp16 rounding of dS
-//  and of dQ on top), and
+//  term of the sum has the same dD_i, so it is a worst case: 2 covers the rounding of dS and of
+//  dQ to T on top), and
 //      dK_floor = 4 dD max|Q| sqrt(q_len) / sqrt(d)
 //  (dK_j sums it over queries with weights P_ij <= 1, each query's dD_i of its own sign: a random
-//  walk over at most q_len terms, with the margin 4).
+//  walk over at most q_len terms, with the margin 4). dD carries the forward's rounding of O to
+//  T, so the floors are larger in bf16, as they should be.
 //  Nothing above depends on the tiles or on how many launches compute a gradient: at d = 256,
 //  where the kernel streams 32-row Q tiles and computes dV and (dK, dQ) in a launch each, each
 //  launch recomputes P as in (a) and rounds as in (b); dQ's sum over K/V tiles runs in fp32 in
-//  memory (in a fixed order) and is rounded to fp16 once, as (b) counts; the terms that grow with
+//  memory (in a fixed order) and is rounded to T once, as (b) counts; the terms that grow with
 //  d (2 d u M, d u max|dO| max|V|) are computed from the shape's own d.
 // As above: never loosen these to make a test pass; fix the derivation first if it is wrong.
 constexpr double kSafety16 = 8.0;
 
-// The fp16 backward's tolerances for problem p (its fp16 values, dO included), given the forward
-// outputs the kernels read (got.O, got.L: the fp16 forward's, as float) and the reference's
-// (want.O, want.L): the forward's tolerances (fp16_tolerances), then grad_rel, dQ_floor and
-// dK_floor as derived above.
-template <typename W>
-Tolerances fp16_backward_tolerances(const Problem<__half>& p, const Outputs<float>& got,
-                                    const Outputs<W>& want);
+// Chapter 2's backward tolerances for problem p (its T values, dO included), given the forward
+// outputs the kernels read (got.O, got.L: the forward's, as float) and the reference's (want.O,
+// want.L): the forward's tolerances (tolerances16), then grad_rel, dQ_floor and dK_floor as
+// derived above. T: __half or __nv_bfloat16; W: float or double.
+template <typename T, typename W>
+Tolerances backward_tolerances16(const Problem<T>& p, const Outputs<float>& got,
+                                 const Outputs<W>& want);
 
 // =============================================================================================
 // Comparing tensors
@@ -445,16 +503,23 @@ void check_backward(const Outputs<float>& got, const Outputs<W>& want, const Tol
     check_close("dV", got.dV, want.dV, tol.grad_rel * max_abs(want.dV), s, kv_layout(s));
 }
 
-// The fp16 forward's outputs (the GPU's, as float: exact) against the reference run in double on
-// p's exact fp16 values, within fp16_tolerances(p).
-void check_against_reference_fp16(const Outputs<float>& got, const Problem<__half>& p);
-// The fp16 forward's and backward's outputs (O, L, dQ, dK, dV) against the reference's, run in
-// double on p's exact fp16 values (dO included), within fp16_backward_tolerances.
-void check_against_reference_fp16_backward(const Outputs<float>& got, const Problem<__half>& p);
+// Any element type's forward outputs (the GPU's, as float: exact) against the reference's, on
+// p's exact values: for float (chapter 1), the reference in float, within tolerances(p,
+// Rounding::random); for __half and __nv_bfloat16 (chapter 2), the reference in double, within
+// tolerances16(p). On failure, the tolerances and the score bound M they come from are printed.
+template <typename T>
+void check_against_reference(const Outputs<float>& got, const Problem<T>& p);
+// The same for the forward's and the backward's outputs (O, L, dQ, dK, dV), dO included in p:
+// chapter 2's within backward_tolerances16 (which reads the GPU's O and L, as the kernels do).
+template <typename T>
+void check_against_reference_backward(const Outputs<float>& got, const Problem<T>& p);
 
 // Rows 0 .. masked-1 of every head must hold exactly `value` (0 for O and dQ, -inf for L).
 void check_masked_rows(const char* name, const std::vector<float>& got, const AttentionShape& s,
                        int row_len, float value);
+// Every output's: O = 0 and L = -inf in the rows that see no key, and dQ = 0 where got holds
+// gradients.
+void check_masked_rows(const Outputs<float>& got, const AttentionShape& s);
 
 // How many elements are NaN (e.g. still the poison: never written) or infinite.
 size_t count_bad(const std::vector<float>& v);
@@ -537,20 +602,19 @@ struct DeviceBuffer {
     }
 };
 
-// The kernels under test, one overload per element type: Bc = 0 runs flash_forward (the device's
-// own tile), Bc > 0 flash_forward_bc; with __half tensors (and a float L), flash_forward_fp16 and
-// flash_forward_fp16_bc, and flash_backward_fp16, so that GpuAttention<__half> runs chapter 2's
-// forward and backward.
-void launch_forward(const float* Q, const float* K, const float* V, float* O, float* L,
-                    const AttentionShape& s, int Bc, cudaStream_t stream);
-void launch_forward(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
-                    const AttentionShape& s, int Bc, cudaStream_t stream);
-void launch_backward(const float* Q, const float* K, const float* V, const float* O,
-                     const float* dO, const float* L, float* dQ, float* dK, float* dV,
-                     const AttentionShape& s, int Bc, cudaStream_t stream);  // Bc must be 0
-void launch_backward(const __half* Q, const __half* K, const __half* V, const __half* O,
-                     const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
-                     const AttentionShape& s, int Bc, cudaStream_t stream);
+// The kernels under test, by element type T (L is always float): float runs chapter 1's
+// flash_forward and flash_backward, __half chapter 2's flash_forward_fp16 and flash_backward_fp16,
+// __nv_bfloat16 its flash_forward_bf16 and flash_backward_bf16: so that GpuAttention<T> and one
+// validation test body serve every type. Bc = 0: the device's own tile; Bc > 0: that many keys a
+// K/V tile, through flash_forward_bc, flash_forward_fp16_bc or flash_backward_fp16_bc. Chapter 1's
+// backward and bf16 have no such call: given a Bc, they fail the test, saying so.
+template <typename T>
+void launch_forward(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape& s,
+                    int Bc = 0, cudaStream_t stream = 0);
+template <typename T>
+void launch_backward(const T* Q, const T* K, const T* V, const T* O, const T* dO, const float* L,
+                     T* dQ, T* dK, T* dV, const AttentionShape& s, int Bc = 0,
+                     cudaStream_t stream = 0);
 
 // One problem on the GPU, tensors of T (L is always float): inputs uploaded once; forward() and
 // backward() poison their outputs, run the kernels and wait for them. dO, dQ, dK and dV are
@@ -582,7 +646,7 @@ struct GpuAttention {
         FLASH_CUDA_CHECK(cudaDeviceSynchronize());
     }
     // Uses O and L as the last forward() left them. Bc = 0: the device's own tile; Bc > 0 (fp16
-    // only): flash_backward_fp16_bc.
+    // only): flash_backward_fp16_bc (see launch_backward).
     void backward(cudaStream_t stream = 0, int Bc = 0) {
         REQUIRE(dO.count == q_elems(s));
         if (dQ.count == 0) {
@@ -636,20 +700,17 @@ Outputs<float> outputs_of_identical_calls(GpuAttention<T>& gpu, int calls, bool 
     return first;
 }
 
-// Fresh random inputs for shape s; forward and backward on the GPU; every output against the
-// reference (the backward grid and the sanitizer subset share it).
-void check_forward_and_backward(const AttentionShape& s, uint32_t salt);
-
-// The same for the fp16 forward: fresh random inputs rounded to fp16 (random_problem_fp16), the
-// forward on the GPU (Bc = 0: the device's own tile; 32 or 64: flash_forward_fp16_bc), and O and
-// L against the reference (the fp16 grid, the sanitizer subset and the Bc test share it).
-void check_fp16_forward(const AttentionShape& s, uint32_t salt, int Bc = 0);
-
-// The same for the fp16 backward: fresh random inputs and dO rounded to fp16, flash_forward_fp16
-// for the kernel's own O and L, then flash_backward_fp16 with them (its outputs poisoned with NaN
-// first), and O, L, dQ, dK, dV against the reference (the fp16 backward grid and its sanitizer
-// subset share it).
-void check_fp16_backward(const AttentionShape& s, uint32_t salt);
+// One random problem checked on the GPU, in element type T (float: chapter 1; __half or
+// __nv_bfloat16: chapter 2): fresh inputs of shape s for this salt (rounded_problem<T>), the
+// forward (Bc = 0: the device's own tile; Bc > 0: see launch_forward), and O and L against the
+// reference (check_against_reference). Returns the GPU's outputs, for any further check. The
+// grids, the sanitizer subset, the masking tests and chapter 2's Bc test share it.
+template <typename T>
+Outputs<float> check_forward_on_gpu(const AttentionShape& s, uint32_t salt, int Bc = 0);
+// The same, with dO: the forward for the kernels' own O and L, then the backward with them (its
+// outputs poisoned with NaN first), and O, L, dQ, dK and dV against the reference.
+template <typename T>
+Outputs<float> check_backward_on_gpu(const AttentionShape& s, uint32_t salt);
 
 // The device's properties (of the current device), for the tests that depend on its shared memory.
 cudaDeviceProp current_device_props();
@@ -683,14 +744,16 @@ public:
 
 // Stand-ins for tensors in the validation tests: real, separate, 16-byte-aligned host arrays
 // (never read: validation refuses the call first). The inputs hold a pattern, the outputs NaN,
-// and the outputs must be bitwise unchanged afterwards. Q16 .. dV16 stand in for the fp16
-// forward's and backward's tensors (their L is the float L).
+// and the outputs must be bitwise unchanged afterwards. Q16 .. dV16 stand in for chapter 2's
+// tensors, of T16 (__half, or __nv_bfloat16); their L is the float L. Chapter 1's tests, and the
+// fp16-only ones, write `FakeTensors t;` (T16 = __half).
+template <typename T16 = __half>
 struct FakeTensors {
     static constexpr size_t kN = 64;
     alignas(16) float Q[kN], K[kN], V[kN], O[kN], L[kN], dO[kN], dQ[kN], dK[kN], dV[kN];
-    alignas(16) __half Q16[kN], K16[kN], V16[kN], O16[kN], dO16[kN], dQ16[kN], dK16[kN], dV16[kN];
+    alignas(16) T16 Q16[kN], K16[kN], V16[kN], O16[kN], dO16[kN], dQ16[kN], dK16[kN], dV16[kN];
     alignas(16) float snapshot[5][kN];
-    alignas(16) __half snapshot16[4][kN];  // O16, dQ16, dK16, dV16
+    alignas(16) T16 snapshot16[4][kN];  // O16, dQ16, dK16, dV16
 
     FakeTensors();                   // fills the inputs and poisons the outputs
     bool outputs_untouched() const;  // every output still bitwise as the constructor left it
@@ -698,6 +761,16 @@ struct FakeTensors {
 
 // A small shape every check accepts, for the tests to spoil one field of.
 inline AttentionShape valid_shape() { return {2, 3, 5, 7, 16, true}; }
+
+// The Bc values a validation test of chapter 2's forward passes to launch_forward, for
+// GENERATE(from_range(...)): 0, the API itself (flash_forward_fp16 or flash_forward_bf16), and
+// for fp16 alone `fp16_bcs` too (flash_forward_fp16_bc: bf16 has no such call).
+template <typename T>
+std::vector<int> bc_choices(std::initializer_list<int> fp16_bcs) {
+    std::vector<int> bcs = {0};
+    if (Format16<T>::takes_bc) bcs.insert(bcs.end(), fp16_bcs);
+    return bcs;
+}
 
 // =============================================================================================
 // The tile chooser
@@ -710,10 +783,10 @@ std::vector<cudaDeviceProp> known_gpus();
 // K_j and V_j in shared memory, ...).
 void check_tile(const char* which, const FlashTile& t, const cudaDeviceProp& prop, int d);
 
-// The same for the fp16 forward's tile: Br = 64 (four warps of 16 rows, the mma's M), 128
-// threads, 4 threads a row (an mma fragment's row), Bc 32 or 64, and shared memory for Q_i and
-// two stages of K_j and V_j, rows padded by 8 halves: (Br + 4 Bc) (d + 8) halves, within the
-// device's opt-in limit.
+// The same for chapter 2's forward tile (one tile serves fp16 and bf16): Br = 128 (four warps of
+// two mma tiles of 16 rows; 64 at d = 256), 128 threads, 4 threads a row (an mma fragment's row),
+// Bc 32 or 64 (or 128 up to d = 64), and shared memory for Q_i and two stages of K_j and V_j,
+// rows padded by 8 halves: (Br + 4 Bc) (d + 8) halves, within the device's opt-in limit.
 void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d);
 
 // The fp16 backward's bytes of shared memory at head dim d and Bc keys a K/V tile, as
@@ -721,9 +794,10 @@ void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d);
 // Q_i and dO_i (Br rows each), P^T and dS^T (Bc rows of Br + 8 halves each), two stages of L_i
 // and D_i (Br floats each); Br = 64 up to d = 128 and 32 at d = 256.
 size_t fp16_backward_bytes(int d, int Bc);
-// What the fp16 backward's tile must be: Br = 64 (32 at d = 256), Bc = 64 or 128 (from d = 32),
-// 2 Bc threads (a warp per 16 keys), 4 threads a row, shared_bytes as above, within the device's
-// opt-in limit and beside its reserve; Bc = 64 only where 128 does not fit (or d = 16).
+// What chapter 2's backward tile (fp16's and bf16's) must be: Br = 64 (32 at d = 256), Bc = 64
+// or 128 (from d = 32), 2 Bc threads (a warp per 16 keys), 4 threads a row, shared_bytes as
+// above, within the device's opt-in limit and beside its reserve; Bc = 64 only where 128 does
+// not fit (or d = 16).
 void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, int d);
 
 // =============================================================================================
@@ -746,9 +820,10 @@ std::vector<T> pattern_slice(const std::vector<T>& pattern, size_t first, size_t
 // Checks head `bh` of a big problem: rebuilds its inputs from `patterns` (Q, K, V, and
 // with_gradients dO), runs the reference on that head alone, and compares with that head's slice
 // of the GPU's outputs: O and L, and with_gradients dQ, dK and dV. T = float (chapter 1): the
-// reference on the float inputs, fp32's tolerances; T = __half (chapter 2; patterns:
-// random_pattern's values rounded to fp16): the reference in double on the exact fp16 values,
-// fp16_tolerances (fp16_backward_tolerances with gradients). Defined for float and __half.
+// reference on the float inputs, fp32's tolerances; T = __half or __nv_bfloat16 (chapter 2;
+// patterns: random_pattern's values rounded to T): the reference in double on the exact values,
+// tolerances16 (backward_tolerances16 with gradients). Defined for float, __half and
+// __nv_bfloat16.
 template <typename T>
 void check_big_head(const GpuAttention<T>& gpu, size_t bh,
                     const std::vector<std::vector<T>>& patterns, bool with_gradients);
