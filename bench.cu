@@ -2,21 +2,24 @@
 FlashAttention demo and benchmark: flash attention against standard attention done the way
 frameworks do it (cuBLAS GEMMs around a softmax kernel, with the whole (q_len, kv_len) score
 matrix of every head in device memory), in fp32 (chapter 1: flash_forward / flash_backward,
-flash.cu, on the CUDA cores) or fp16 (chapter 2: flash_forward_fp16 / flash_backward_fp16,
-flash_fp16.cu, on the tensor cores; at head_dim 128 and 256 the fp16 backward needs 121 and
-142.5 KiB of shared memory a block at least: A100, H100).
+flash.cu, on the CUDA cores), fp16 or bf16 (chapter 2: flash_forward_fp16 / flash_backward_fp16
+and their _bf16 twins, flash_fp16.cu, on the tensor cores; at head_dim 128 and 256 its backward
+needs 121 and 142.5 KiB of shared memory a block at least: A100, H100). The element types are
+data, one row each of kDtypes; everything below that table is one code for all three.
 
 Build and run the demo (one shape, timed, checked against the CPU reference; exits 1 on FAIL):
 make flash_bench && ./flash_bench
 (by hand: nvcc -O3 -std=c++17 -arch=native bench.cu standard.cu flash.cu flash_fp16.cu checks.cpp
  reference.cpp -lcublas -o flash_bench)
 
-One shape of your own, with keys-per-tile Bc forced to 32; the same in fp16:
+One shape of your own, with keys-per-tile Bc forced to 32; the same in bf16 (whose Bc is always
+the chosen one: flash.h has no bf16 forward that takes a Bc):
 ./flash_bench --batch 2 --heads 16 --seq 4096 --dim 128 --causal 0 --tile 32
-./flash_bench --batch 2 --heads 16 --seq 4096 --dim 128 --causal 0 --tile 32 --dtype fp16
+./flash_bench --batch 2 --heads 16 --seq 4096 --dim 128 --causal 0 --dtype bf16
 
-The FlashAttention-2 benchmark protocol (what `make bench` runs: fp32, then fp16), then the plot
-(`make plot`); `--protocol --dtype fp16` runs the fp16 block alone (seconds, not minutes):
+The FlashAttention-2 benchmark protocol (what `make bench` runs: fp32, then fp16, then bf16),
+then the plot (`make plot`); `--protocol --dtype bf16` runs the bf16 block alone (seconds, not
+minutes):
 ./flash_bench --protocol --csv bench.csv
 gnuplot -e "csv='bench.csv'; out='bench.png'" plot.gp
 
@@ -32,14 +35,16 @@ What is measured:
 - extra memory: device memory a method takes beyond its inputs and outputs (Q, K, V, O, L and
   for the backward dO, dQ, dK, dV), measured with cudaMemGetInfo and the stream-ordered memory
   pool's high watermark (see measure_begin / measure_end).
-- the peaks printed next to TFLOP/s (FP32 on the CUDA cores; dense FP16 on the tensor cores with
-  fp32 accumulate) are computed from device properties, not measured (see fp32_peak, fp16_peak).
+- the peaks printed next to TFLOP/s (FP32 on the CUDA cores; dense FP16 and BF16, one rate, on
+  the tensor cores with fp32 accumulate) are computed from device properties, not measured (see
+  device_peaks).
 */
 
 #include "flash.h"
 #include "standard.h"
 
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -54,6 +59,7 @@ What is measured:
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <variant>
 #include <vector>
 
 // Every kernel launch is followed by this: a bad launch configuration only shows up here.
@@ -62,30 +68,79 @@ What is measured:
 static constexpr int kMinTimedRuns = 10;       // never report a median of fewer runs
 static constexpr int kRowThreads = 256;        // threads per block of the row-wise kernels
 static constexpr double kTolerance = 2e-4;     // max |gpu - ref| <= kTolerance * max(1, max|ref|)
-// fp16's O: max |gpu - ref| <= kFp16Roundoffs * 2^-11 * max(1, max|V| of the head). P~ and O are
-// rounded to fp16, whose unit roundoff is 2^-11 (11 significant bits); each O row is a convex
-// combination of V rows, so its error is bounded by a few roundoffs times max|V|.
-static constexpr double kFp16Roundoffs = 4;
-static constexpr double kFp16UnitRoundoff = 1.0 / 2048;  // 2^-11
-// fp16's dQ, dK, dV: max |gpu - ref| <= kFp16GradRoundoffs * 2^-11 * max(1, max|ref|), per tensor.
-// P and dS are rounded to fp16 before the tensor-core products, and each gradient once more at
-// the end; a sum of such terms is off by a few unit roundoffs of its largest terms. 16 leaves
-// room for the cancellation in dS = P (dP - D).
-static constexpr double kFp16GradRoundoffs = 16;
+// fp16 and bf16 are checked in units of their unit roundoff u = 2^-p, p their significant bits
+// (11 and 8). O: max |gpu - ref| <= kRoundoffsO * u * max(1, max|V| of the head). P~ and O are
+// rounded to the element type; each O row is a convex combination of V rows, so its error is
+// bounded by a few roundoffs times max|V|. Standard attention's L (fp32) comes from S rounded to
+// T: rounding each score moves L = log sum exp(S) by a P-weighted mean of the moves, about u times
+// the scores' size, which is L's: it gets kRoundoffsO * u * max(1, max|L|) more.
+static constexpr double kRoundoffsO = 4;
+// dQ, dK, dV: max |gpu - ref| <= kRoundoffsGrad * u * max(1, max|ref|), per tensor. P and dS are
+// rounded before the tensor-core products, and each gradient once more at the end; a sum of such
+// terms is off by a few unit roundoffs of its largest terms. 16 leaves room for the cancellation
+// in dS = P (dP - D). All these errors scale with u: bf16's tolerances are 8 times fp16's.
+static constexpr double kRoundoffsGrad = 16;
 static constexpr double kMaxCheckMacs = 1073741824.0;  // 2^30: the CPU check's size limit
 static constexpr double kMiB = 1024.0 * 1024.0;
 static constexpr double kGiB = 1024.0 * kMiB;
 
-// The element types: fp32 (chapter 1) and fp16 (chapter 2). Templates below take T = float or
-// __half; kDtype names T at run time.
-enum class Dtype { fp32, fp16 };
-static const char* dtype_name(Dtype d) { return d == Dtype::fp16 ? "fp16" : "fp32"; }
+// =============================================================================================
+// The element types, as data
+// =============================================================================================
+
+// One chapter's entry points for element type T (float, __half or __nv_bfloat16). Called through
+// pointers, they take no default arguments: the callers pass the stream (0).
 template <typename T>
-constexpr Dtype kDtype = std::is_same_v<T, __half> ? Dtype::fp16 : Dtype::fp32;
+struct FlashApi {
+    using Elem = T;
+    void (*forward)(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape&,
+                    cudaStream_t);
+    // The forward with keys-per-tile Bc given (--tile); nullptr where flash.h has none (bf16).
+    void (*forward_bc)(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape&,
+                       int Bc, cudaStream_t);
+    void (*backward)(const T* Q, const T* K, const T* V, const T* O, const T* dO, const float* L,
+                     T* dQ, T* dK, T* dV, const AttentionShape&, cudaStream_t);
+};
+
+// One element type: what the benchmark runs and how it reads the results. `api`, its entry points,
+// also names by its alternative the C++ type T (sizeof(T): the element size) that the templates
+// below take: std::visit on it is where a dtype becomes a T.
+struct Dtype {
+    const char* name;       // as --dtype, the listings and the CSV's dtype column spell it
+    const char* runs_on;    // what flash runs on, for the demo
+    int min_major;          // the compute capability (major) it needs: chapter 2's mma.sync, 8.0
+    bool tensor;            // its peak: dense 16-bit tensor math with fp32 accumulate; else FP32
+    const char* peak_name;  // that peak, as the listings name it
+    int bits;               // significant bits p of its rounding (see kRoundoffsO); fp32: 0
+    int q_rows, kv_rows;    // the forward's shared-memory rows per query, per key (forward_tile)
+    FlashTile (*tile)(const cudaDeviceProp&, int head_dim);
+    FlashTile (*tile_backward)(const cudaDeviceProp&, int head_dim);
+    bool (*bc_ok)(int Bc, int head_dim);  // the Bc forward_bc takes, as it checks; nullptr: none
+    const char* bwd_scratch;              // the flash backward's extra memory, expected, in words
+    size_t (*bwd_scratch_bytes)(const AttentionShape&);  // and in bytes
+    std::variant<FlashApi<float>, FlashApi<__half>, FlashApi<__nv_bfloat16>> api;
+};
+
+static const Dtype kDtypes[] = {
+    {"fp32", "its CUDA cores (fp32 FMAs; chapter 2's tensor cores: --dtype fp16, bf16)",
+     0, false, "FP32 peak", 0, 0, 2, flash_choose_tile, flash_choose_tile_backward,
+     [](int, int) { return true; }, "its D buffer, B*H*q_len floats",
+     [](const AttentionShape& s) { return l_elems(s) * sizeof(float); },
+     FlashApi<float>{flash_forward, flash_forward_bc, flash_backward}},
+    {"fp16", "its tensor cores (fp16 mma.sync, fp32 sums)", 8, true, "FP16 tensor peak", 11, 1, 4,
+     flash_choose_tile_fp16, flash_choose_tile_fp16_backward,
+     [](int bc, int d) { return bc == 32 || bc == 64 || (bc == 128 && d <= 64); },
+     "dQ in fp32, D, turn counters", flash_backward_fp16_scratch_bytes,
+     FlashApi<__half>{flash_forward_fp16, flash_forward_fp16_bc, flash_backward_fp16}},
+    {"bf16", "its tensor cores (bf16 mma.sync, fp32 sums)", 8, true, "BF16 tensor peak", 8, 1, 4,
+     flash_choose_tile_fp16, flash_choose_tile_fp16_backward, nullptr,
+     "dQ in fp32, D, turn counters", flash_backward_fp16_scratch_bytes,
+     FlashApi<__nv_bfloat16>{flash_forward_bf16, nullptr, flash_backward_bf16}},
+};
 
 // Random inputs: x[i] ~ N(0, 1) from a hash of (seed, i), so any tensor is reproducible and the
 // fill never depends on the launch shape. Normal inputs give scores of standard deviation ~1.
-// fp16 tensors get the same values, rounded to fp16.
+// fp16 and bf16 tensors get the same values, rounded to their type.
 __device__ inline uint64_t splitmix64(uint64_t x) {
     x += 0x9E3779B97F4A7C15ull;
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -201,44 +256,35 @@ static bool try_alloc(T** p, size_t n) {
 // Timing, memory and validation helpers
 // =============================================================================================
 
-struct TimedRuns {
-    double median_ms = NAN;
-    int runs = 0;
-};
-
 // The one timing helper, for all four methods. One warm-up call (it pays for lazy module
 // loading, cold caches and clock ramp-up, and its time sizes the loop), then `repeat` timed calls,
 // each between two CUDA events; the median, since a few runs slowed by the rest of the system
 // would pull a mean. When budget_s > 0 fewer runs are made for slow calls, so that one measurement
 // takes about budget_s, but never fewer than kMinTimedRuns.
 template <typename Call>
-static TimedRuns time_median_ms(const Call& call, int repeat, double budget_s) {
+static double time_median_ms(const Call& call, int repeat, double budget_s) {
     cudaEvent_t start, stop;
     FLASH_CUDA_CHECK(cudaEventCreate(&start));
     FLASH_CUDA_CHECK(cudaEventCreate(&stop));
-    float ms = 0.f;
-    FLASH_CUDA_CHECK(cudaEventRecord(start));
-    call();
-    FLASH_CUDA_CHECK(cudaEventRecord(stop));
-    FLASH_CUDA_CHECK(cudaEventSynchronize(stop));
-    FLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    int runs = repeat;
-    if (budget_s > 0 && ms > 0)
-        runs = int(std::clamp(budget_s * 1e3 / ms, double(kMinTimedRuns), double(repeat)));
-    std::vector<float> times(runs);
-    for (int r = 0; r < runs; ++r) {
+    auto timed_call = [&] {
+        float ms = 0.f;
         FLASH_CUDA_CHECK(cudaEventRecord(start));
         call();
         FLASH_CUDA_CHECK(cudaEventRecord(stop));
         FLASH_CUDA_CHECK(cudaEventSynchronize(stop));
-        FLASH_CUDA_CHECK(cudaEventElapsedTime(&times[r], start, stop));
-    }
+        FLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        return ms;
+    };
+    const float warm_ms = timed_call();
+    int runs = repeat;
+    if (budget_s > 0 && warm_ms > 0)
+        runs = int(std::clamp(budget_s * 1e3 / warm_ms, double(kMinTimedRuns), double(repeat)));
+    std::vector<float> times(runs);
+    for (float& ms : times) ms = timed_call();
     FLASH_CUDA_CHECK(cudaEventDestroy(start));
     FLASH_CUDA_CHECK(cudaEventDestroy(stop));
     std::sort(times.begin(), times.end());
-    const double median =
-        runs % 2 ? times[runs / 2] : 0.5 * (times[runs / 2 - 1] + times[runs / 2]);
-    return {median, runs};
+    return runs % 2 ? times[runs / 2] : 0.5 * (times[runs / 2 - 1] + times[runs / 2]);
 }
 
 // Extra device memory of a method: memory it takes beyond the inputs and outputs it is given.
@@ -248,10 +294,10 @@ static TimedRuns time_median_ms(const Call& call, int repeat, double budget_s) {
 //      the call leaves allocated;
 //  (b) the growth of the device's stream-ordered memory pool over the call: its reserved-memory
 //      high watermark minus what it holds at the end. flash_backward takes its D buffer
-//      (B*H*q_len floats), flash_backward_fp16 its scratch (flash_backward_fp16_scratch_bytes: dQ
-//      in fp32, D, turn counters) from this pool with cudaMallocAsync and returns it
-//      inside the call, so after the synchronize (a) cannot see it; the watermark does, at the
-//      pool's granularity.
+//      (B*H*q_len floats), flash_backward_fp16 and _bf16 their scratch
+//      (flash_backward_fp16_scratch_bytes: dQ in fp32, D, turn counters) from this pool with
+//      cudaMallocAsync and return it inside the call, so after the synchronize (a) cannot see
+//      it; the watermark does, at the pool's granularity.
 // Not seen: memory a call takes with plain cudaMalloc and frees before it returns. Free memory
 // is per device, so another process allocating meanwhile would show up; granularity is ~2 MiB.
 // The cuBLAS handle's own memory (workspace) is measured once, at creation, and added to the
@@ -320,9 +366,9 @@ struct Peak {
     double ghz = 0;
 };
 struct Peaks {
-    Peak fp32;  // FP32 FMAs on the CUDA cores: what chapter 1 runs on
-    Peak fp16;  // dense FP16 on the tensor cores, fp32 accumulate: what chapter 2 runs on
-    const Peak& of(Dtype d) const { return d == Dtype::fp16 ? fp16 : fp32; }
+    Peak fp32;    // FP32 FMAs on the CUDA cores: what chapter 1 runs on
+    Peak tensor;  // dense FP16 or BF16 on the tensor cores, fp32 accumulate: chapter 2's
+    const Peak& of(const Dtype& d) const { return d.tensor ? tensor : fp32; }
 };
 
 static int fp32_lanes_per_sm(int major, int minor, bool* known) {
@@ -338,9 +384,11 @@ static int fp32_lanes_per_sm(int major, int minor, bool* known) {
     }
 }
 
-// Dense FP16 tensor-core FLOPs per clock per SM with FP32 accumulate (the mode of flash_fp16.cu's
-// mma and of standard attention's CUBLAS_COMPUTE_32F GEMMs): each whitepaper's dense "peak FP16
-// Tensor TFLOPS with FP32 accumulate" divided by SMs x the boost clock it is quoted at.
+// Dense 16-bit tensor-core FLOPs per clock per SM with FP32 accumulate (the mode of
+// flash_fp16.cu's mma and of standard attention's CUBLAS_COMPUTE_32F GEMMs): each whitepaper's
+// dense "peak FP16 Tensor TFLOPS with FP32 accumulate" divided by SMs x the boost clock it is
+// quoted at. BF16 with FP32 accumulate has the same peak in each whitepaper below from 8.0 on
+// (V100 has no BF16, and bf16 needs 8.0 here), so one rate serves fp16 and bf16.
 //   7.0 V100: 1024 (8 tensor cores x 64 FMA; Volta whitepaper: 125 TFLOPS, 80 SMs, 1.53 GHz)
 //   8.0 A100: 2048 (4 tensor cores x 256 FMA; A100 whitepaper: 312 TFLOPS, 108 SMs, 1.41 GHz)
 //   8.6 GA10x, 8.9 Ada: 512, the GeForce rate: these run FP32 accumulate at half the FP16-
@@ -352,7 +400,7 @@ static int fp32_lanes_per_sm(int major, int minor, bool* known) {
 //       peak is reached with wgmma (sm_90a's warpgroup MMA, which cuBLAS uses); mma.sync, which
 //       flash_fp16.cu uses, reaches only part of it on Hopper.
 // Anything else is assumed: Hopper's rate for newer architectures, Volta's for older ones.
-static int fp16_tensor_flops_per_clock(int major, int minor, bool* known) {
+static int tensor_flops_per_clock(int major, int minor, bool* known) {
     *known = true;
     if (major == 7 && minor == 0) return 1024;
     if (major == 8 && minor == 0) return 2048;
@@ -366,8 +414,8 @@ static Peaks device_peaks(const cudaDeviceProp& prop, int dev) {
     int khz = 0;  // CUDA 13 dropped cudaDeviceProp::clockRate; the attribute remains
     FLASH_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev));
     // The maximum clock the device reports. Whitepapers may quote tensor peaks at a lower boost
-    // clock (H100 SXM5: 1.83 GHz against the 1.98 GHz reported), so the fp16 figure here can be
-    // a few percent above theirs.
+    // clock (H100 SXM5: 1.83 GHz against the 1.98 GHz reported), so the tensor figure here can
+    // be a few percent above theirs.
     auto peak = [&](int flops_per_clock, bool known) {
         Peak p;
         p.flops_per_clock = flops_per_clock;
@@ -376,10 +424,10 @@ static Peaks device_peaks(const cudaDeviceProp& prop, int dev) {
         p.tflops = double(prop.multiProcessorCount) * flops_per_clock * khz * 1e3 * 1e-12;
         return p;
     };
-    bool known32 = false, known16 = false;
+    bool known32 = false, known_tensor = false;
     const int lanes = fp32_lanes_per_sm(prop.major, prop.minor, &known32);
-    const int fp16 = fp16_tensor_flops_per_clock(prop.major, prop.minor, &known16);
-    return {peak(2 * lanes, known32), peak(fp16, known16)};  // an FMA is 2 FLOPs
+    const int tensor = tensor_flops_per_clock(prop.major, prop.minor, &known_tensor);
+    return {peak(2 * lanes, known32), peak(tensor, known_tensor)};  // an FMA is 2 FLOPs
 }
 
 // One result: a method's time, throughput and extra memory, or why it did not run.
@@ -392,7 +440,7 @@ struct Measurement {
 
 struct RowResult {
     AttentionShape shape{};
-    Dtype dtype = Dtype::fp32;
+    const Dtype* dtype = nullptr;
     Measurement flash_fwd, flash_bwd, std_fwd, std_bwd;
     double fwd_diff = NAN, bwd_diff = NAN;  // max |flash - standard| over O; over dQ, dK, dV
 };
@@ -411,58 +459,45 @@ struct Options {
     int tile_bc = 0;  // 0: the device-derived Bc
     int repeat = 20;
     bool protocol = false, standard = true, backward = true;
-    Dtype dtype = Dtype::fp32;
-    bool dtype_given = false;  // without --dtype, the protocol runs both element types
+    const Dtype* dtype = nullptr;  // --dtype; without it the demo runs fp32, --protocol each type
     std::string csv;
-    bool runs(Dtype d) const {  // whether this run measures element type d
-        return dtype_given ? dtype == d : (protocol || d == Dtype::fp32);
-    }
 };
 
-// The flash calls for each element type; Bc > 0 forces the keys per tile.
-static void flash_fwd_call(const float* Q, const float* K, const float* V, float* O, float* L,
-                           const AttentionShape& s, int Bc) {
-    if (Bc > 0) flash_forward_bc(Q, K, V, O, L, s, Bc);
-    else flash_forward(Q, K, V, O, L, s);
-}
-static void flash_fwd_call(const __half* Q, const __half* K, const __half* V, __half* O,
-                           float* L, const AttentionShape& s, int Bc) {
-    if (Bc > 0) flash_forward_fp16_bc(Q, K, V, O, L, s, Bc);
-    else flash_forward_fp16(Q, K, V, O, L, s);
-}
-static void flash_bwd_call(const float* Q, const float* K, const float* V, const float* O,
-                           const float* dO, const float* L, float* dQ, float* dK, float* dV,
-                           const AttentionShape& s) {
-    flash_backward(Q, K, V, O, dO, L, dQ, dK, dV, s);
-}
-static void flash_bwd_call(const __half* Q, const __half* K, const __half* V, const __half* O,
-                           const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
-                           const AttentionShape& s) {
-    flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s);
-}
+// What every measurement shares: the options, the device and its peaks, the CSV file (or null),
+// the cuBLAS handle and the memory it takes (create_cublas).
+struct Bench {
+    const Options& opt;
+    const cudaDeviceProp& prop;
+    Peaks peaks;
+    FILE* csv;
+    cublasHandle_t cublas = nullptr;
+    double cublas_bytes = 0;
+};
 
 // The one benchmark helper: times and measures flash and standard attention, forward and
-// backward (unless --no-backward), on one shape whose tensors t holds. Afterwards t holds each
-// method's outputs. cublas_bytes: the handle's memory, counted in the standard method's extra.
+// backward (unless --no-backward), on one shape whose tensors t holds: `repeat` timed runs, or
+// fewer within budget_s (see time_median_ms). Afterwards t holds each method's outputs.
 template <typename T>
-static RowResult bench_row(const AttentionShape& s, const Options& opt, cublasHandle_t cublas,
-                           double cublas_bytes, double budget_s, Tensors<T>& t) {
+static RowResult bench_row(const Bench& b, const Dtype& dt, const AttentionShape& s,
+                           Tensors<T>& t, double budget_s, int repeat) {
+    const FlashApi<T>& api = std::get<FlashApi<T>>(dt.api);
+    const Options& opt = b.opt;
     RowResult r;
     r.shape = s;
-    r.dtype = kDtype<T>;
+    r.dtype = &dt;
     const bool backward = opt.backward;
     const double fwd_flops = forward_flops(s), bwd_flops = backward_flops(s);
     auto finish = [&](Measurement& m, const MemProbe& probe, double flops, double add_bytes,
                       const auto& call) {
         m.extra_bytes = measure_end(probe) + add_bytes;
-        const TimedRuns timed = time_median_ms(call, opt.repeat, budget_s);
         m.ran = true;
-        m.ms = timed.median_ms;
+        m.ms = time_median_ms(call, repeat, budget_s);
         m.tflops = flops / (m.ms * 1e-3) * 1e-12;
     };
 
     auto flash_fwd = [&] {
-        flash_fwd_call(t.Q, t.K, t.V, t.O, t.L, s, opt.tile_bc);
+        if (opt.tile_bc > 0) api.forward_bc(t.Q, t.K, t.V, t.O, t.L, s, opt.tile_bc, 0);
+        else api.forward(t.Q, t.K, t.V, t.O, t.L, s, 0);
         LAUNCH_CHECK();
     };
     MemProbe probe = measure_begin();
@@ -470,7 +505,7 @@ static RowResult bench_row(const AttentionShape& s, const Options& opt, cublasHa
     finish(r.flash_fwd, probe, fwd_flops, 0, flash_fwd);
     if (backward) {
         auto flash_bwd = [&] {
-            flash_bwd_call(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s);
+            api.backward(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s, 0);
             LAUNCH_CHECK();
         };
         probe = measure_begin();
@@ -491,19 +526,19 @@ static RowResult bench_row(const AttentionShape& s, const Options& opt, cublasHa
         r.std_bwd.oom = backward;
         return r;
     }
-    auto std_fwd = [&] { standard_forward(cublas, t.Q, t.K, t.V, P, t.Os, t.Ls, s); };
+    auto std_fwd = [&] { standard_forward(b.cublas, t.Q, t.K, t.V, P, t.Os, t.Ls, s); };
     std_fwd();
-    finish(r.std_fwd, probe, fwd_flops, cublas_bytes, std_fwd);
+    finish(r.std_fwd, probe, fwd_flops, b.cublas_bytes, std_fwd);
     r.fwd_diff = max_abs_diff(t.O, t.Os, q_elems(s), t.scratch);
     if (backward) {
         if (!try_alloc(&dP, score_elems)) {
             r.std_bwd.oom = true;
         } else {
             auto std_bwd = [&] {
-                standard_backward(cublas, t.Q, t.K, t.V, t.dO, P, dP, t.dQs, t.dKs, t.dVs, s);
+                standard_backward(b.cublas, t.Q, t.K, t.V, t.dO, P, dP, t.dQs, t.dKs, t.dVs, s);
             };
             std_bwd();
-            finish(r.std_bwd, probe, bwd_flops, cublas_bytes, std_bwd);
+            finish(r.std_bwd, probe, bwd_flops, b.cublas_bytes, std_bwd);
             const float dq = max_abs_diff(t.dQ, t.dQs, q_elems(s), t.scratch);
             const float dk = max_abs_diff(t.dK, t.dKs, kv_elems(s), t.scratch);
             const float dv = max_abs_diff(t.dV, t.dVs, kv_elems(s), t.scratch);
@@ -516,16 +551,7 @@ static RowResult bench_row(const AttentionShape& s, const Options& opt, cublasHa
     return r;
 }
 
-// The one validation helper: copies ref.size() elements at `device` back and compares them with
-// the CPU reference: max |gpu - ref| against the tolerance tol the caller derives (see
-// check_against_reference). Equal infinities agree (L = -inf on rows that see no key); anything
-// else non-finite fails.
-struct Check {
-    double err = 0, tol = 0;
-    bool ok() const { return err <= tol; }  // false for NaN
-};
-
-// One head's slice of a device tensor, widened to float (exactly, for fp16).
+// One head's slice of a device tensor, widened to float (exactly, for fp16 and bf16).
 template <typename T>
 static std::vector<float> copy_head(const T* device, size_t head, size_t per_head) {
     std::vector<T> h(per_head);
@@ -536,16 +562,19 @@ static std::vector<float> copy_head(const T* device, size_t head, size_t per_hea
     return f;
 }
 
+// The one validation helper: copies ref.size() elements at `device` back and returns
+// max |gpu - ref| against the CPU reference, which the caller holds to its tolerance (see
+// check_against_reference). Equal infinities agree (L = -inf on rows that see no key); anything
+// else non-finite is a NaN error, which no tolerance passes.
 template <typename T>
-static Check validate(const T* device, const std::vector<float>& ref, double tol) {
+static double max_error(const T* device, const std::vector<float>& ref) {
     const std::vector<float> got = copy_head(device, 0, ref.size());
-    Check c;
+    double err = 0;
     for (size_t i = 0; i < ref.size(); ++i) {
         const double e = (got[i] == ref[i]) ? 0.0 : std::fabs(double(got[i]) - double(ref[i]));
-        if (!std::isnan(c.err) && !(e <= c.err)) c.err = e;  // a NaN error sticks
+        if (!std::isnan(err) && !(e <= err)) err = e;  // a NaN error sticks
     }
-    c.tol = tol;
-    return c;
+    return err;
 }
 
 // max(1, max |x|) over the finite x: what the tolerances scale with (errors grow with the
@@ -558,18 +587,19 @@ static double scale_of(const std::vector<float>& x) {
 }
 
 // Checks the first and the last (batch, head) of each method that ran against the CPU
-// reference, run on those heads alone (a batch = 1, heads = 1 shape on the slices; in fp16 on
-// the fp16 inputs widened exactly to float, so only the GPU's own rounding is measured). Prints
-// one line per head and method; returns whether all passed.
-// Tolerances: fp32, kTolerance x max(1, max|ref|) (fp32 against double accumulation); fp16, for
-// O kFp16Roundoffs x 2^-11 x max(1, max|V| of the head) (see kFp16Roundoffs), for dQ, dK, dV
-// kFp16GradRoundoffs x 2^-11 x max(1, max|ref|) of each (see kFp16GradRoundoffs), and for L,
-// which is fp32 in both chapters, the fp32 rule. The reference's backward runs from its own O
-// and L, on the same dO (in fp16, the fp16 dO widened exactly).
+// reference, run on those heads alone (a batch = 1, heads = 1 shape on the slices; in fp16 and
+// bf16 on their inputs widened exactly to float, so only the GPU's own rounding is measured).
+// Prints one line per head and method; returns whether all passed.
+// Tolerances (the constants above say why): fp32, kTolerance x max(1, max|ref|); fp16 and bf16,
+// in units of their unit roundoff u, O kRoundoffsO x u x max(1, max|V| of the head) and dQ, dK,
+// dV kRoundoffsGrad x u x max(1, max|ref|) each; L, fp32 in both chapters, the fp32 rule, and
+// standard attention's kRoundoffsO x u x max(1, max|L|) more. The reference's backward runs from
+// its own O and L, on the same dO (in fp16 and bf16, theirs widened exactly).
 template <typename T>
 static bool check_against_reference(const RowResult& r, const Tensors<T>& t) {
     const AttentionShape& s = r.shape;
-    const bool fp16 = kDtype<T> == Dtype::fp16;
+    const Dtype& dt = *r.dtype;
+    const double u = dt.bits > 0 ? std::ldexp(1.0, -dt.bits) : 0;  // 0: fp32, kTolerance's rule
     const bool backward = r.flash_bwd.ran;
     const size_t bh = size_t(s.batch) * s.heads, d = s.head_dim;
     const size_t nq = size_t(s.q_len) * d, nkv = size_t(s.kv_len) * d, nl = s.q_len;
@@ -577,16 +607,15 @@ static bool check_against_reference(const RowResult& r, const Tensors<T>& t) {
     one.batch = one.heads = 1;
     std::vector<size_t> heads = {0};
     if (bh > 1) heads.push_back(bh - 1);
-    if (fp16) {
-        printf("check against the CPU reference (double accumulation, on the fp16 inputs), "
-               "tolerance O %.0f x 2^-11 x max(1, max|V|),\n  L %.0e x max(1, max|ref|)",
-               kFp16Roundoffs, kTolerance);
-        if (backward)
-            printf(", dQ/dK/dV %.0f x 2^-11 x max(1, max|ref|) each", kFp16GradRoundoffs);
-        printf(":\n");
-    } else
-        printf("check against the CPU reference (double accumulation), "
-               "tolerance %.0e x max(1, max|ref|):\n", kTolerance);
+    printf("check against the CPU reference (double accumulation, on the %s inputs), tolerance\n  ",
+           dt.name);
+    if (u == 0) printf("%.0e x max(1, max|ref|)", kTolerance);
+    else
+        printf("O %.0f x 2^-%d x max(1, max|V|), L %.0e x max(1, max|ref|) (standard's: + %.0f x "
+               "2^-%d x that)", kRoundoffsO, dt.bits, kTolerance, kRoundoffsO, dt.bits);
+    if (u > 0 && backward)
+        printf(",\n  dQ/dK/dV %.0f x 2^-%d x max(1, max|ref|) each", kRoundoffsGrad, dt.bits);
+    printf(":\n");
     fflush(stdout);  // the CPU reference takes a while on long sequences: say what is running
     bool all_ok = true;
     for (size_t head : heads) {
@@ -599,31 +628,33 @@ static bool check_against_reference(const RowResult& r, const Tensors<T>& t) {
             attention_reference_backward(q.data(), k.data(), v.data(), o.data(), dout.data(),
                                          l.data(), dq.data(), dk.data(), dv.data(), one);
         }
-        const double o_tol = fp16 ? kFp16Roundoffs * kFp16UnitRoundoff * scale_of(v)
-                                  : kTolerance * scale_of(o);
+        const double o_tol = u > 0 ? kRoundoffsO * u * scale_of(v) : kTolerance * scale_of(o);
+        const double l_tol = kTolerance * scale_of(l);
+        const double grad_rel = u > 0 ? kRoundoffsGrad * u : kTolerance;
         struct Method {
             const char* name;
             bool grads;  // whether its backward ran
+            double l_tol;
             const T *O;
             const float* L;
             const T *dQ, *dK, *dV;
         };
-        std::vector<Method> methods = {{"flash", backward, t.O, t.L, t.dQ, t.dK, t.dV}};
+        std::vector<Method> methods = {{"flash", backward, l_tol, t.O, t.L, t.dQ, t.dK, t.dV}};
         if (r.std_fwd.ran)
-            methods.push_back({"standard", r.std_bwd.ran, t.Os, t.Ls, t.dQs, t.dKs, t.dVs});
+            methods.push_back({"standard", r.std_bwd.ran, l_tol + kRoundoffsO * u * scale_of(l),
+                               t.Os, t.Ls, t.dQs, t.dKs, t.dVs});
         for (const Method& m : methods) {
             printf("  %-8s head (b=%zu, h=%zu)", m.name, head / s.heads, head % s.heads);
             bool ok = true;
             auto report = [&](const char* what, const auto* device, size_t offset_per_head,
                               const std::vector<float>& ref, double tol) {
-                const Check c = validate(device + head * offset_per_head, ref, tol);
-                printf("  %s %.1e%s", what, c.err, c.ok() ? "" : " (too large)");
-                ok = ok && c.ok();
+                const double err = max_error(device + head * offset_per_head, ref);
+                printf("  %s %.1e%s", what, err, err <= tol ? "" : " (too large)");
+                ok = ok && err <= tol;  // false for NaN
             };
             report("O", m.O, nq, o, o_tol);
-            report("L", m.L, nl, l, kTolerance * scale_of(l));
+            report("L", m.L, nl, l, m.l_tol);
             if (m.grads) {
-                const double grad_rel = fp16 ? kFp16GradRoundoffs * kFp16UnitRoundoff : kTolerance;
                 report("dQ", m.dQ, nq, dq, grad_rel * scale_of(dq));
                 report("dK", m.dK, nkv, dk, grad_rel * scale_of(dk));
                 report("dV", m.dV, nkv, dv, grad_rel * scale_of(dv));
@@ -637,47 +668,30 @@ static bool check_against_reference(const RowResult& r, const Tensors<T>& t) {
 
 // ---- printing ---------------------------------------------------------------------------------
 
-static void print_tile(const char* what, const FlashTile& t, const char* origin) {
-    printf("%s tile: Br %d, Bc %d, %d threads, %d threads/row, %.1f KiB shared (%s)\n", what, t.Br,
-           t.Bc, t.threads, t.threads_per_row, t.shared_bytes / 1024.0, origin);
-}
-
-// The forward tile actually used: with --tile only Bc (and so the shared memory) changes.
-static FlashTile forward_tile(const cudaDeviceProp& prop, int dim, int tile_bc, Dtype dtype) {
-    if (dtype == Dtype::fp16) {
-        FlashTile fwd = flash_choose_tile_fp16(prop, dim);
-        if (tile_bc > 0 && tile_bc != fwd.Bc) {
-            // A block of flash_fp16.cu holds Q_i (Br rows) and two stages of K_j and V_j (4 Bc
-            // rows), all rows of one padded length, so that length is read off the chosen tile.
-            const size_t row_bytes = fwd.shared_bytes / size_t(fwd.Br + 4 * fwd.Bc);
-            fwd.Bc = tile_bc;
-            fwd.shared_bytes = row_bytes * size_t(fwd.Br + 4 * tile_bc);
-        }
-        return fwd;
-    }
-    FlashTile fwd = flash_choose_tile(prop, dim);
-    if (tile_bc > 0) {
+// The forward tile actually used: with --tile only Bc, and so the shared memory, changes. That
+// memory is rows of one padded length (dt.q_rows, dt.kv_rows), read off the chosen tile.
+static FlashTile forward_tile(const cudaDeviceProp& prop, int dim, int tile_bc, const Dtype& dt) {
+    FlashTile fwd = dt.tile(prop, dim);
+    if (tile_bc > 0 && tile_bc != fwd.Bc) {
+        auto rows = [&](int Bc) { return size_t(dt.q_rows) * fwd.Br + size_t(dt.kv_rows) * Bc; };
+        fwd.shared_bytes = fwd.shared_bytes / rows(fwd.Bc) * rows(tile_bc);
         fwd.Bc = tile_bc;
-        fwd.shared_bytes = 2 * size_t(tile_bc) * dim * sizeof(float);  // K_j and V_j
     }
     return fwd;
 }
-// The backward's tile only where the backward runs: with --no-backward, a GPU whose shared
-// memory is too small for the fp16 backward's tile (99 KB at head_dim 128 and 256) still runs.
-static void print_tiles(const cudaDeviceProp& prop, int dim, int tile_bc, Dtype dtype,
+// The tiles of one element type and head_dim. The backward's only where the backward runs: with
+// --no-backward, a GPU whose shared memory is too small for the chapter-2 backward's tile (99 KB
+// at head_dim 128 and 256) still runs.
+static void print_tiles(const cudaDeviceProp& prop, int dim, int tile_bc, const Dtype& dt,
                         bool backward) {
-    const FlashTile fwd = forward_tile(prop, dim, tile_bc, dtype);
-    const char* origin = tile_bc > 0 ? "Bc from --tile" : "chosen for this device";
-    if (dtype == Dtype::fp16) {
-        print_tile("fp16 forward ", fwd, origin);
-        if (backward)
-            print_tile("fp16 backward", flash_choose_tile_fp16_backward(prop, dim),
-                       "chosen for this device");
-        return;
-    }
-    print_tile("forward ", fwd, origin);
-    if (backward)
-        print_tile("backward", flash_choose_tile_backward(prop, dim), "chosen for this device");
+    auto line = [&](const char* pass, const FlashTile& t, const char* origin) {
+        printf("%s %s tile: Br %d, Bc %d, %d threads, %d threads/row, %.1f KiB shared (%s)\n",
+               dt.name, pass, t.Br, t.Bc, t.threads, t.threads_per_row, t.shared_bytes / 1024.0,
+               origin);
+    };
+    line("forward ", forward_tile(prop, dim, tile_bc, dt),
+         tile_bc > 0 ? "Bc from --tile" : "chosen for this device");
+    if (backward) line("backward", dt.tile_backward(prop, dim), "chosen for this device");
 }
 
 // "12.345" / "OOM (needs 32.0 GiB)" / "-" (not run).
@@ -723,8 +737,8 @@ static void print_protocol_header() {
            "TFLOP/s", "%peak", "extra MiB", "speedup", "max|flash-std|");
 }
 
-// dtype: fp32 or fp16. fp32_peak_tflops: the FP32 peak on every row; peak_tflops: the peak of
-// the row's dtype (FP32, or dense FP16 tensor with fp32 accumulate), which %peak divides by.
+// dtype: fp32, fp16 or bf16. fp32_peak_tflops: the FP32 peak on every row; peak_tflops: the peak
+// of the row's dtype (FP32, or dense 16-bit tensor with fp32 accumulate), which %peak divides by.
 static const char* kCsvHeader =
     "dtype,dim,heads,batch,seq,kv_seq,causal,"
     "flash_fwd_ms,flash_fwd_tflops,std_fwd_ms,std_fwd_tflops,fwd_speedup,"
@@ -740,7 +754,7 @@ static void write_csv_row(FILE* f, const RowResult& r, const Peaks& peaks) {
     auto speedup = [&](const Measurement& a, const Measurement& b) {
         num(a.ran && b.ran ? b.ms / a.ms : NAN);
     };
-    fprintf(f, "%s,%d,%d,%d,%d,%d,%d", dtype_name(r.dtype), s.head_dim, s.heads, s.batch,
+    fprintf(f, "%s,%d,%d,%d,%d,%d,%d", r.dtype->name, s.head_dim, s.heads, s.batch,
             s.q_len, s.kv_len, int(s.causal));
     num(r.flash_fwd.ms), num(r.flash_fwd.tflops), num(r.std_fwd.ms), num(r.std_fwd.tflops);
     speedup(r.flash_fwd, r.std_fwd);
@@ -749,14 +763,13 @@ static void write_csv_row(FILE* f, const RowResult& r, const Peaks& peaks) {
     speedup(r.flash_bwd, r.std_bwd);
     num(r.flash_bwd.extra_bytes / kMiB), num(r.std_bwd.extra_bytes / kMiB);
     num(r.std_fwd.needs_bytes / kMiB), num(r.std_bwd.needs_bytes / kMiB);
-    num(r.fwd_diff), num(r.bwd_diff), num(peaks.fp32.tflops), num(peaks.of(r.dtype).tflops);
+    num(r.fwd_diff), num(r.bwd_diff), num(peaks.fp32.tflops), num(peaks.of(*r.dtype).tflops);
     fprintf(f, "\n");
     fflush(f);
 }
 
-// One markdown table of one dtype's rows; without a backward (--no-backward), its columns are
-// left out.
-static void print_markdown_summary(const std::vector<RowResult>& rows, Dtype dtype,
+// One markdown table of one dtype's rows; what did not run (--no-backward, say) reads "-".
+static void print_markdown_summary(const std::vector<RowResult>& rows, const Dtype& dt,
                                    bool backward) {
     auto mib = [](const Measurement& m) {
         char buf[32] = "-";
@@ -764,29 +777,21 @@ static void print_markdown_summary(const std::vector<RowResult>& rows, Dtype dty
         else if (m.ran) snprintf(buf, sizeof buf, "%.0f", m.extra_bytes / kMiB);
         return std::string(buf);
     };
-    printf("\n%s%s:\n\n", dtype_name(dtype), backward ? "" : ", forward only");
+    printf("\n%s%s:\n\n", dt.name, backward ? "" : ", forward only (bwd columns: -)");
     printf("| head_dim | heads x batch | seq | causal | flash fwd ms | standard fwd ms "
-           "| fwd speed-up |");
-    if (backward)
-        printf(" flash bwd ms | standard bwd ms | bwd speed-up "
-               "| extra MiB flash fwd / bwd | extra MiB standard fwd / bwd |\n"
-               "|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    else
-        printf(" extra MiB flash fwd | extra MiB standard fwd |\n"
-               "|---:|---:|---:|:---:|---:|---:|---:|---:|---:|\n");
+           "| fwd speed-up | flash bwd ms | standard bwd ms | bwd speed-up "
+           "| extra MiB flash fwd / bwd | extra MiB standard fwd / bwd |\n"
+           "|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const RowResult& r : rows) {
-        if (r.dtype != dtype) continue;
+        if (r.dtype != &dt) continue;
         const AttentionShape& s = r.shape;
-        printf("| %d | %d x %d | %d | %s | %s | %s | %s |", s.head_dim, s.heads, s.batch, s.q_len,
-               s.causal ? "yes" : "no", fmt_ms(r.flash_fwd, 0).c_str(),
-               fmt_ms(r.std_fwd, 0).c_str(), fmt_speedup(r.flash_fwd, r.std_fwd).c_str());
-        if (backward)
-            printf(" %s | %s | %s | %s / %s | %s / %s |\n", fmt_ms(r.flash_bwd, 0).c_str(),
-                   fmt_ms(r.std_bwd, 0).c_str(), fmt_speedup(r.flash_bwd, r.std_bwd).c_str(),
-                   mib(r.flash_fwd).c_str(), mib(r.flash_bwd).c_str(), mib(r.std_fwd).c_str(),
-                   mib(r.std_bwd).c_str());
-        else
-            printf(" %s | %s |\n", mib(r.flash_fwd).c_str(), mib(r.std_fwd).c_str());
+        printf("| %d | %d x %d | %d | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s / %s |\n",
+               s.head_dim, s.heads, s.batch, s.q_len, s.causal ? "yes" : "no",
+               fmt_ms(r.flash_fwd, 0).c_str(), fmt_ms(r.std_fwd, 0).c_str(),
+               fmt_speedup(r.flash_fwd, r.std_fwd).c_str(), fmt_ms(r.flash_bwd, 0).c_str(),
+               fmt_ms(r.std_bwd, 0).c_str(), fmt_speedup(r.flash_bwd, r.std_bwd).c_str(),
+               mib(r.flash_fwd).c_str(), mib(r.flash_bwd).c_str(), mib(r.std_fwd).c_str(),
+               mib(r.std_bwd).c_str());
     }
 }
 
@@ -842,18 +847,20 @@ static const std::vector<Flag>& flags() {
              return std::string();
          }},
         {"--dtype", "TYPE", false,
-         "fp32 (default; chapter 1, CUDA cores) or fp16 (chapter 2, tensor cores);\n"
-         "                  --protocol without it runs both",
+         "fp32 (default; chapter 1, CUDA cores), fp16 or bf16 (chapter 2, tensor\n"
+         "                  cores); --protocol without it runs all three",
          [](Options& o, const char* v) {
-             if (strcmp(v, "fp32") == 0) o.dtype = Dtype::fp32;
-             else if (strcmp(v, "fp16") == 0) o.dtype = Dtype::fp16;
-             else return "needs fp32 or fp16, got '" + std::string(v) + "'";
-             o.dtype_given = true;
-             return std::string();
+             std::string names;
+             for (const Dtype& d : kDtypes) {
+                 if (strcmp(v, d.name) == 0) o.dtype = &d;
+                 names += (names.empty() ? "" : ", ") + std::string(d.name);
+             }
+             if (o.dtype && strcmp(v, o.dtype->name) == 0) return std::string();
+             return "needs one of " + names + ", got '" + v + "'";
          }},
         {"--tile", "BC", false,
          "keys per K/V tile Bc of the flash forward (default: chosen for the device;\n"
-         "                  fp16 takes 32 or 64)",
+         "                  fp16 takes 32, 64, or 128 up to head_dim 64; bf16 takes none)",
          [](Options& o, const char* v) { return set_int(v, &o.tile_bc, 1); }},
         {"--repeat", "N", false,
          "timed runs per measurement, at least " + std::to_string(kMinTimedRuns) +
@@ -862,8 +869,8 @@ static const std::vector<Flag>& flags() {
         {"--protocol", nullptr, false,
          "the FlashAttention-2 benchmark: batch*seq = 16384, hidden 2048\n"
          "                  (head_dim 64 x 32 heads, 128 x 16 heads), seq 512..16384, causal\n"
-         "                  0 and 1, fp32 then fp16 (--dtype picks one); the shape flags do\n"
-         "                  not combine with it",
+         "                  0 and 1, fp32, fp16, then bf16 (--dtype picks one); the shape\n"
+         "                  flags do not combine with it",
          [](Options& o, const char*) { o.protocol = true; return std::string(); }},
         {"--csv", "FILE", false, "also write the rows as CSV to FILE (for plot.gp)",
          [](Options& o, const char* v) {
@@ -880,9 +887,9 @@ static const std::vector<Flag>& flags() {
 
 static void usage(FILE* f) {
     fprintf(f, "usage: flash_bench [options]\n"
-               "  Times flash attention against standard attention (cuBLAS + softmax kernels), "
-               "fp32 or fp16.\n"
-               "  Default: one shape, timed, checked against the CPU reference; exit 1 on FAIL.\n");
+               "  Times flash attention against standard attention (cuBLAS + softmax kernels)\n"
+               "  in fp32, fp16 or bf16. Default: one shape, timed, checked against the CPU\n"
+               "  reference; exit 1 on FAIL.\n");
     for (const Flag& flag : flags()) {
         const std::string name = std::string(flag.name) + (flag.value ? " " : "") +
                                  (flag.value ? flag.value : "");
@@ -919,67 +926,101 @@ static bool parse_args(int argc, char** argv, Options& opt, bool* help) {
         fprintf(stderr, "flash_bench: --protocol fixes its shapes; drop the shape flags\n");
         return false;
     }
-    // Checked once every flag is in: --dtype may come after --tile.
-    if (opt.tile_bc > 0 && opt.runs(Dtype::fp16) && opt.tile_bc != 32 && opt.tile_bc != 64) {
-        fprintf(stderr, "flash_bench: --tile %d: the fp16 forward takes 32 or 64%s\n",
-                opt.tile_bc, opt.dtype_given ? "" : " (--dtype fp32 runs fp32 alone)");
+    // Checked once every flag is in: --dtype may come after --tile. (Which Bc a forward takes
+    // is checked with the device, in dtypes_to_run.)
+    if (opt.tile_bc > 0 && opt.dtype && !opt.dtype->bc_ok) {
+        fprintf(stderr, "flash_bench: --tile: flash.h has no %s forward that takes a Bc\n",
+                opt.dtype->name);
         return false;
     }
     if (opt.kv_seq == 0) opt.kv_seq = opt.seq;
     return true;
 }
 
-// The memory the cuBLAS handle takes, for each element type: its workspace and what its first
-// GEMM loads. Measured once; the handle serves every row, and its memory is counted in the
-// standard method's extra.
-struct CublasBytes {
-    double fp32 = 0, fp16 = 0;
-    double of(Dtype d) const { return d == Dtype::fp16 ? fp16 : fp32; }
-};
-
-// The handle, then one tiny fp32 GEMM, then one tiny fp16 GEMM, free memory read between them:
-// fp32's figure is the handle and the first GEMM; fp16's is all of it (which also holds the
-// fp32 GEMM's kernels, below the measurement's granularity, but misses nothing of its own, such
-// as a workspace the first GEMM may have allocated).
-static cublasHandle_t create_cublas(CublasBytes* bytes) {
-    float* tiny = nullptr;  // allocated outside the measurement: ours, not cuBLAS's
-    __half* tiny16 = nullptr;
-    const int n = 64;
-    FLASH_CUDA_CHECK(cudaMalloc(&tiny, 3 * n * n * sizeof(float)));
-    FLASH_CUDA_CHECK(cudaMalloc(&tiny16, 3 * n * n * sizeof(__half)));
-    fill_normal(tiny, 2 * n * n, 7);
-    fill_normal(tiny16, 2 * n * n, 7);
-    const size_t before = free_device_bytes();
-    cublasHandle_t cublas = nullptr;
-    CUBLAS_CHECK(cublasCreate(&cublas));
-    // Default math: plain FP32 GEMMs for fp32. TF32 tensor-core math (CUBLAS_TF32_TENSOR_OP_MATH)
-    // would be faster but rounds inputs to 10 mantissa bits; the fp32 baseline must be as exact as
-    // flash (which is plain fp32), so TF32 stays off. fp16 GEMMs use the tensor cores in this mode.
-    CUBLAS_CHECK(cublasSetMathMode(cublas, CUBLAS_DEFAULT_MATH));
-    gemm_rowmajor(cublas, false, true, n, n, n, 1.f, tiny, 0, tiny + n * n, 0, tiny + 2 * n * n,
-                  0, 1);
-    const size_t after_fp32 = free_device_bytes();
-    gemm_rowmajor(cublas, false, true, n, n, n, 1.f, tiny16, 0, tiny16 + n * n, 0,
-                  tiny16 + 2 * n * n, 0, 1);
-    const size_t after_fp16 = free_device_bytes();
-    bytes->fp32 = std::max(0.0, double(before) - double(after_fp32));
-    bytes->fp16 = std::max(0.0, double(before) - double(after_fp16));
-    FLASH_CUDA_CHECK(cudaFree(tiny));
-    FLASH_CUDA_CHECK(cudaFree(tiny16));
-    return cublas;
+// The element types this run measures, in table order: --dtype's, or without it fp32 for the
+// demo and each type for --protocol, less those this GPU or --tile cannot run (said here). Their
+// tiles are chosen here, before anything is set up, so that what cannot run is refused now, not
+// after minutes of protocol: a type --dtype names on a GPU too old for it (runtime_error), a
+// --tile its forward does not take or whose tile does not fit (std::invalid_argument).
+static std::vector<const Dtype*> dtypes_to_run(const Options& opt, const cudaDeviceProp& prop) {
+    std::vector<const Dtype*> todo;
+    for (const Dtype& d : kDtypes) {
+        if (opt.dtype ? opt.dtype != &d : !opt.protocol && &d != kDtypes) continue;
+        if (!opt.dtype && prop.major < d.min_major)
+            printf("%s block skipped: it needs compute capability %d.0 or newer; this GPU is "
+                   "%d.%d\n", d.name, d.min_major, prop.major, prop.minor);
+        else if (!opt.dtype && opt.tile_bc > 0 && !d.bc_ok)
+            printf("%s block skipped: no %s forward takes --tile's Bc\n", d.name, d.name);
+        else todo.push_back(&d);
+    }
+    for (const Dtype* d : todo)
+        for (int dim : {opt.protocol ? 64 : opt.dim, opt.protocol ? 128 : opt.dim}) {
+            const size_t need = forward_tile(prop, dim, opt.tile_bc, *d).shared_bytes;
+            char why[160] = "";
+            if (opt.tile_bc > 0 && !d->bc_ok(opt.tile_bc, dim))
+                snprintf(why, sizeof why, "the %s forward does not take it (--help)", d->name);
+            else if (need > prop.sharedMemPerBlockOptin)
+                snprintf(why, sizeof why, "%zu bytes of shared memory in %s; this device allows "
+                         "%zu per block", need, d->name, size_t(prop.sharedMemPerBlockOptin));
+            if (*why)
+                throw std::invalid_argument("--tile " + std::to_string(opt.tile_bc) +
+                                            " at head_dim " + std::to_string(dim) + ": " + why);
+        }
+    return todo;
 }
 
-// A tiny row of everything before the first measured row: the first call of each kernel loads
-// its module (lazy loading), which would otherwise be counted as the first row's extra memory.
+// The cuBLAS handle, and the memory it takes: its workspace and what its first GEMMs load (one
+// tiny GEMM of each element type this run measures). Measured once; the handle serves every row,
+// and this memory is counted in the standard method's extra, the same in every type's rows: what
+// one type's GEMM kernels add is below the measurement's granularity (on an H100 the demo reads
+// 66 MiB in each of the three types).
+static void create_cublas(Bench& b, const std::vector<const Dtype*>& todo) {
+    const int n = 64;
+    const size_t bytes = 3 * n * n * sizeof(float);  // A, B, C of any of the types
+    void* tiny = nullptr;  // allocated outside the measurement: ours, not cuBLAS's
+    FLASH_CUDA_CHECK(cudaMalloc(&tiny, bytes));
+    FLASH_CUDA_CHECK(cudaMemset(tiny, 0, bytes));
+    const size_t before = free_device_bytes();
+    CUBLAS_CHECK(cublasCreate(&b.cublas));
+    // Default math: plain FP32 GEMMs for fp32. TF32 tensor-core math (CUBLAS_TF32_TENSOR_OP_MATH)
+    // would be faster but rounds inputs to 10 mantissa bits; the fp32 baseline must be as exact as
+    // flash (which is plain fp32), so TF32 stays off. fp16 and bf16 GEMMs use the tensor cores in
+    // this mode.
+    CUBLAS_CHECK(cublasSetMathMode(b.cublas, CUBLAS_DEFAULT_MATH));
+    for (const Dtype* d : todo)
+        std::visit([&](const auto& api) {
+            using T = typename std::decay_t<decltype(api)>::Elem;
+            T* m = static_cast<T*>(tiny);
+            gemm_rowmajor(b.cublas, false, true, n, n, n, 1.f, m, 0, m + n * n, 0, m + 2 * n * n,
+                          0, 1);
+        }, d->api);
+    b.cublas_bytes = std::max(0.0, double(before) - double(free_device_bytes()));
+    FLASH_CUDA_CHECK(cudaFree(tiny));
+}
+
+// Before the listed rows of one head_dim: a tiny unlisted row of everything (the first call of a
+// kernel loads its module, which would count as the first row's extra memory), and the header.
 template <typename T>
-static void warm_up(const Options& opt, int dim, cublasHandle_t cublas) {
+static void begin_rows(const Bench& b, const Dtype& dt, int dim) {
     const AttentionShape tiny{1, 1, 128, 128, dim, true};
-    Options quick = opt;
-    quick.repeat = kMinTimedRuns;
     Tensors<T> t;
-    alloc_tensors(t, tiny, opt.standard, opt.backward, 99);
-    bench_row(tiny, quick, cublas, 0, 0, t);
+    alloc_tensors(t, tiny, b.opt.standard, b.opt.backward, 99);
+    bench_row(b, dt, tiny, t, 0, kMinTimedRuns);
     free_tensors(t);
+    print_protocol_header();
+}
+
+// One listed row: measured on new tensors t (bench_row; t keeps them), printed, written to the
+// CSV. budget_s: see time_median_ms.
+template <typename T>
+static RowResult list_row(const Bench& b, const Dtype& dt, const AttentionShape& s,
+                          Tensors<T>& t, double budget_s) {
+    alloc_tensors(t, s, b.opt.standard, b.opt.backward, 1000 + s.q_len);
+    const RowResult r = bench_row(b, dt, s, t, budget_s, b.opt.repeat);
+    print_pass(r, false, b.peaks.of(dt));
+    if (b.opt.backward) print_pass(r, true, b.peaks.of(dt));
+    if (b.csv) write_csv_row(b.csv, r, b.peaks);
+    return r;
 }
 
 // The demo's default batch: enough (batch, head) pairs that the forward's grid (one block per
@@ -1001,170 +1042,81 @@ static int default_batch(const cudaDeviceProp& prop, const Options& opt, const F
 }
 
 template <typename T>
-static int run_demo(const Options& opt, const cudaDeviceProp& prop, const Peaks& peaks,
-                    cublasHandle_t cublas, const CublasBytes& cublas_bytes, FILE* csv) {
-    constexpr Dtype dtype = kDtype<T>;
-    const bool fp16 = dtype == Dtype::fp16;
-    const Peak& peak = peaks.of(dtype);
-    const FlashTile tile = forward_tile(prop, opt.dim, opt.tile_bc, dtype);
-    const int batch = opt.batch > 0 ? opt.batch : default_batch(prop, opt, tile);
+static int run_demo(const Bench& b, const Dtype& dt) {
+    const Options& opt = b.opt;
+    const FlashTile tile = forward_tile(b.prop, opt.dim, opt.tile_bc, dt);
+    const int batch = opt.batch > 0 ? opt.batch : default_batch(b.prop, opt, tile);
     const AttentionShape s{batch, opt.heads, opt.seq, opt.kv_seq, opt.dim, opt.causal};
     validate_shape(s);
     printf("shape: batch %d, heads %d, q_len %d, kv_len %d, head_dim %d, causal %d, %s\n",
-           s.batch, s.heads, s.q_len, s.kv_len, s.head_dim, int(s.causal), dtype_name(dtype));
+           s.batch, s.heads, s.q_len, s.kv_len, s.head_dim, int(s.causal), dt.name);
     const bool backward = opt.backward;
-    print_tiles(prop, s.head_dim, opt.tile_bc, dtype, backward);
-    warm_up<T>(opt, s.head_dim, cublas);
-
-    Tensors<T> t;
-    alloc_tensors(t, s, opt.standard, backward, 1234);
-    const RowResult r = bench_row(s, opt, cublas, cublas_bytes.of(dtype), 0, t);
-
+    print_tiles(b.prop, s.head_dim, opt.tile_bc, dt, backward);
     printf("timing: median of %d timed runs after warm-up (CUDA events)\n"
            "TFLOP/s counts 4 * head_dim FLOPs per (query, key) pair the mask lets through, per\n"
-           "  head (2.5x that backward), for both methods; ", opt.repeat);
-    if (fp16)
-        printf("this GPU's dense FP16 tensor peak (fp32\n  accumulate) is %.1f TFLOP/s, and "
-               "flash runs on its tensor cores (fp16 mma.sync, fp32 sums)\n", peak.tflops);
-    else
-        printf("this GPU's FP32 peak is %.1f TFLOP/s,\n  and flash runs on its CUDA cores (fp32 "
-               "FMAs; tensor cores are chapter 2's: --dtype fp16)\n", peak.tflops);
-    const char* peak_name = fp16 ? "FP16 tensor peak" : "FP32 peak";
-    auto line = [&](const char* name, const Measurement& m) {
-        if (m.oom)
-            printf("  %-18s: OOM (its workspace needs %.2f GiB)\n", name, m.needs_bytes / kGiB);
-        else if (m.ran)
-            printf("  %-18s: %9.3f ms  %7.2f TFLOP/s (%4.1f%% of %s)  extra memory %9.1f MiB\n",
-                   name, m.ms, m.tflops, 100 * m.tflops / peak.tflops, peak_name,
-                   m.extra_bytes / kMiB);
-    };
-    line("flash forward", r.flash_fwd);
-    line("standard forward", r.std_fwd);
-    if (r.flash_fwd.ran && r.std_fwd.ran)
-        printf("  forward speed-up  : %.2fx\n", r.std_fwd.ms / r.flash_fwd.ms);
-    line("flash backward", r.flash_bwd);
-    line("standard backward", r.std_bwd);
-    if (r.flash_bwd.ran && r.std_bwd.ran)
-        printf("  backward speed-up : %.2fx\n", r.std_bwd.ms / r.flash_bwd.ms);
+           "  head (2.5x that backward), for both methods; %%peak: of the %s, %.1f TFLOP/s\n"
+           "flash runs on %s\n", opt.repeat, dt.peak_name, b.peaks.of(dt).tflops, dt.runs_on);
+    begin_rows<T>(b, dt, s.head_dim);
+    Tensors<T> t;
+    const RowResult r = list_row(b, dt, s, t, 0);
     printf("extra memory = device memory beyond inputs and outputs, measured (cudaMemGetInfo\n"
            "  and the memory pool's high watermark, so rounded up to allocation granularity).\n"
-           "  Expected:\n");
-    if (backward && dtype == Dtype::fp16)
-        printf("  flash forward 0; flash backward dQ in fp32, D, turn counters "
-               "(flash_backward_fp16_scratch_bytes) = %.2f MiB\n",
-               flash_backward_fp16_scratch_bytes(s) / kMiB);
-    else if (backward)
-        printf("  flash forward 0; flash backward its D buffer, B*H*q_len floats = %.2f MiB\n",
-               l_elems(s) * sizeof(float) / kMiB);
-    else printf("  flash forward 0\n");
+           "  Expected:\n  flash forward 0");
+    if (backward)
+        printf("; flash backward %s = %.2f MiB", dt.bwd_scratch, dt.bwd_scratch_bytes(s) / kMiB);
+    printf("\n");
     if (opt.standard)
-        printf("  standard: S/P (B*H, q_len, kv_len) %s = %.1f MiB%s, plus the cuBLAS\n"
-               "  handle's %.1f MiB\n", dtype_name(dtype),
+        printf("  standard: S/P (B*H, q_len, kv_len) %s = %.1f MiB%s,\n"
+               "  plus the cuBLAS handle's %.1f MiB\n", dt.name,
                double(l_elems(s)) * s.kv_len * sizeof(T) / kMiB,
-               backward ? ", twice that in the backward (P and dP)" : "",
-               cublas_bytes.of(dtype) / kMiB);
-    if (r.std_fwd.ran) printf("max |flash - standard|: O %.1e", r.fwd_diff);
-    if (r.std_bwd.ran) printf(", dQ/dK/dV %.1e", r.bwd_diff);
-    if (r.std_fwd.ran) printf("\n");
-    if (csv) write_csv_row(csv, r, peaks);
-
+               backward ? ", twice that in the backward (P and dP)" : "", b.cublas_bytes / kMiB);
     // The CPU reference is plain double-precision loops: past ~2^30 multiply-adds per head it
     // would take minutes, so large shapes are checked only against standard attention above.
     const double macs_per_head = double(s.q_len) * s.kv_len * s.head_dim;
-    if (macs_per_head > kMaxCheckMacs) {
+    const bool check = macs_per_head <= kMaxCheckMacs;
+    if (!check)
         printf("CPU reference check skipped: %.1e multiply-adds per head is over %.1e "
-               "(use a shorter --seq to check)\nNOT CHECKED\n", macs_per_head, kMaxCheckMacs);
-        free_tensors(t);
-        return 0;
-    }
-    const bool ok = check_against_reference(r, t);
+               "(use a shorter --seq to check)\n", macs_per_head, kMaxCheckMacs);
+    const bool ok = !check || check_against_reference(r, t);
     free_tensors(t);
-    printf("%s\n", ok ? "PASS" : "FAIL");
+    printf("%s\n", !check ? "NOT CHECKED" : ok ? "PASS" : "FAIL");
     return ok ? 0 : 1;
 }
 
 // The protocol's rows of one element type, appended to rows.
 template <typename T>
-static void run_protocol_block(const Options& opt, const cudaDeviceProp& prop, const Peaks& peaks,
-                               cublasHandle_t cublas, const CublasBytes& cublas_bytes, FILE* csv,
-                               std::vector<RowResult>& rows) {
-    constexpr Dtype dtype = kDtype<T>;
-    struct Config {
-        int dim, heads;
-    };
-    const Config configs[] = {{64, 32}, {128, 16}};  // hidden = dim * heads = 2048
+static void run_protocol_block(const Bench& b, const Dtype& dt, std::vector<RowResult>& rows) {
+    const Options& opt = b.opt;
+    const int hidden = 2048;  // head_dim * heads: 64 x 32 and 128 x 16
     const int seqs[] = {512, 1024, 2048, 4096, 8192, 16384};
     const int tokens = 16384;  // batch * seq
     const double budget_s = 1.0;  // per measurement: large rows time 10 runs, not opt.repeat
     const bool backward = opt.backward;
-    printf("\n==== %s: FlashAttention-2 protocol: batch * seq = %d, hidden 2048, %s%s\n",
-           dtype_name(dtype), tokens, opt.standard ? "flash vs standard attention" : "flash only",
+    printf("\n==== %s: FlashAttention-2 protocol: batch * seq = %d, hidden %d, %s%s\n",
+           dt.name, tokens, hidden, opt.standard ? "flash vs standard attention" : "flash only",
            backward ? ", forward and backward" : ", forward only");
     printf("times: median of %d..%d timed runs after warm-up (CUDA events); extra = device memory "
-           "beyond inputs and outputs (MiB); %%peak: of the %s peak, %.1f TFLOP/s\n",
-           kMinTimedRuns, opt.repeat,
-           dtype == Dtype::fp16 ? "dense FP16 tensor (fp32 accumulate)" : "FP32",
-           peaks.of(dtype).tflops);
-    for (const Config& c : configs) {
-        printf("\nhead_dim %d, %d heads:\n", c.dim, c.heads);
-        print_tiles(prop, c.dim, opt.tile_bc, dtype, backward);
-        warm_up<T>(opt, c.dim, cublas);
-        print_protocol_header();
+           "beyond inputs and outputs (MiB); %%peak: of the %s, %.1f TFLOP/s\n",
+           kMinTimedRuns, opt.repeat, dt.peak_name, b.peaks.of(dt).tflops);
+    for (int dim : {64, 128}) {
+        const int heads = hidden / dim;
+        printf("\nhead_dim %d, %d heads:\n", dim, heads);
+        print_tiles(b.prop, dim, opt.tile_bc, dt, backward);
+        begin_rows<T>(b, dt, dim);
         auto run_row = [&](const AttentionShape& s) {
             Tensors<T> t;
-            alloc_tensors(t, s, opt.standard, backward, 1000 + s.q_len);
-            const RowResult r = bench_row(s, opt, cublas, cublas_bytes.of(dtype), budget_s, t);
+            rows.push_back(list_row(b, dt, s, t, budget_s));
             free_tensors(t);
-            print_pass(r, false, peaks.of(dtype));
-            if (backward) print_pass(r, true, peaks.of(dtype));
-            if (csv) write_csv_row(csv, r, peaks);
-            rows.push_back(r);
         };
         for (int causal = 0; causal <= 1; ++causal)
-            for (int seq : seqs) run_row({tokens / seq, c.heads, seq, seq, c.dim, causal == 1});
+            for (int seq : seqs) run_row({tokens / seq, heads, seq, seq, dim, causal == 1});
         // Past the protocol, the memory wall: batch 1 at twice the longest length. Standard
         // attention's (B*H, N, N) scores alone are then sizeof(T) * heads * N^2 bytes: in fp32
-        // 128 GiB at 32 heads, which no 80 GB card holds; in fp16 64 GiB, which may fit, and
-        // twice that for its backward (P and dP), which no 80 GB card holds: an OOM row.
+        // 128 GiB at 32 heads, which no 80 GB card holds; in fp16 and bf16 64 GiB, which may fit,
+        // and twice that for its backward (P and dP), which no 80 GB card holds: an OOM row.
         // Flash attention still needs no more than O(B*H*N).
-        run_row({1, c.heads, 2 * tokens, 2 * tokens, c.dim, false});
+        run_row({1, heads, 2 * tokens, 2 * tokens, dim, false});
     }
-}
-
-static int run_protocol(const Options& opt, const cudaDeviceProp& prop, const Peaks& peaks,
-                        cublasHandle_t cublas, const CublasBytes& cublas_bytes, FILE* csv) {
-    std::vector<RowResult> rows;
-    bool fp16 = opt.runs(Dtype::fp16);
-    if (fp16 && !opt.dtype_given && prop.major < 8) {  // asked for by name, the library says why
-        printf("fp16 block skipped: flash_forward_fp16 needs compute capability 8.0 or newer; "
-               "this GPU is %d.%d\n", prop.major, prop.minor);
-        fp16 = false;
-    }
-    if (opt.runs(Dtype::fp32))
-        run_protocol_block<float>(opt, prop, peaks, cublas, cublas_bytes, csv, rows);
-    if (fp16) run_protocol_block<__half>(opt, prop, peaks, cublas, cublas_bytes, csv, rows);
-    if (opt.runs(Dtype::fp32)) print_markdown_summary(rows, Dtype::fp32, opt.backward);
-    if (fp16) print_markdown_summary(rows, Dtype::fp16, opt.backward);
-    return 0;
-}
-
-// Refuses (false, after saying why) a forced --tile whose forward tile cannot fit this device's
-// shared memory: now, not after minutes of protocol.
-static bool tile_fits(const Options& opt, const cudaDeviceProp& prop) {
-    if (opt.tile_bc <= 0) return true;
-    for (Dtype dtype : {Dtype::fp32, Dtype::fp16}) {
-        if (!opt.runs(dtype) || (dtype == Dtype::fp16 && prop.major < 8)) continue;
-        for (int dim : {opt.protocol ? 64 : opt.dim, opt.protocol ? 128 : opt.dim}) {
-            const size_t need = forward_tile(prop, dim, opt.tile_bc, dtype).shared_bytes;
-            if (need > prop.sharedMemPerBlockOptin) {
-                fprintf(stderr, "flash_bench: --tile %d needs %zu bytes of shared memory at "
-                        "head_dim %d in %s; this device allows %zu per block\n", opt.tile_bc,
-                        need, dim, dtype_name(dtype), size_t(prop.sharedMemPerBlockOptin));
-                return false;
-            }
-        }
-    }
-    return true;
 }
 
 int main(int argc, char** argv) {
@@ -1200,14 +1152,11 @@ int main(int argc, char** argv) {
                "lanes/SM%s x 2 FLOP/FMA x %.3f GHz max clock\n",
                peaks.fp32.tflops, prop.multiProcessorCount, peaks.fp32.flops_per_clock / 2,
                peaks.fp32.known ? "" : assumed, peaks.fp32.ghz);
-        printf("FP16 tensor peak (dense, fp32 accumulate): %.1f TFLOP/s, computed the same way: "
-               "%d SMs x %d FLOP/clock/SM%s x %.3f GHz\n",
-               peaks.fp16.tflops, prop.multiProcessorCount, peaks.fp16.flops_per_clock,
-               peaks.fp16.known ? "" : assumed, peaks.fp16.ghz);
-        if (!tile_fits(opt, prop)) {
-            usage(stderr);
-            return 2;
-        }
+        printf("FP16 and BF16 tensor peak (dense, fp32 accumulate): %.1f TFLOP/s, computed the "
+               "same way: %d SMs x %d FLOP/clock/SM%s x %.3f GHz\n",
+               peaks.tensor.tflops, prop.multiProcessorCount, peaks.tensor.flops_per_clock,
+               peaks.tensor.known ? "" : assumed, peaks.tensor.ghz);
+        const std::vector<const Dtype*> todo = dtypes_to_run(opt, prop);
 
         FILE* csv = nullptr;
         if (!opt.csv.empty()) {
@@ -1215,14 +1164,19 @@ int main(int argc, char** argv) {
             if (!csv) throw std::runtime_error("cannot write " + opt.csv + ": " + strerror(errno));
             fprintf(csv, "%s\n", kCsvHeader);
         }
-        CublasBytes cublas_bytes;
-        cublasHandle_t cublas = create_cublas(&cublas_bytes);
+        Bench b{opt, prop, peaks, csv};
+        create_cublas(b, todo);
         int rc = 0;
-        if (opt.protocol) rc = run_protocol(opt, prop, peaks, cublas, cublas_bytes, csv);
-        else if (opt.dtype == Dtype::fp16)
-            rc = run_demo<__half>(opt, prop, peaks, cublas, cublas_bytes, csv);
-        else rc = run_demo<float>(opt, prop, peaks, cublas, cublas_bytes, csv);
-        CUBLAS_CHECK(cublasDestroy(cublas));
+        std::vector<RowResult> rows;  // the protocol's, for its summary tables
+        for (const Dtype* d : todo)  // the demo has one
+            std::visit([&](const auto& api) {
+                using T = typename std::decay_t<decltype(api)>::Elem;
+                if (opt.protocol) run_protocol_block<T>(b, *d, rows);
+                else rc = run_demo<T>(b, *d);
+            }, d->api);
+        for (const Dtype* d : todo)
+            if (opt.protocol) print_markdown_summary(rows, *d, opt.backward);
+        CUBLAS_CHECK(cublasDestroy(b.cublas));
         if (csv && fclose(csv) != 0) throw std::runtime_error("cannot write " + opt.csv);
         if (csv) printf("wrote %s\n", opt.csv.c_str());
         return rc;

@@ -6,12 +6,14 @@
 # Panels, left to right (a panel whose dtype has no rows in the file is left out):
 # - fp32 forward time against sequence length, flash against standard attention, for each
 #   head_dim with and without the causal mask (chapter 1: both on the CUDA cores);
-# - the same for fp16 (chapter 2: flash and cuBLAS on the tensor cores), on the same time axis,
-#   so that the two panels compare at a glance, with fp16's backward time beside its forward
-#   (same colours, triangles, thinner lines; drawn when the file has fp16 backward times);
+# - the same for fp16 and for bf16 (chapter 2: flash and cuBLAS on the tensor cores), each its
+#   own panel, on the same time axis, so that the panels compare at a glance, with the backward
+#   time beside the forward (same colours, triangles, thinner lines; drawn when the file has
+#   that type's backward times);
 # - the extra device memory each method needs (beyond its inputs and outputs) against sequence
-#   length, fp32 and fp16's standard forward; where the standard method ran out of memory, the
-#   size it asked for is drawn as an open square: that is the memory wall.
+#   length, fp32 and the 16-bit standard forward (fp16's; bf16's, byte for byte the same, where
+#   the file has no fp16 rows); where the standard method ran out of memory, the size it asked
+#   for is drawn as an open square: that is the memory wall.
 # Both axes are log scale: the protocol doubles seq_len each row, and memory spans from megabytes
 # to tens of gigabytes. Rows a method did not run (OOM, --no-standard, --no-backward) hold "nan"
 # and are left out. Needs gnuplot >= 5.4 (set datafile columnheaders).
@@ -27,30 +29,36 @@ set datafile columnheaders
 # gnuplot's NaN != NaN is itself NaN, not true.
 did_not_run(name) = strcol(name) eq "nan" || strcol(name) eq ""
 
-# Rows of each dtype, fp16 rows with a backward time, and the time range over what the two time
-# panels draw (both forwards, fp16's backward), which they share.
-stats csv using (strcol("dtype") eq "fp32") nooutput
-n32 = STATS_sum
-stats csv using (strcol("dtype") eq "fp16") nooutput
-n16 = STATS_sum
-stats csv using (strcol("dtype") eq "fp16" && !did_not_run("flash_bwd_ms")) nooutput
-nb16 = STATS_sum
+# Rows of each dtype, its rows with a backward time, and the time range over what the time panels
+# draw (every forward, the 16-bit backwards), which they share.
+dtypes = "fp32 fp16 bf16"
+array nrows[words(dtypes)]
+array bwd_rows[words(dtypes)]
+do for [i = 1:words(dtypes)] {
+    stats csv using (strcol("dtype") eq word(dtypes, i)) nooutput
+    nrows[i] = STATS_sum
+    stats csv using (strcol("dtype") eq word(dtypes, i) && !did_not_run("flash_bwd_ms")) nooutput
+    bwd_rows[i] = STATS_sum
+}
 stats csv using "flash_fwd_ms" nooutput
 tmin = STATS_min
 tmax = STATS_max
 stats csv using "std_fwd_ms" nooutput
 tmin = STATS_min < tmin ? STATS_min : tmin
 tmax = STATS_max > tmax ? STATS_max : tmax
-# fp16's backward times; other rows give their flash forward time, already in the range, so that
-# stats always has points (it stops the script on a column without any).
-fp16_or_fwd(name) = (strcol("dtype") eq "fp16" && !did_not_run(name)) ? column(name) \
-                    : column("flash_fwd_ms")
+# The 16-bit backward times; other rows give their flash forward time, already in the range, so
+# that stats always has points (it stops the script on a column without any).
+bwd_or_fwd(name) = (strcol("dtype") ne "fp32" && !did_not_run(name)) ? column(name) \
+                   : column("flash_fwd_ms")
 do for [name in "flash_bwd_ms std_bwd_ms"] {
-    stats csv using (fp16_or_fwd(name)) nooutput
+    stats csv using (bwd_or_fwd(name)) nooutput
     tmin = STATS_min < tmin ? STATS_min : tmin
     tmax = STATS_max > tmax ? STATS_max : tmax
 }
-panels = (n32 > 0) + (n16 > 0) + 1
+panels = 1
+do for [i = 1:words(dtypes)] { panels = panels + (nrows[i] > 0) }
+# The memory panel's 16-bit rows: fp16's (nrows[2]), or bf16's (the same bytes) where it has none.
+half = nrows[2] > 0 ? "fp16" : "bf16"
 
 # pngcairo draws smoother lines; plain png (libgd) is the fallback where cairo is missing.
 if (strstrt(GPVAL_TERMINALS, "pngcairo") > 0) {
@@ -91,8 +99,9 @@ set grid xtics ytics mytics
 set xlabel "sequence length"
 set key box opaque font ",9"
 
-# The time panel of dtype t: forward, and in fp16 (where the file has them) backward as well. The
-# forward series are one macro, so that the panel with the backward adds to it, not repeats it.
+# The time panel of dtype t: forward, and in fp16 and bf16 (where the file has them) backward as
+# well. The forward series are one macro, so that a panel with the backward adds to it, not
+# repeats it.
 set key bottom right
 set ylabel "ms"
 set yrange [tmin / 1.5 : tmax * 1.5]
@@ -128,9 +137,10 @@ BWD = 'csv using "seq":(pick(t, "flash_bwd_ms", 64, 0))  @LB pt 9  lc rgb blue  
           'title "standard bwd, d 128", ' . \
       'csv using "seq":(pick(t, "std_bwd_ms", 128, 1))   @LB pt 10 lc rgb orange dt 2 ' . \
           'title "standard bwd, d 128, causal"'
-do for [t in "fp32 fp16"] {
-    if ((t eq "fp32" && n32 > 0) || (t eq "fp16" && n16 > 0)) {
-        if (t eq "fp16" && nb16 > 0) {
+do for [i = 1:words(dtypes)] {
+    t = word(dtypes, i)
+    if (nrows[i] > 0) {
+        if (t ne "fp32" && bwd_rows[i] > 0) {
             # Two columns of keys, forward on the left, backward on the right, top left: at the
             # bottom right they would cover flash's forward at short lengths.
             set title sprintf("%s forward and backward time (median)", t)
@@ -146,10 +156,10 @@ do for [t in "fp32 fp16"] {
 set key maxrows auto
 
 # Memory does not depend on the mask (standard attention stores every score either way), so
-# only the causal = 0 rows are drawn. flash's fp16 forward, like its fp32 one, takes none. Of fp16
-# only the standard forward (scores at half the bytes) is drawn, to keep the panel readable: its
-# backward repeats fp32's pattern (flash: the same D buffer; standard: P and dP at half the
-# bytes), and the CSV has it.
+# only the causal = 0 rows are drawn. flash's 16-bit forward, like its fp32 one, takes none. Of
+# the 16-bit rows only the standard forward (scores at half the bytes) is drawn, to keep the panel
+# readable: its backward repeats fp32's pattern (flash: a scratch buffer; standard: P and dP at
+# half the bytes), and the CSV has it; bf16's bytes are fp16's.
 set title sprintf("extra device memory (flash forward: 0 MiB, drawn at %g)", floor)
 set ylabel "MiB"
 # Top left, above where the lines start: the band between flash's and standard's lines, where
@@ -172,10 +182,10 @@ plot csv using "seq":(lifted("fp32", "flash_fwd_extra_mib", 64))   @LP pt 7 lc r
          title "standard fwd, d 128", \
      csv using "seq":(pick("fp32", "std_bwd_extra_mib", 128, 0))   @LP pt 5 lc rgb purple dt 2 \
          title "standard bwd, d 128", \
-     csv using "seq":(pick("fp16", "std_fwd_extra_mib", 64, 0))    @LP pt 7 lc rgb brown  dt 1 \
-         title "standard fwd fp16, d 64", \
-     csv using "seq":(pick("fp16", "std_fwd_extra_mib", 128, 0))   @LP pt 5 lc rgb brown  dt 2 \
-         title "standard fwd fp16, d 128", \
+     csv using "seq":(pick(half, "std_fwd_extra_mib", 64, 0))      @LP pt 7 lc rgb brown  dt 1 \
+         title "standard fwd ".half.", d 64", \
+     csv using "seq":(pick(half, "std_fwd_extra_mib", 128, 0))     @LP pt 5 lc rgb brown  dt 2 \
+         title "standard fwd ".half.", d 128", \
      csv using "seq":(wall("fp32", "std_fwd_needs_mib", "std_fwd_ms", 64))  @SQ lc rgb red \
          title "standard fwd: OOM, needed", \
      csv using "seq":(wall("fp32", "std_bwd_needs_mib", "std_bwd_ms", 64))  @SQ lc rgb purple \
@@ -184,9 +194,9 @@ plot csv using "seq":(lifted("fp32", "flash_fwd_extra_mib", 64))   @LP pt 7 lc r
          notitle, \
      csv using "seq":(wall("fp32", "std_bwd_needs_mib", "std_bwd_ms", 128)) @SQ lc rgb purple \
          notitle, \
-     csv using "seq":(wall("fp16", "std_fwd_needs_mib", "std_fwd_ms", 64))  @SQ lc rgb brown \
-         title "standard fwd fp16: OOM, needed", \
-     csv using "seq":(wall("fp16", "std_fwd_needs_mib", "std_fwd_ms", 128)) @SQ lc rgb brown \
+     csv using "seq":(wall(half, "std_fwd_needs_mib", "std_fwd_ms", 64))    @SQ lc rgb brown \
+         title "standard fwd ".half.": OOM, needed", \
+     csv using "seq":(wall(half, "std_fwd_needs_mib", "std_fwd_ms", 128))   @SQ lc rgb brown \
          notitle
 
 unset multiplot

@@ -4,8 +4,9 @@
 //   O = P V                 a GEMM, reads P back
 // Backward: dV = P^T dO, dP = dO V^T (HBM again), dS = P o (dP - D), dQ = dS K, dK = dS^T Q.
 // FlashAttention computes the same, tile by tile, without S, P or dP ever leaving the chip.
-// Everything is templated on the element type T (float or __half): the GEMMs read and write T and
-// sum in fp32; the row kernels read T, compute in fp32 and write T (L is always fp32).
+// Everything is templated on the element type T (float, __half or __nv_bfloat16): the GEMMs read
+// and write T and sum in fp32; the row kernels read T, compute in fp32 and write T (L is always
+// fp32).
 #include "standard.h"
 
 #include <cuda_runtime.h>
@@ -47,8 +48,8 @@ __device__ inline void softmax_merge(float& m, float& l, float m2, float l2) {
 }
 
 // P = softmax(S) in place, masked entries 0; L = logsumexp(row). S: (B*H, q_len, kv_len), already
-// scaled by 1/sqrt(d) in the GEMM. L: (B*H, q_len). In fp16, S arrives rounded to fp16 by the
-// GEMM (as in frameworks); max, sum and exp are fp32, and only P is rounded back to fp16.
+// scaled by 1/sqrt(d) in the GEMM. L: (B*H, q_len). In fp16 and bf16, S arrives rounded to T by
+// the GEMM (as in frameworks); max, sum and exp are fp32, and only P is rounded back to T.
 template <typename T>
 __global__ void softmax_forward_kernel(T* S, float* L, int q_len, int kv_len, bool causal) {
     const size_t row = blockIdx.x;
@@ -112,15 +113,19 @@ __global__ void softmax_backward_kernel(const T* P, T* dP, int kv_len) {
 template <typename T> struct CublasType;
 template <> struct CublasType<float> { static constexpr cudaDataType_t value = CUDA_R_32F; };
 template <> struct CublasType<__half> { static constexpr cudaDataType_t value = CUDA_R_16F; };
+template <> struct CublasType<__nv_bfloat16> {
+    static constexpr cudaDataType_t value = CUDA_R_16BF;
+};
 
 // cuBLAS is column-major, and a row-major matrix is its column-major transpose, so we ask for
 // C^T = op(B)^T op(A)^T: the operands and m, n swap, the transpose flags stay. The leading
 // dimension of a row-major matrix is its number of columns as stored.
-// One call for both types: GemmStridedBatchedEx with A, B, C of type T and CUBLAS_COMPUTE_32F
+// One call for every type: GemmStridedBatchedEx with A, B, C of type T and CUBLAS_COMPUTE_32F
 // (fp32 sums; alpha and beta are then floats). For float this is the same plain fp32 math as
 // cublasSgemmStridedBatched under the handle's default math mode (TF32 would need
 // CUBLAS_COMPUTE_32F_FAST_TF32 or CUBLAS_TF32_TENSOR_OP_MATH; bench.cu leaves both off); for
-// __half cuBLAS runs fp16 products with fp32 accumulation on the tensor cores.
+// __half and __nv_bfloat16 cuBLAS runs 16-bit products with fp32 accumulation on the tensor
+// cores.
 template <typename T>
 void gemm_rowmajor(cublasHandle_t cublas, bool trans_a, bool trans_b, int m, int n, int k,
                    float alpha, const T* A, long long stride_a, const T* B, long long stride_b,
@@ -185,7 +190,7 @@ void standard_backward(cublasHandle_t cublas, const T* Q, const T* K, const T* V
     gemm_rowmajor(cublas, true, false, kv, d, q, scale, dP, st.s, Q, st.q, dK, st.kv, heads);
 }
 
-// The two element types there are: fp32 (chapter 1) and fp16 (chapter 2).
+// The three element types there are: fp32 (chapter 1), fp16 and bf16 (chapter 2).
 #define STANDARD_INSTANTIATE(T)                                                                 \
     template void gemm_rowmajor<T>(cublasHandle_t, bool, bool, int, int, int, float, const T*,  \
                                    long long, const T*, long long, T*, long long, int);         \
@@ -195,3 +200,4 @@ void standard_backward(cublasHandle_t cublas, const T* Q, const T* K, const T* V
                                        const T*, T*, T*, T*, T*, const AttentionShape&);
 STANDARD_INSTANTIATE(float)
 STANDARD_INSTANTIATE(__half)
+STANDARD_INSTANTIATE(__nv_bfloat16)

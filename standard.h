@@ -3,9 +3,9 @@
 // of every head, S and then P = softmax(S), (B*H, q_len, kv_len) elements, written to and read
 // back from device memory (HBM). Read standard.cu beside flash.cu: the same math, in three passes
 // over HBM instead of one.
-// Two element types, one code: fp32 (chapter 1: plain fp32 GEMMs on the CUDA cores) and fp16
-// (chapter 2: fp16 GEMMs on the tensor cores, accumulated in fp32, S and P stored in fp16 as
-// frameworks store them). Only the element type changes, not the structure.
+// Three element types, one code: fp32 (chapter 1: plain fp32 GEMMs on the CUDA cores), fp16 and
+// bf16 (chapter 2: 16-bit GEMMs on the tensor cores, accumulated in fp32, S and P stored in the
+// element type as frameworks store them). Only the element type changes, not the structure.
 // Layouts as in flash.h: Q, O, dQ, dO (B, H, q_len, d); K, V, dK, dV (B, H, kv_len, d);
 // L (B, H, q_len), always fp32.
 #pragma once
@@ -13,6 +13,7 @@
 #include "flash.h"
 
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <stdexcept>
@@ -40,15 +41,19 @@ __host__ __device__ inline int visible_keys(int i, int q_len, int kv_len, bool c
 // rounds to nearest (even).
 __host__ __device__ inline float to_float(float x) { return x; }
 __host__ __device__ inline float to_float(__half x) { return __half2float(x); }
+__host__ __device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <typename T> __host__ __device__ inline T from_float(float x);
 template <> __host__ __device__ inline float from_float<float>(float x) { return x; }
 template <> __host__ __device__ inline __half from_float<__half>(float x) {
     return __float2half_rn(x);
 }
+template <> __host__ __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
 
 // Forward. P: a (B*H, q_len, kv_len) workspace; it holds P afterwards, which the backward needs
 // (frameworks keep it for that). Fills O and L (natural-log logsumexp, as flash_forward's).
-// T is float or __half (instantiated for those two in standard.cu).
+// T is float, __half or __nv_bfloat16 (instantiated for those three in standard.cu).
 template <typename T>
 void standard_forward(cublasHandle_t cublas, const T* Q, const T* K, const T* V, T* P, T* O,
                       float* L, const AttentionShape& shape);
@@ -60,7 +65,8 @@ void standard_backward(cublasHandle_t cublas, const T* Q, const T* K, const T* V
 
 // Row-major C (m, n) = alpha * op(A) (m, k) * op(B) (k, n), for `batch` matrices at the given
 // strides (elements), with cuBLAS's GemmStridedBatchedEx: inputs and output of type T, products
-// summed in fp32 (for float: plain fp32 SGEMM math; for __half: the tensor cores).
+// summed in fp32 (for float: plain fp32 SGEMM math; for __half and __nv_bfloat16: the tensor
+// cores).
 template <typename T>
 void gemm_rowmajor(cublasHandle_t cublas, bool trans_a, bool trans_b, int m, int n, int k,
                    float alpha, const T* A, long long stride_a, const T* B, long long stride_b,
