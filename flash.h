@@ -110,8 +110,9 @@ void flash_forward_bc(const float* Q, const float* K, const float* V, float* O, 
                       const AttentionShape& shape, int Bc, cudaStream_t stream = 0);
 
 // Chapter 2's head dims (every one of chapter 1's: one kernel template covers them all), its
-// tile (Br = 64: 16 query rows per warp; Bc = 64 or 32 from shared memory; see flash_fp16.cu),
-// and flash_forward_fp16 with Bc (32 or 64) given by the caller.
+// tile (Br = 128: 32 query rows per warp, 64 at head_dim 256; Bc = 128 to head_dim 64, 64 to 128,
+// 32 at 256, halved where shared memory is short; see flash_fp16.cu), and flash_forward_fp16 with
+// Bc (32, 64, or 128 to head_dim 64) given by the caller. The bf16 calls take the same tiles.
 constexpr int kFlashFp16HeadDims[] = {16, 32, 64, 96, 128, 256};
 FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim);
 void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __half* O,
