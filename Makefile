@@ -6,6 +6,7 @@
 #   make plot     bench.csv (written by make bench) -> bench.png (gnuplot)
 #   make sanitize the [sanitize] GPU tests under compute-sanitizer: memcheck, racecheck,
 #                 synccheck, initcheck (run this first after changing a kernel)
+#   make torch    build flash_torch.py's PyTorch extension (then: pytest test_torch.py)
 #   make clean
 # Overridable: ARCH (default native; e.g. ARCH=sm_90), NVCC, CPPFLAGS (e.g. -I<dir with catch2/>),
 # DEFINES (e.g. -DFLASH_MIN_BLOCKS_PER_SM=2).
@@ -26,7 +27,7 @@ FLASH_OBJS := flash.o flash_fp16.o checks.o
 # The tests: every test_*.cpp (test_flash.cpp, and any others it is split into).
 TEST_OBJS := $(patsubst %.cpp,%.o,$(wildcard test_*.cpp))
 
-.PHONY: all test run bench plot sanitize clean
+.PHONY: all test run bench plot sanitize torch clean
 SANITIZER ?= $(shell command -v compute-sanitizer 2>/dev/null || echo $(CUDA_HOME)/bin/compute-sanitizer)
 all: test_flash flash_bench
 
@@ -58,5 +59,10 @@ sanitize: test_flash
 	    echo "== compute-sanitizer --tool $$tool"; \
 	    $(SANITIZER) --tool $$tool --error-exitcode 1 ./test_flash "[sanitize]" || exit 1; \
 	done
+# Not part of all or test: the C++ half needs no Python. flash_torch.py compiles its extension on
+# first import (torch.utils.cpp_extension, cached in .torch_build/); this imports it once.
+torch:
+	python3 -c "import flash_torch; print('flash_torch: built in .torch_build/')"
 clean:
 	rm -f *.o test_flash flash_bench
+	rm -rf .torch_build

@@ -1,0 +1,149 @@
+// flash_torch.cpp: the PyTorch binding of flash.h, for flash_torch.py (which builds and loads it
+// on first import, with torch.utils.cpp_extension; or: make torch). Two functions, forward and
+// backward, over (batch, heads, seq, head_dim) CUDA tensors in fp32, fp16 or bf16, on PyTorch's
+// current stream. Every check of flash.h's launchers runs as it does from C++; this file adds
+// the ones only a tensor can fail (device, dtype, rank, layout, matching sizes). Bad input raises
+// ValueError (pybind11's translation of std::invalid_argument) with the message; a CUDA failure
+// raises RuntimeError.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "flash.h"
+
+#include <climits>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+// Bad input: std::invalid_argument, which pybind11 raises as ValueError. The messages are built
+// only on failure, and without iostreams (c10::str): iostream code instantiated in this module
+// can clash with the libstdc++ PyTorch was built with (a segfault on the H100 machine's image).
+[[noreturn]] static void fail(const std::string& message) {
+    throw std::invalid_argument(message);
+}
+// A dtype as Python spells it (torch.float16 is "float16"; c10 would say "Half").
+static std::string name(c10::ScalarType t) {
+    switch (t) {
+        case torch::kFloat32: return "float32";
+        case torch::kFloat16: return "float16";
+        case torch::kBFloat16: return "bfloat16";
+        case torch::kFloat64: return "float64";
+        default: return c10::toString(t);
+    }
+}
+// A tensor's shape as "(1, 2, 8, 64)".
+static std::string dims(const torch::Tensor& t) {
+    std::string out = "(";
+    for (int64_t i = 0; i < t.dim(); i++) out += (i ? ", " : "") + std::to_string(t.size(i));
+    return out + ")";
+}
+
+// The shape of q (B, H, q_len, d) and k (B, H, kv_len, d), after checking what flash.h cannot
+// see: that every tensor is a contiguous 4-D CUDA tensor of one dtype on one device, and that
+// the sizes agree (flash.h's own checks then name anything out of range, e.g. the head dim).
+static AttentionShape shape_of(const char* fn, const std::vector<torch::Tensor>& ts,
+                               const std::vector<std::string>& names, bool causal) {
+    const torch::Tensor& q = ts[0];
+    const torch::Tensor& k = ts[1];
+    for (size_t i = 0; i < ts.size(); i++) {
+        const std::string what = std::string(fn) + ": " + names[i];
+        if (!ts[i].is_cuda())
+            fail(what + " must be a CUDA tensor (it is on " + ts[i].device().str() + ")");
+        if (ts[i].device() != q.device())
+            fail(what + " is on " + ts[i].device().str() + ", q on " + q.device().str());
+        if (ts[i].dim() != 4)
+            fail(what + " must be 4-D (batch, heads, seq, head_dim); it is " + dims(ts[i]));
+        if (!ts[i].is_contiguous()) fail(what + " must be contiguous");
+        for (int64_t size : ts[i].sizes())
+            if (size > INT_MAX) fail(what + " is " + dims(ts[i]) + ": a size exceeds INT_MAX");
+    }
+    if (k.size(0) != q.size(0) || k.size(1) != q.size(1) || k.size(3) != q.size(3))
+        fail(std::string(fn) + ": q is " + dims(q) + " and k is " + dims(k) +
+             ": batch, heads and head_dim must match");
+    for (size_t i = 0; i < ts.size(); i++) {
+        if (ts[i].scalar_type() != q.scalar_type())
+            fail(std::string(fn) + ": " + names[i] + " is " + name(ts[i].scalar_type()) +
+                 ", q is " + name(q.scalar_type()) + "; all must have one dtype");
+        const torch::Tensor& like = names[i] == "k" || names[i] == "v" ? k : q;
+        if (ts[i].sizes() != like.sizes())
+            fail(std::string(fn) + ": " + names[i] + " is " + dims(ts[i]) + ", expected " +
+                 dims(like) + " (k and v: (B, H, kv_len, d); q, o, do: (B, H, q_len, d))");
+    }
+    return AttentionShape{int(q.size(0)), int(q.size(1)), int(q.size(2)), int(k.size(2)),
+                          int(q.size(3)), causal};
+}
+
+// Calls f with the tensors' element type: float, __half or __nv_bfloat16.
+template <typename F>
+static void with_dtype(const char* fn, const torch::Tensor& q, F&& f) {
+    switch (q.scalar_type()) {
+        case torch::kFloat32: return f(float{});
+        case torch::kFloat16: return f(__half{});
+        case torch::kBFloat16: return f(__nv_bfloat16{});
+        default:
+            fail(std::string(fn) + ": dtype " + name(q.scalar_type()) +
+                 " is not supported; allowed: float32, float16, bfloat16");
+    }
+}
+template <typename T>
+static T* ptr(const torch::Tensor& t) {
+    return reinterpret_cast<T*>(t.data_ptr());
+}
+
+// O = softmax(q k^T / sqrt(d)) v and L = logsumexp of each row (fp32, (B, H, q_len)).
+static std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor q, torch::Tensor k,
+                                                        torch::Tensor v, bool causal) {
+    const AttentionShape s = shape_of("flash_attention", {q, k, v}, {"q", "k", "v"}, causal);
+    const c10::cuda::CUDAGuard guard(q.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    torch::Tensor o = torch::empty_like(q);
+    torch::Tensor L = torch::empty({q.size(0), q.size(1), q.size(2)},
+                                   q.options().dtype(torch::kFloat32));
+    with_dtype("flash_attention", q, [&](auto zero) {
+        using T = decltype(zero);
+        if constexpr (std::is_same_v<T, float>)
+            flash_forward(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s, stream);
+        else if constexpr (std::is_same_v<T, __half>)
+            flash_forward_fp16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s,
+                               stream);
+        else
+            flash_forward_bf16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s,
+                               stream);
+    });
+    return {o, L};
+}
+
+// dq, dk, dv from the forward's o and L and the gradient do of the loss with respect to o.
+static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
+    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor o, torch::Tensor dO,
+    torch::Tensor L, bool causal) {
+    const AttentionShape s =
+        shape_of("flash_attention backward", {q, k, v, o, dO}, {"q", "k", "v", "o", "do"}, causal);
+    if (!L.is_cuda() || L.device() != q.device() || !L.is_contiguous() ||
+        L.scalar_type() != torch::kFloat32 ||
+        L.sizes() != torch::IntArrayRef({q.size(0), q.size(1), q.size(2)}))
+        fail("flash_attention backward: L must be a contiguous float32 CUDA tensor of shape "
+             "(B, H, q_len) on q's device");
+    const c10::cuda::CUDAGuard guard(q.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
+    with_dtype("flash_attention backward", q, [&](auto zero) {
+        using T = decltype(zero);
+        auto call = [&](auto fn) {
+            fn(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<T>(dO), ptr<float>(L), ptr<T>(dq),
+               ptr<T>(dk), ptr<T>(dv), s, stream);
+        };
+        if constexpr (std::is_same_v<T, float>) call(flash_backward);
+        else if constexpr (std::is_same_v<T, __half>) call(flash_backward_fp16);
+        else call(flash_backward_bf16);
+    });
+    return {dq, dk, dv};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "flash.h for PyTorch tensors: see flash_torch.py";
+    m.def("forward", &forward, "O, L = forward(q, k, v, causal)");
+    m.def("backward", &backward, "dq, dk, dv = backward(q, k, v, o, do, L, causal)");
+}
