@@ -453,13 +453,16 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             const int key = j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2);
             first[r] = key >= kv_len ? q_len : causal ? flash_first_query(key, q_len, kv_len) : 0;
         }
+        // The mask only where the tile reaches past a key's first query, kv_len or q_len.
+        const bool edge = (j + 1) * Bc > kv_len || q0 + Br > q_len ||
+                          (causal && q0 < flash_first_query((j + 1) * Bc - 1, q_len, kv_len));
         for (int c = 0; c < TS::cols / 4; c++) {       // column c: query q0 + x
             const int x = q_w + 8 * (c / 2) + 2 * t + c % 2;
             const float L_x = L_i[fstage + x] * kLog2e, D_x = D_i[fstage + x];
             for (int r = 0; r < 2 * TS::M; r++) {
                 float& p = S[r / 2][c / 2][2 * (r % 2) + c % 2];
-                p = q0 + x >= first[r] && q0 + x < q_len  // line 11: P^T = exp(S^T - L_i), masked
-                        ? exp2_ftz(p * scale_log2 - L_x) : 0.f;
+                p = exp2_ftz(p * scale_log2 - L_x);    // line 11: P^T = exp(S^T - L_i), masked
+                if (edge && (q0 + x < first[r] || q0 + x >= q_len)) p = 0.f;
                 if constexpr (G != kOnlyDV)            // line 14: dS^T = P^T o (dP^T - D_i)
                     dP[r / 2][c / 2][2 * (r % 2) + c % 2] =
                         p * (dP[r / 2][c / 2][2 * (r % 2) + c % 2] - D_x);
