@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 // Bad input: std::invalid_argument, which pybind11 raises as ValueError. The messages are built
@@ -103,14 +104,12 @@ static std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor q, torch::
                                    q.options().dtype(torch::kFloat32));
     with_dtype("flash_attention", q, [&](auto zero) {
         using T = decltype(zero);
-        if constexpr (std::is_same_v<T, float>)
-            flash_forward(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s, stream);
-        else if constexpr (std::is_same_v<T, __half>)
-            flash_forward_fp16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s,
-                               stream);
-        else
-            flash_forward_bf16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s,
-                               stream);
+        auto call = [&](auto fn) {
+            fn(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s, stream);
+        };
+        if constexpr (std::is_same_v<T, float>) call(flash_forward);
+        else if constexpr (std::is_same_v<T, __half>) call(flash_forward_fp16);
+        else call(flash_forward_bf16);
     });
     return {o, L};
 }
