@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -279,7 +280,7 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 // parts into dQacc, an fp32 copy of dQ in global memory, in a fixed order (below): deterministic,
 // bitwise. Three launches: D (line 4), the kernel, then dQ = dQacc / sqrt(d) rounded to fp16.
 //
-// The block: W warps, Bc = 16 W keys. Everything is transposed: S^T = K_j Q_i^T has a key per
+// The block: W warps, Bc keys, Q tiles of Br rows. Everything is transposed: S^T = K_j Q_i^T has a key per
 // row, as do P^T and dS^T, the left operands of lines 12 and 16, so each thread needs L and D of
 // its columns' queries (staged beside Q_i). Every product is split over the W warps in
 // two-dimensional tiles (WarpTile): S^T and dP^T in tiles of keys x queries, dV_j and dK_j in
@@ -296,7 +297,6 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 // passes the turn on once all have. A block only ever waits for blocks with lower tickets, which
 // have started and so are running or done, and the lowest-ticket block still running waits for
 // nobody: no deadlock (NOTES.md section 14).
-enum Grads { kAll, kOnlyDV, kDKdQ };  // kOnlyDV, then kDKdQ: d = 256, where dK_j + dV_j is too big
 
 // An (R x C) product split over W warps: a grid of R / rows by `across` tiles of `rows` x `cols`.
 // rows = 32 (two mma tiles, so every B fragment a warp loads feeds two mmas) where the columns then
@@ -383,20 +383,20 @@ __device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], i
         }
 }
 
-// The kernel. One block per (K/V tile j, batch*head), in ticket order. W warps, Q tiles of Br rows
-// in two stages (cp.async); G: which gradients this launch computes. A thread's r-th row of a
-// warp tile is 16(r / 2) + g + 8(r % 2), its c-th column 8(c / 2) + 2t + c % 2 (lane = 4g + t).
-// Two blocks an SM at d <= 64: their 16 warps hide each other's barriers and loads (+0-20% on the
-// H100, NOTES.md section 14), for registers capped at 128 (a few spill at d = 64).
-template <typename T, int D, int W, int Br, Grads G>
-__global__ void __launch_bounds__(32 * W, D <= 64 ? 2 : 1)
+// The kernel. One block per (K/V tile j, batch*head), in ticket order. W warps, K/V tiles of Bc
+// keys, Q tiles of Br rows in two stages (cp.async). A thread's r-th row of a warp tile is
+// 16(r / 2) + g + 8(r % 2), its c-th column 8(c / 2) + 2t + c % 2 (lane = 4g + t). Two blocks an
+// SM where Q tiles have 64 rows at d <= 64: their warps hide each other's barriers and loads
+// (NOTES.md section 14), for registers capped at 128 (a few spill at d = 64).
+template <typename T, int D, int W, int Bc, int Br>
+__global__ void __launch_bounds__(32 * W, D <= 64 && Br == 64 ? 2 : 1)
 flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                            const T* __restrict__ V, const T* __restrict__ dO,
                            const float* __restrict__ L, const float* __restrict__ Dsum,
                            float* __restrict__ dQacc, int* __restrict__ turns, int* next_ticket,
                            T* __restrict__ dK, T* __restrict__ dV, int q_len, int kv_len,
                            bool causal, int Tc, int BH, int HG, float scale_log2) {
-    constexpr int Bc = 16 * W, ld = D + kPad, ldS = Br + kPad;
+    constexpr int ld = D + kPad, ldS = Br + kPad;
     using TS = WarpTile<Bc, Br, W>;                    // S^T, dP^T: keys x queries
     using TKV = WarpTile<Bc, D, W>;                    // dK_j, dV_j: keys x columns
     using TQ = WarpTile<Br, D, W>;                     // dQ_i's part: queries x columns
@@ -439,9 +439,7 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         float S[TS::M][TS::cols / 8][4] = {}, dP[TS::M][TS::cols / 8][4] = {};
         // Line 10: S^T = K_j Q_i^T; line 13: dP^T = V_j dO_i^T (this warp's tile of each).
         mma_AB<TS::M, D, TS::cols, false, true>(S, K_j + k_w * ld, ld, Q_i + stage + q_w * ld, ld);
-        if constexpr (G != kOnlyDV)
-            mma_AB<TS::M, D, TS::cols, false, true>(dP, V_j + k_w * ld, ld, dO_i + stage + q_w * ld,
-                                                    ld);
+        mma_AB<TS::M, D, TS::cols, false, true>(dP, V_j + k_w * ld, ld, dO_i + stage + q_w * ld, ld);
         // The turn of the dQ_i added to a step ago, passed on by one thread (a warp in turn), after
         // the barrier above: the adds have had time to land, so the release waits little.
         if (added && threadIdx.x == 32 * (i % W)) pass_turn(added);
@@ -463,21 +461,17 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                 float& p = S[r / 2][c / 2][2 * (r % 2) + c % 2];
                 p = exp2_ftz(p * scale_log2 - L_x);    // line 11: P^T = exp(S^T - L_i), masked
                 if (edge && (q0 + x < first[r] || q0 + x >= q_len)) p = 0.f;
-                if constexpr (G != kOnlyDV)            // line 14: dS^T = P^T o (dP^T - D_i)
-                    dP[r / 2][c / 2][2 * (r % 2) + c % 2] =
-                        p * (dP[r / 2][c / 2][2 * (r % 2) + c % 2] - D_x);
+                float& ds = dP[r / 2][c / 2][2 * (r % 2) + c % 2];
+                ds = p * (ds - D_x);                   // line 14: dS^T = P^T o (dP^T - D_i)
             }
         }
-        if constexpr (G != kDKdQ)                      // P^T and dS^T to shared memory, in fp16
-            store_tile<TS::M, TS::cols, ldS>(P_T + k_w * ldS + q_w, S, 1.f, Bc);
-        if constexpr (G != kOnlyDV)
-            store_tile<TS::M, TS::cols, ldS>(dS_T + k_w * ldS + q_w, dP, 1.f, Bc);
+        // P^T and dS^T to shared memory, in T, for the products of lines 12, 15 and 16.
+        store_tile<TS::M, TS::cols, ldS>(P_T + k_w * ldS + q_w, S, 1.f, Bc);
+        store_tile<TS::M, TS::cols, ldS>(dS_T + k_w * ldS + q_w, dP, 1.f, Bc);
         __syncthreads();
         const int kv_w = TKV::row(warp), d_w = TKV::col(warp);  // this warp's tile of dK_j, dV_j
-        if constexpr (G != kDKdQ)                      // line 12: dV_j += P^T dO_i
-            mma_AB<TKV::M, Br, TKV::cols, false, false>(dV_j, P_T + kv_w * ldS, ldS,
-                                                        dO_i + stage + d_w, ld);
-        if constexpr (G == kOnlyDV) continue;
+        mma_AB<TKV::M, Br, TKV::cols, false, false>(   // line 12: dV_j += P^T dO_i
+            dV_j, P_T + kv_w * ldS, ldS, dO_i + stage + d_w, ld);
         mma_AB<TKV::M, Br, TKV::cols, false, false>(   // line 16: dK_j += dS^T Q_i
             dK_j, dS_T + kv_w * ldS, ldS, Q_i + stage + d_w, ld);
         // Line 15: dQ_i += dS K_j, this warp's tile of it, added in turn (the tiles right of j
@@ -496,8 +490,8 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     if (added && threadIdx.x == 0) pass_turn(added);
     const int key = j * Bc + TKV::row(warp);           // line 18: write dK_j / sqrt(d), dV_j
     const size_t at = kv_head + size_t(key) * D + TKV::col(warp);
-    if (G != kOnlyDV) store_tile<TKV::M, TKV::cols, D>(dK + at, dK_j, rsqrtf(D), kv_len - key);
-    if (G != kDKdQ) store_tile<TKV::M, TKV::cols, D>(dV + at, dV_j, 1.f, kv_len - key);
+    store_tile<TKV::M, TKV::cols, D>(dK + at, dK_j, rsqrtf(D), kv_len - key);
+    store_tile<TKV::M, TKV::cols, D>(dV + at, dV_j, 1.f, kv_len - key);
 }
 // Line 4, before the kernel: D = rowsum(dO o O), fp32, one thread a row of the (B*H*q_len) rows.
 template <typename T, int D>
@@ -639,45 +633,62 @@ void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __
     forward_fp16_checked("flash_forward_fp16", Q, K, V, O, L, shape, Bc, stream);
 }
 
-// The backward's tile. Br = 64 query rows a Q tile (32 at d = 256, where a thread's dK_j alone is
-// 128 floats). Bc = 16 W keys a K/V tile: 128 (8 warps) where the block fits the device's shared
-// memory, else 64 (4 warps; 38% slower at d = 128 on the H100); 64 at d = 16, where 8 warps would
-// split dQ_i's 16 columns too finely. Shared memory: K_j, V_j, two stages of Q_i and dO_i, P^T and
-// dS^T (Bc x Br each, padded), two stages of L_i and D_i.
-constexpr int bwd_Br(int head_dim) { return head_dim <= 128 ? 64 : 32; }
+// The backward's tile: Bc keys a K/V tile, Br query rows a Q tile, W warps. Registers decide
+// first: a thread holds its share of dK_j and dV_j, 2 Bc d / (32 W) floats, beside S^T and dP^T.
+// So Bc = 128 keys on 8 warps up to d = 128, and at d = 256 64 keys on 8 warps (128 keys would be
+// 256 floats a thread). Br = 128 at d = 64, where registers allow it: each barrier and each
+// ordered add then serves twice the work. Where a block does not fit the device's shared memory
+// the next tile in bwd_tiles' list is taken (Br halved, then Bc = 64 on 4 warps). d = 16 takes
+// Bc = 64 on 4 warps: 8 warps would split dQ_i's 16 columns too finely. Measured: NOTES.md
+// section 14. Shared memory: K_j, V_j, two stages of Q_i and dO_i, P^T and dS^T (Bc x Br each,
+// padded), two stages of L_i and D_i.
+struct BwdTile {
+    int Bc, Br;
+};
+// The (Bc, Br) the backward takes at head_dim, best first; Bc = 0 ends a list.
+constexpr std::array<BwdTile, 3> bwd_tiles(int head_dim) {
+    if (head_dim == 16) return {{{64, 64}}};
+    if (head_dim == 64) return {{{128, 128}, {128, 64}, {64, 64}}};
+    if (head_dim == 256) return {{{64, 64}, {64, 32}}};
+    return {{{128, 64}, {64, 64}}};
+}
+constexpr int bwd_warps(int head_dim, int Bc) { return head_dim == 256 ? 8 : Bc / 16; }
+constexpr int kBwdMinBr = 32;                          // the fewest rows a Q tile takes
 
-static size_t bwd_shared_bytes(int head_dim, int Bc) {
-    const size_t Br = bwd_Br(head_dim);
-    return (2 * Bc + 4 * Br) * (head_dim + kPad) * sizeof(__half) +
-           2 * Bc * (Br + kPad) * sizeof(__half) + 4 * Br * sizeof(float);
+static size_t bwd_shared_bytes(int head_dim, BwdTile t) {
+    return (2 * t.Bc + 4 * t.Br) * (head_dim + kPad) * sizeof(__half) +
+           2 * t.Bc * (t.Br + kPad) * sizeof(__half) + 4 * t.Br * sizeof(float);
 }
 
+// The first tile of bwd_tiles(head_dim) with Bc keys (any Bc where Bc = 0) whose block fits the
+// device's shared memory; std::runtime_error naming the device where none does.
 static FlashTile bwd_tile(const cudaDeviceProp& prop, int head_dim, int Bc) {
-    const FlashTile tile{bwd_Br(head_dim), Bc, 2 * Bc, 4, bwd_shared_bytes(head_dim, Bc)};
-    if (tile.shared_bytes > prop.sharedMemPerBlockOptin)
-        throw std::runtime_error("device " + std::string(prop.name) + " has too little shared " +
-                                 "memory for the fp16 backward at head_dim " +
-                                 std::to_string(head_dim) + " (Bc " + std::to_string(Bc) + ")");
-    return tile;
+    for (const BwdTile t : bwd_tiles(head_dim)) {
+        if (t.Bc == 0 || (Bc != 0 && t.Bc != Bc)) continue;
+        const FlashTile tile{t.Br, t.Bc, 32 * bwd_warps(head_dim, t.Bc), 4,
+                             bwd_shared_bytes(head_dim, t)};
+        if (tile.shared_bytes <= prop.sharedMemPerBlockOptin) return tile;
+    }
+    throw std::runtime_error("device " + std::string(prop.name) + " has too little shared memory " +
+                             "for the fp16 backward at head_dim " + std::to_string(head_dim) +
+                             (Bc ? " (Bc " + std::to_string(Bc) + ")" : std::string()));
 }
 
 FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_dim) {
     require_head_dim(head_dim, kFlashFp16HeadDims);
     require_sm80(prop, "flash_backward_fp16");
-    const bool fits_128 =
-        head_dim >= 32 && bwd_shared_bytes(head_dim, 128) <= prop.sharedMemPerBlockOptin;
-    return bwd_tile(prop, head_dim, fits_128 ? 128 : 64);
+    return bwd_tile(prop, head_dim, 0);
 }
 
 // The backward's scratch, in this order: dQacc (B*H*q_len*d floats), the turns (one per head and
-// Q tile: B*H*Tr ints), two tickets (one a launch of the kernel), D (B*H*q_len floats).
+// Q tile, counted for the smallest Br so that the size does not depend on the device:
+// B*H*ceil(q_len / 32) ints), the ticket, D (B*H*q_len floats).
 struct BwdScratch {
     size_t dq, turns, rows;                            // element counts
     explicit BwdScratch(const AttentionShape& s)
-        : dq(q_elems(s)), turns(l_elems(s) / s.q_len * ((s.q_len + bwd_Br(s.head_dim) - 1) /
-                                                         bwd_Br(s.head_dim))),
+        : dq(q_elems(s)), turns(l_elems(s) / s.q_len * ((s.q_len + kBwdMinBr - 1) / kBwdMinBr)),
           rows(l_elems(s)) {}
-    size_t bytes() const { return sizeof(float) * (dq + rows) + sizeof(int) * (turns + 2); }
+    size_t bytes() const { return sizeof(float) * (dq + rows) + sizeof(int) * (turns + 1); }
 };
 
 size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
@@ -686,24 +697,20 @@ size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
     return BwdScratch(s).bytes();
 }
 
-template <typename T, int D, int Bc>
+template <typename T, int D, int Bc, int Br>
 static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                  const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
                                  const FlashTile& tile, cudaStream_t stream) {
-    constexpr int W = Bc / 16, Br = bwd_Br(D);
-    constexpr Grads G = D <= 128 ? kAll : kOnlyDV;     // d = 256: kOnlyDV, then kDKdQ
-    auto kernel = flash_backward_fp16_kernel<T, D, W, Br, G>;
+    auto kernel = flash_backward_fp16_kernel<T, D, bwd_warps(D, Bc), Bc, Br>;
     const int Tc = (s.kv_len + Bc - 1) / Bc;           // K/V tiles per head
     const int blocks = grid_blocks(s, s.kv_len, Bc, "kv_len");
     allow_shared(kernel, tile.shared_bytes);
-    if constexpr (G == kOnlyDV)
-        allow_shared(flash_backward_fp16_kernel<T, D, W, Br, kDKdQ>, tile.shared_bytes);
     const float scale_log2 = kLog2e / sqrtf(float(D));
     const BwdScratch scratch(s);
     const size_t rows = scratch.rows, turns = scratch.turns;
     // Without a mask, every K/V tile of a head adds to every dQ_i, each after the one before:
-    // interleaving 4 heads' tiles keeps those of one head further apart in time (+1-6% on the
-    // H100, NOTES.md section 14). Under the mask the shortest-first order does that already.
+    // interleaving 4 heads' tiles keeps those of one head further apart in time (NOTES.md
+    // section 14). Under the mask the shortest-first order does that already.
     const int group = s.causal ? 1 : 4;
     // Element-wise passes: 256 threads a block, at most 64 blocks an SM's worth (grid-stride).
     const int sms = flash_device_props().multiProcessorCount;
@@ -711,31 +718,25 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     with_scratch(scratch.bytes(), stream, [&](void* memory) {  // laid out as BwdScratch says
         float* dQacc = static_cast<float*>(memory);
         int* turn = reinterpret_cast<int*>(dQacc + scratch.dq);
-        float* Dsum = reinterpret_cast<float*>(turn + turns + 2);
+        float* Dsum = reinterpret_cast<float*>(turn + turns + 1);
         // Zero bytes are the int 0: cudaMemsetAsync is right here (it would not be for a float
         // other than 0). dQacc needs no zeroing: each dQ_i's first block stores.
-        cudaError_t err = cudaMemsetAsync(turn, 0, (turns + 2) * sizeof(int), stream);
+        cudaError_t err = cudaMemsetAsync(turn, 0, (turns + 1) * sizeof(int), stream);
         if (err != cudaSuccess) return err;
         flash_backward_dot_fp16_kernel<T, D><<<grid(rows), 256, 0, stream>>>(O, dO, Dsum, rows);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
-        kernel<<<blocks, 32 * W, tile.shared_bytes, stream>>>(
+        kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
             Q, K, V, dO, L, Dsum, dQacc, turn, turn + turns, dK, dV, s.q_len, s.kv_len, s.causal,
             Tc, int(rows / s.q_len), group, scale_log2);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
-        if constexpr (G == kOnlyDV) {                  // d = 256: that launch wrote dV
-            auto dkdq_kernel = flash_backward_fp16_kernel<T, D, W, Br, kDKdQ>;
-            dkdq_kernel<<<blocks, 32 * W, tile.shared_bytes, stream>>>(
-                Q, K, V, dO, L, Dsum, dQacc, turn, turn + turns + 1, dK, dV, s.q_len, s.kv_len,
-                s.causal, Tc, int(rows / s.q_len), group, scale_log2);
-            if ((err = cudaGetLastError()) != cudaSuccess) return err;
-        }
         flash_backward_dq_fp16_kernel<T, D><<<grid(scratch.dq / 4), 256, 0, stream>>>(
             dQacc, dQ, scratch.dq, s.q_len, s.kv_len, s.causal);
         return cudaGetLastError();
     });
 }
 
-// Bc: keys per K/V tile given by the caller (64 or 128), or none for the device-derived choice.
+// Bc: keys per K/V tile given by the caller (one of bwd_tiles' at this head_dim), or none for
+// the device-derived choice.
 template <typename T>
 static void backward_fp16_checked(const char* fn, const T* Q, const T* K, const T* V, const T* O,
                                   const T* dO, const float* L, T* dQ, T* dK, T* dV,
@@ -743,21 +744,26 @@ static void backward_fp16_checked(const char* fn, const T* Q, const T* K, const 
                                   cudaStream_t stream) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(T));
     if (Bc)
-        require(*Bc == 64 || (*Bc == 128 && s.head_dim >= 32),
+        require(*Bc == 64 || (*Bc == 128 && s.head_dim >= 32 && s.head_dim <= 128),
                 "Bc = " + std::to_string(*Bc) + " is invalid; allowed values: 64, 128 (128 from "
-                "head_dim 32)");
+                "head_dim 32 to 128)");
     validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s);
     const cudaDeviceProp prop = flash_device_props();
     require_sm80(prop, fn);
-    FlashTile tile = flash_choose_tile_fp16_backward(prop, s.head_dim);  // refuses what cannot run
-    if (Bc) tile = bwd_tile(prop, s.head_dim, *Bc);
+    const FlashTile tile = bwd_tile(prop, s.head_dim, Bc.value_or(0));  // refuses what cannot run
     dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
-        if constexpr (D >= 32)
-            if (tile.Bc == 128)
-                return launch_backward_fp16<T, D, 128>(Q, K, V, O, dO, L, dQ, dK, dV, s, tile,
-                                                       stream);
-        launch_backward_fp16<T, D, 64>(Q, K, V, O, dO, L, dQ, dK, dV, s, tile, stream);
+        constexpr std::array<BwdTile, 3> tiles = bwd_tiles(D);
+        const auto launch_if_chosen = [&](auto n) {    // the n-th tile of the list, if chosen
+            constexpr BwdTile t = tiles[decltype(n)::value];
+            if constexpr (t.Bc > 0)
+                if (tile.Bc == t.Bc && tile.Br == t.Br)
+                    launch_backward_fp16<T, D, t.Bc, t.Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, tile,
+                                                           stream);
+        };
+        launch_if_chosen(std::integral_constant<int, 0>{});
+        launch_if_chosen(std::integral_constant<int, 1>{});
+        launch_if_chosen(std::integral_constant<int, 2>{});
     });
 }
 

@@ -39,6 +39,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -311,25 +312,25 @@ TEST_CASE("The fp16 tile chooser gives valid tiles on A100, RTX 4090 and H100, a
     }
 }
 
-TEST_CASE("The fp16 backward tile chooser takes Bc = 128 where that block fits shared memory, "
-          "else 64, and refuses the T4", "[cpu][tile][fp16][backward]") {
+TEST_CASE("The fp16 backward tile chooser takes the first tile of its list whose block fits "
+          "shared memory, and refuses the T4", "[cpu][tile][fp16][backward]") {
     // The block holds K_j and V_j (Bc rows each), two stages of Q_i and dO_i (Br rows each), P^T
     // and dS^T (Bc rows of Br + 8 halves each) and two stages of L_i and D_i (Br floats each);
-    // rows of d + 8 halves. Br = 64 (32 at d = 256). By hand, Bc = 128: (256 + 256)(d + 8) * 2 +
-    // 2 * 128 * 72 * 2 + 1024 is 78848, 111616, 144384, 177152 at d = 32, 64, 96, 128; at d = 256
-    // (256 + 128) * 264 * 2 + 2 * 128 * 40 * 2 + 512 = 223744. Bc = 64: (128 + 256)(d + 8) * 2 +
-    // 2 * 64 * 72 * 2 + 1024 is 37888, 50176, 74752, 99328, 123904 at d = 16 .. 128; at d = 256
-    // (128 + 128) * 264 * 2 + 2 * 64 * 40 * 2 + 512 = 145920. Opt-in limits: H100 232448 (Bc = 128
-    // everywhere but d = 16); A100 166912 (128 up to d = 96, 64 at d = 128 and 256); RTX 4090
-    // 101376 (128 at d = 32, 64 at d = 16, 64 and 96; d = 128 and 256 refused with
-    // std::runtime_error naming the device). The T4 (sm_75) is refused before any of that:
-    // compute capability 8.0.
-    const std::pair<int, size_t> by_hand_128[] = {
-        {32, 78848}, {64, 111616}, {96, 144384}, {128, 177152}, {256, 223744}};
-    const std::pair<int, size_t> by_hand_64[] = {{16, 37888}, {32, 50176},  {64, 74752},
-                                                 {96, 99328}, {128, 123904}, {256, 145920}};
-    for (const auto& db : by_hand_128) CHECK(fp16_backward_bytes(db.first, 128) == db.second);
-    for (const auto& db : by_hand_64) CHECK(fp16_backward_bytes(db.first, 64) == db.second);
+    // rows of d + 8 halves. By hand, (Bc, Br) = (128, 64): (256 + 256)(d + 8) * 2 + 2 * 128 * 72
+    // * 2 + 1024 is 78848, 111616, 144384, 177152 at d = 32, 64, 96, 128. (128, 128) at d = 64:
+    // (256 + 512) * 72 * 2 + 2 * 128 * 136 * 2 + 2048 = 182272. (64, 64): (128 + 256)(d + 8) * 2
+    // + 2 * 64 * 72 * 2 + 1024 is 37888, 50176, 74752, 99328, 123904 at d = 16 .. 128, and at
+    // d = 256 384 * 264 * 2 + 18432 + 1024 = 222208. (64, 32) at d = 256: 256 * 264 * 2 + 2 * 64
+    // * 40 * 2 + 512 = 145920. Opt-in limits: H100 232448 (the first tile everywhere); A100 166912
+    // ((128, 64) at d = 64, (64, 64) at d = 128, (64, 32) at d = 256); RTX 4090 101376 ((64, 64)
+    // at d = 64 and 96; d = 128 and 256 refused with std::runtime_error naming the device). The
+    // T4 (sm_75) is refused before any of that: compute capability 8.0.
+    const std::tuple<int, int, int, size_t> by_hand[] = {
+        {32, 128, 64, 78848},   {64, 128, 64, 111616}, {96, 128, 64, 144384},
+        {128, 128, 64, 177152}, {64, 128, 128, 182272}, {16, 64, 64, 37888},
+        {32, 64, 64, 50176},    {64, 64, 64, 74752},   {96, 64, 64, 99328},
+        {128, 64, 64, 123904},  {256, 64, 64, 222208}, {256, 64, 32, 145920}};
+    for (const auto& [d, Bc, Br, bytes] : by_hand) CHECK(fp16_backward_bytes(d, Bc, Br) == bytes);
     int named = 0;
     for (const cudaDeviceProp& prop : known_gpus()) {
         const std::string name = prop.name;
@@ -349,18 +350,27 @@ TEST_CASE("The fp16 backward tile chooser takes Bc = 128 where that block fits s
                 CHECK_THAT(msg, Catch::Matchers::Contains("compute capability 8.0"));
                 continue;
             }
-            // The figures above, GPU by GPU: the Bc it takes, 0 where it refuses.
-            int want = 128;
-            if (d == 16) want = 64;
-            if (name.find("A100") != std::string::npos && d >= 128) want = 64;
-            if (name.find("4090") != std::string::npos) want = d == 32 ? 128 : d <= 96 ? 64 : 0;
-            if (want == 0) {
+            // The figures above, GPU by GPU: the (Bc, Br) it takes, (0, 0) where it refuses.
+            std::pair<int, int> want = d == 16 ? std::pair(64, 64)
+                                       : d == 64  ? std::pair(128, 128)
+                                       : d == 256 ? std::pair(64, 64)
+                                                  : std::pair(128, 64);
+            if (name.find("A100") != std::string::npos) {
+                if (d == 64) want = {128, 64};
+                if (d == 128) want = {64, 64};
+                if (d == 256) want = {64, 32};
+            }
+            if (name.find("4090") != std::string::npos) {
+                if (d == 64 || d == 96) want = {64, 64};
+                if (d >= 128) want = {0, 0};
+            }
+            if (want.first == 0) {
                 CHECK_THAT(msg, Catch::Matchers::Contains(prop.name) &&
                                     Catch::Matchers::Contains("shared memory") &&
                                     Catch::Matchers::Contains("head_dim " + std::to_string(d)));
             } else {
                 CHECK(msg.empty());
-                CHECK(t.Bc == want);
+                CHECK(std::pair(t.Bc, t.Br) == want);
                 check_tile_fp16_backward(t, prop, d);
             }
         }
@@ -423,8 +433,9 @@ TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core forward matc
 }
 
 // Chapter 2's backward's share: the same small shapes, forward then backward, but 150 for 100, so
-// that a head has three Q tiles (64 rows, the last partial) and two K/V tiles (128 keys; three of
-// 64 at d = 16), whose blocks add into each dQ_i in turn: the ordered add runs under the sanitizer.
+// that a head has two or three Q tiles (of 64 rows; 128 at d = 64 on an H100; the last partial)
+// and two K/V tiles (128 keys; three of 64 at d = 16 and 256), whose blocks add into each dQ_i in
+// turn: the ordered add runs under the sanitizer.
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core backward matches the reference",
                    "[gpu][sanitize][backward][fp16][bf16]", fp16, bf16) {
     const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kFp16HeadDims, 150)));

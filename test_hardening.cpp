@@ -79,7 +79,7 @@ TEST_CASE("The fp16 tile chooser refuses head dims without a kernel, listing the
 
 TEST_CASE("The fp16 backward tile chooser refuses head dims without a kernel, listing the "
           "supported ones", "[cpu][tile][validation][fp16][backward]") {
-    // The forward's six, 256 included (where the kernel runs as two launches).
+    // The forward's six, 256 included.
     REQUIRE(fp16_head_dims_string() == "16, 32, 64, 96, 128, 256");
     const int d = GENERATE(0, -64, 8, 48, 100, 512, 24, 257);
     CAPTURE(d);
@@ -535,8 +535,8 @@ TEST_CASE("flash_forward_fp16_bc refuses Bc = 128 above head_dim 64 (registers)"
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("flash_backward_fp16_bc refuses Bc other than 64 and 128 (128 from head_dim 32), naming "
-          "it and the allowed values", "[cpu][validation][fp16][backward]") {
+TEST_CASE("flash_backward_fp16_bc refuses Bc other than 64 and 128 (128 from head_dim 32 to 128), "
+          "naming it and the allowed values", "[cpu][validation][fp16][backward]") {
     const int Bc = GENERATE(0, -1, -64, INT_MIN, 1, 16, 32, 63, 65, 96, 127, 129, 256, INT_MAX);
     const int d = GENERATE(16, 64);
     AttentionShape s = valid_shape();
@@ -549,8 +549,9 @@ TEST_CASE("flash_backward_fp16_bc refuses Bc other than 64 and 128 (128 from hea
                }),
                NamesWord("Bc") && NamesWord("64") && NamesWord("128"));
     CHECK(t.outputs_untouched());
-    // And 128 at head_dim 16, where 8 warps would split dQ_i's 16 columns too finely.
-    s.head_dim = 16;
+    // And 128 at head_dim 16, where 8 warps would split dQ_i's 16 columns too finely, and at 256,
+    // where a thread's share of dK_j and dV_j would be 256 floats.
+    s.head_dim = GENERATE(16, 256);
     CHECK_THAT(refusal([&] {
                    flash_backward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16,
                                           t.dV16, s, 128);
@@ -559,18 +560,20 @@ TEST_CASE("flash_backward_fp16_bc refuses Bc other than 64 and 128 (128 from hea
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("The fp16 backward's extra memory is dQ in fp32, D, a turn counter per Q tile and two "
-          "tickets", "[cpu][fp16][backward]") {
-    // By hand: {2, 3, 100, 77, 64}: dQ in fp32 2*3*100*64 = 38400 floats, D 600 floats, Q tiles
-    // of 64 rows: 2 a head, 12 counters, + 2 tickets: 4 * (38400 + 600 + 12 + 2) = 156056 bytes.
-    // At d = 256 Q tiles have 32 rows: {1, 2, 100, 77, 256}: 4 * (51200 + 200 + 8 + 2) = 205640.
-    CHECK(flash_backward_fp16_scratch_bytes({2, 3, 100, 77, 64, false}) == 156056);
-    CHECK(flash_backward_fp16_scratch_bytes({1, 2, 100, 77, 256, true}) == 205640);
+TEST_CASE("The fp16 backward's extra memory is dQ in fp32, D, a turn counter per 32 query rows and "
+          "a ticket", "[cpu][fp16][backward]") {
+    // The turns are counted for the smallest Q tile, 32 rows, whatever tile the device takes, so
+    // the figure is the same on every GPU. By hand: {2, 3, 100, 77, 64}: dQ in fp32 2*3*100*64 =
+    // 38400 floats, D 600 floats, ceil(100 / 32) = 4 counters a head, 24, + 1 ticket:
+    // 4 * (38400 + 600 + 24 + 1) = 156100 bytes. {1, 2, 100, 77, 256}: 4 * (51200 + 200 + 8 + 1)
+    // = 205636.
+    CHECK(flash_backward_fp16_scratch_bytes({2, 3, 100, 77, 64, false}) == 156100);
+    CHECK(flash_backward_fp16_scratch_bytes({1, 2, 100, 77, 256, true}) == 205636);
     // The dominant term, B*H*q_len*d*4 bytes, twice dQ itself: at the protocol's 16384 tokens of
     // 2048 channels, 128 MiB.
     const AttentionShape protocol{4, 16, 4096, 4096, 128, false};
     CHECK(flash_backward_fp16_scratch_bytes(protocol) ==
-          4 * (q_elems(protocol) + l_elems(protocol) + 4 * 16 * 64 + 2));
+          4 * (q_elems(protocol) + l_elems(protocol) + 4 * 16 * 128 + 1));
     // A bad shape is refused as the backward refuses it.
     CHECK_THAT(refusal([&] { flash_backward_fp16_scratch_bytes({1, 1, 0, 7, 64, false}); }),
                NamesWord("q_len"));
@@ -654,7 +657,7 @@ TEST_CASE("The backward gives bitwise identical dQ, dK and dV on every call",
 
 TEMPLATE_TEST_CASE("The tensor-core backward gives bitwise identical dQ, dK and dV on every "
                    "call, on any stream", "[gpu][backward][determinism][fp16][bf16]", fp16, bf16) {
-    // The fp32 backward's shapes (d = 256 among them: the kernel's two launches), and, as in the
+    // The fp32 backward's shapes (d = 256 among them: 8 warps on 64 keys), and, as in the
     // tensor-core forward's test, two streams of its own: the backward allocates its scratch (dQ
     // in fp32, D, the turn counters) on the stream.
     const AttentionShape s = GENERATE(from_range(determinism_shapes(300)));
@@ -819,14 +822,15 @@ TEMPLATE_TEST_CASE("100 calls of the tensor-core backward on grids of many more 
 }
 
 TEST_CASE("flash_backward_fp16_bc with Bc = 64 and 128 matches the reference", "[gpu][backward][tile][fp16]") {
-    // The device takes Bc = 128 where it fits; Bc = 64 (4 warps) is what an A100 runs at d = 128
-    // and 256, and an RTX 4090 at d = 64 and 96: here it runs on this GPU too.
+    // The device takes Bc = 128 where it fits (to d = 128); Bc = 64 (4 warps) is what an A100
+    // runs at d = 128, and an RTX 4090 at d = 64 and 96: here it runs on this GPU too. At d = 256
+    // Bc = 64 is the only choice (8 warps).
     const int Bc = GENERATE(64, 128);
     const AttentionShape base = GENERATE(AttentionShape{1, 2, 100, 257, 0, true},
                                          AttentionShape{2, 1, 257, 100, 0, false},
                                          AttentionShape{1, 3, 1, 95, 0, true});
     const int d = GENERATE(from_range(kFp16HeadDims));
-    if (Bc == 128 && d == 16) return;  // refused (the validation test above)
+    if (Bc == 128 && (d == 16 || d == 256)) return;  // refused (the validation test above)
     AttentionShape s = base;
     s.head_dim = d;
     INFO(describe(s) << ", Bc = " << Bc);
@@ -834,8 +838,8 @@ TEST_CASE("flash_backward_fp16_bc with Bc = 64 and 128 matches the reference", "
     const auto p = rounded_problem<__half>(s, 2900);
     GpuAttention<__half> gpu(p);
     gpu.forward();
-    if (fp16_backward_bytes(d, Bc) > prop.sharedMemPerBlockOptin) {
-        // Not on an H100; on an A100, Bc = 128 at d = 128 and 256: refused, outputs untouched.
+    if (fp16_backward_bytes(d, Bc, d == 256 ? 32 : 64) > prop.sharedMemPerBlockOptin) {
+        // Not on an H100; on an A100, Bc = 128 at d = 128: refused, outputs untouched.
         DeviceBuffer<__half> dQ(q_elems(s)), dK(kv_elems(s)), dV(kv_elems(s));
         for (auto* b : {&dQ, &dK, &dV}) b->poison();
         CHECK_THROWS_AS(flash_backward_fp16_bc(gpu.Q.ptr, gpu.K.ptr, gpu.V.ptr, gpu.O.ptr,

@@ -464,10 +464,9 @@ void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d) {
     CHECK(t.shared_bytes + prop.reservedSharedMemPerBlock <= prop.sharedMemPerMultiprocessor);
 }
 
-size_t fp16_backward_bytes(int d, int Bc) {
-    const size_t Br = d <= 128 ? 64 : 32;  // Q tile rows
-    return (2 * Bc + 4 * Br) * (d + 8) * sizeof(__half) + 2 * Bc * (Br + 8) * sizeof(__half) +
-           4 * Br * sizeof(float);
+size_t fp16_backward_bytes(int d, int Bc, int Br) {
+    return size_t(2 * Bc + 4 * Br) * (d + 8) * sizeof(__half) +
+           size_t(2 * Bc) * (Br + 8) * sizeof(__half) + 4 * Br * sizeof(float);
 }
 
 void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, int d) {
@@ -475,15 +474,21 @@ void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, in
                                   << "), head_dim " << d << ": Br=" << t.Br << " Bc=" << t.Bc
                                   << " threads=" << t.threads << " threads_per_row="
                                   << t.threads_per_row << " shared_bytes=" << t.shared_bytes);
-    CHECK(t.Br == (d <= 128 ? 64 : 32));  // Q tile rows
-    CHECK((t.Bc == 64 || (t.Bc == 128 && d >= 32)));  // K/V tile keys: 16 a warp
-    CHECK(t.threads == 2 * t.Bc);                     // a warp of 32 threads per 16 keys
+    // (Bc, Br), best first, as the comment in test_util.h lists them.
+    std::vector<std::pair<int, int>> list = {{128, 64}, {64, 64}};
+    if (d == 16) list = {{64, 64}};
+    if (d == 64) list = {{128, 128}, {128, 64}, {64, 64}};
+    if (d == 256) list = {{64, 64}, {64, 32}};
+    size_t n = 0;
+    while (n < list.size() && list[n] != std::make_pair(t.Bc, t.Br)) n++;
+    REQUIRE(n < list.size());                                  // a tile of the list
+    for (size_t k = 0; k < n; k++)                              // and no better one fits
+        CHECK(fp16_backward_bytes(d, list[k].first, list[k].second) > prop.sharedMemPerBlockOptin);
+    CHECK(t.threads == 32 * (d == 256 ? 8 : t.Bc / 16));        // a warp per 16 keys, 8 at d = 256
     CHECK(t.threads_per_row == 4);  // an mma fragment spreads a row over 4 threads
-    CHECK(t.shared_bytes == fp16_backward_bytes(d, t.Bc));
+    CHECK(t.shared_bytes == fp16_backward_bytes(d, t.Bc, t.Br));
     CHECK(t.shared_bytes <= prop.sharedMemPerBlockOptin);
     CHECK(t.shared_bytes + prop.reservedSharedMemPerBlock <= prop.sharedMemPerMultiprocessor);
-    // Bc = 128 whenever its block fits (and d >= 32): the chooser never settles for less.
-    if (t.Bc == 64 && d >= 32) CHECK(fp16_backward_bytes(d, 128) > prop.sharedMemPerBlockOptin);
 }
 
 // =============================================================================================

@@ -789,15 +789,16 @@ void check_tile(const char* which, const FlashTile& t, const cudaDeviceProp& pro
 // rows padded by 8 halves: (Br + 4 Bc) (d + 8) halves, within the device's opt-in limit.
 void check_tile_fp16(const FlashTile& t, const cudaDeviceProp& prop, int d);
 
-// The fp16 backward's bytes of shared memory at head dim d and Bc keys a K/V tile, as
-// flash_fp16.cu counts them (rows padded by 8 halves): K_j and V_j (Bc rows each), two stages of
-// Q_i and dO_i (Br rows each), P^T and dS^T (Bc rows of Br + 8 halves each), two stages of L_i
-// and D_i (Br floats each); Br = 64 up to d = 128 and 32 at d = 256.
-size_t fp16_backward_bytes(int d, int Bc);
-// What chapter 2's backward tile (fp16's and bf16's) must be: Br = 64 (32 at d = 256), Bc = 64
-// or 128 (from d = 32), 2 Bc threads (a warp per 16 keys), 4 threads a row, shared_bytes as
-// above, within the device's opt-in limit and beside its reserve; Bc = 64 only where 128 does
-// not fit (or d = 16).
+// The fp16 backward's bytes of shared memory at head dim d, Bc keys a K/V tile and Br query rows a
+// Q tile, as flash_fp16.cu counts them (rows padded by 8 halves): K_j and V_j (Bc rows each), two
+// stages of Q_i and dO_i (Br rows each), P^T and dS^T (Bc rows of Br + 8 halves each), two stages
+// of L_i and D_i (Br floats each).
+size_t fp16_backward_bytes(int d, int Bc, int Br);
+// What chapter 2's backward tile (fp16's and bf16's) must be, as the list below names it, best
+// first: d = 16 (64, 64); d = 32, 96, 128 (128, 64) else (64, 64); d = 64 (128, 128) else (128, 64)
+// else (64, 64); d = 256 (64, 64) else (64, 32), as (Bc, Br). A warp per 16 keys (8 warps at
+// d = 256), 4 threads a row, shared_bytes as above within the device's opt-in limit and beside
+// its reserve; the first tile of the list whose block fits, never a later one.
 void check_tile_fp16_backward(const FlashTile& t, const cudaDeviceProp& prop, int d);
 
 // =============================================================================================
