@@ -31,13 +31,14 @@ TEST_OBJS := $(patsubst %.cpp,%.o,$(wildcard test_*.cpp))
 SANITIZER ?= $(shell command -v compute-sanitizer 2>/dev/null || echo $(CUDA_HOME)/bin/compute-sanitizer)
 all: test_flash flash_bench
 
-# Every object from its one source; every object also depends on flash.h.
-%.o: %.cu flash.h
+# Every object from its one source; every object includes flash.h (the API) and checks.h (the
+# library's inside: checks, element counts, FLASH_CUDA_CHECK), directly or through another header.
+%.o: %.cu flash.h checks.h
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
-%.o: %.cpp flash.h
+%.o: %.cpp flash.h checks.h
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
-# The headers beyond flash.h that objects include.
-flash.o flash_fp16.o checks.o: checks.h
+# The headers beyond those two that objects include.
+reference.o bench.o $(TEST_OBJS): reference.h
 bench.o standard.o: standard.h
 $(TEST_OBJS): $(wildcard test_*.h)
 

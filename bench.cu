@@ -40,7 +40,9 @@ What is measured:
   device_peaks).
 */
 
+#include "checks.h"
 #include "flash.h"
+#include "reference.h"
 #include "standard.h"
 
 #include <cublas_v2.h>

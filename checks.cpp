@@ -1,6 +1,6 @@
 // checks.cpp: the host-side argument checks and launch helpers of checks.h, shared by every
-// chapter, and chapter 1's public checks from flash.h (validate_shape, the element counts, the
-// head-dim list). No kernels here: the GPU code is in flash.cu.
+// chapter, and flash.h's head-dim queries. No kernels here: the GPU code is in flash.cu and
+// flash_fp16.cu.
 #include "checks.h"
 
 #include <climits>
@@ -12,6 +12,11 @@
 
 void require(bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument(what);
+}
+
+void throw_failed_call(const char* call, const char* file, int line, const char* why) {
+    throw std::runtime_error(std::string(call) + " failed at " + file + ":" +
+                             std::to_string(line) + ": " + why);
 }
 
 // ---------------------------------------------------------------------------------------------

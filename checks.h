@@ -1,8 +1,9 @@
-// checks.h: the host-side argument checks and launch helpers that every chapter's launchers share
-// (chapter 1: flash.cu, fp32; chapter 2: an fp16 tensor-core kernel in its own file). Internal:
-// the public API is flash.h. Everything here runs before any launch, so bad input never reaches
-// the GPU and never touches an output; it throws std::invalid_argument naming the field and the
-// allowed values.
+// checks.h: the library's inside that every chapter shares (chapter 1: flash.cu, fp32; chapter 2:
+// flash_fp16.cu, fp16 and bf16): argument checks, element counts, the causal rule's tile bounds,
+// launch helpers and FLASH_CUDA_CHECK. Not the API (that is flash.h); the tests, the benchmark
+// and the CPU reference include it too. The checks run before any launch, so bad input never
+// reaches the GPU and never touches an output; they throw std::invalid_argument naming the field
+// and the allowed values.
 #pragma once
 
 #include "flash.h"
@@ -10,6 +11,7 @@
 #include <cstddef>
 #include <initializer_list>
 #include <iterator>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -17,9 +19,37 @@
 // Throws std::invalid_argument(what) unless ok.
 void require(bool ok, const std::string& what);
 
+// Throws std::runtime_error("<call> failed at <file>:<line>: <why>"): the one message of
+// FLASH_CUDA_CHECK and of standard.h's CUBLAS_CHECK.
+[[noreturn]] void throw_failed_call(const char* call, const char* file, int line, const char* why);
+// Check a CUDA call: on failure throw std::runtime_error("<call> failed at file:line: <error>").
+// For the launchers, the tests and the benchmark; not an API call.
+#define FLASH_CUDA_CHECK(call) flash_cuda_check((call), #call, __FILE__, __LINE__)
+inline void flash_cuda_check(cudaError_t err, const char* call, const char* file, int line) {
+    if (err != cudaSuccess) throw_failed_call(call, file, line, cudaGetErrorString(err));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The causal rule (flash.h's flash_last_key) as the kernels' tile loops need it.
+
+// Read from the key's side: key j is seen by queries i >= flash_first_query(j, ...)
+// (j <= i + flash_last_key(0, ...) rearranged).
+__host__ __device__ inline int flash_first_query(int j, int q_len, int kv_len) {
+    return j - flash_last_key(0, q_len, kv_len);
+}
+// The keys a tile of query rows [first_row, first_row + rows) needs: 0 .. flash_kv_end - 1. Under
+// a causal mask, past the last key its last row sees, every K/V tile can be skipped.
+__host__ __device__ inline int flash_kv_end(int first_row, int rows, int q_len, int kv_len,
+                                            bool causal) {
+    if (!causal) return kv_len;
+    const int last_row = (first_row + rows < q_len ? first_row + rows : q_len) - 1;
+    const int end = flash_last_key(last_row, q_len, kv_len) + 1;
+    return end < kv_len ? end : kv_len;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Head dims. Each chapter lists the head dims it has kernels for in a constexpr int array
-// (chapter 1: kFlashHeadDims in flash.h) and hands that list to what follows.
+// (flash.h: kFlashHeadDims, kFlashFp16HeadDims) and hands that list to what follows.
 struct HeadDims {
     const int* dims;
     size_t count;
@@ -49,9 +79,15 @@ void dispatch_head_dim(int head_dim, F&& f) {
 
 // ---------------------------------------------------------------------------------------------
 // Shapes. Every field in range, head_dim in `supported`, and every tensor's byte count, at
-// elem_bytes per element, within size_t (and so every 64-bit offset the kernels form). The
-// public validate_shape(shape) in flash.h is this with chapter 1's head dims and sizeof(float).
+// elem_bytes per element, within size_t (and so every 64-bit offset the kernels form). Throws
+// std::invalid_argument naming the field when a field is out of range or a count overflows.
 void validate_shape(const AttentionShape& shape, HeadDims supported, size_t elem_bytes);
+// The same with chapter 1's head dims and sizeof(float) (the largest element any chapter uses).
+void validate_shape(const AttentionShape& shape);
+// Elements of Q and O (batch*heads*q_len*head_dim), of K and V (... kv_len ...), of L (... q_len).
+size_t q_elems(const AttentionShape& s);
+size_t kv_elems(const AttentionShape& s);
+size_t l_elems(const AttentionShape& s);
 
 // ---------------------------------------------------------------------------------------------
 // Pointers. One tensor argument: its name, pointer, element count and element size in bytes

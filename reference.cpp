@@ -11,7 +11,8 @@
 // Causal masking is bottom-right aligned: query i sees key j iff j <= i + kv_len - q_len. A row
 // that sees no key gets O_i = 0 and L_i = -inf (never NaN), and contributes nothing backward.
 
-#include "flash.h"
+#include "checks.h"
+#include "reference.h"
 
 #include <algorithm>
 #include <cmath>

@@ -7,6 +7,7 @@
 // Everything is templated on the element type T (float, __half or __nv_bfloat16): the GEMMs read
 // and write T and sum in fp32; the row kernels read T, compute in fp32 and write T (L is always
 // fp32).
+#include "checks.h"
 #include "standard.h"
 
 #include <cuda_runtime.h>

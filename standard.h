@@ -10,24 +10,20 @@
 // L (B, H, q_len), always fp32.
 #pragma once
 
+#include "checks.h"
 #include "flash.h"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <stdexcept>
-#include <string>
-
-// Check a cuBLAS call: on failure throw std::runtime_error("<call> failed at file:line: <status>").
-#define CUBLAS_CHECK(call)                                                                      \
-    do {                                                                                        \
-        cublasStatus_t cublas_status_ = (call);                                                 \
-        if (cublas_status_ != CUBLAS_STATUS_SUCCESS)                                            \
-            throw std::runtime_error(std::string(#call) + " failed at " + __FILE__ + ":" +      \
-                                     std::to_string(__LINE__) + ": " +                          \
-                                     cublasGetStatusString(cublas_status_));                    \
-    } while (0)
+// Check a cuBLAS call: on failure throw std::runtime_error("<call> failed at file:line: <status>"),
+// as FLASH_CUDA_CHECK (checks.h) does for a CUDA call.
+#define CUBLAS_CHECK(call) cublas_check((call), #call, __FILE__, __LINE__)
+inline void cublas_check(cublasStatus_t status, const char* call, const char* file, int line) {
+    if (status != CUBLAS_STATUS_SUCCESS)
+        throw_failed_call(call, file, line, cublasGetStatusString(status));
+}
 
 // Keys that query row i sees: keys 0 .. visible_keys - 1 (the causal rule of flash.h; a row may
 // see none).

@@ -34,7 +34,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "checks.h"
 #include "flash.h"
+#include "reference.h"
 
 #include <algorithm>
 #include <cctype>

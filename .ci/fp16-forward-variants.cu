@@ -10,6 +10,7 @@
 // 20 CUDA-event-timed launches after 3 warm-ups, forward TFLOP/s = 4 B H (visible pairs) d / t,
 // and the largest |O - O(M = 1, Bc = 32)|, which must stay at fp16's rounding (about 1e-3).
 #include "../flash_fp16.cu"
+#include "../checks.h"  // FLASH_CUDA_CHECK, q_elems (flash_fp16.cu includes it as well)
 
 #include <cstdio>
 #include <string>
