@@ -65,8 +65,9 @@ void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, cons
                          const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
                          const AttentionShape& shape, cudaStream_t stream = 0);
 // The fp16 backward's extra device memory for this shape, in bytes: dQ summed in fp32
-// (B*H*q_len*head_dim floats), D (B*H*q_len floats), one turn counter per Q tile of Br rows
-// (B*H*ceil(q_len / Br) ints) and two tickets (ints). Throws as the backward does for a bad shape.
+// (B*H*q_len*head_dim floats), D (B*H*q_len floats), turn counters for Q tiles of 32 rows, the
+// smallest any device takes (B*H*ceil(q_len / 32) ints), and a ticket (an int): the same figure on
+// every GPU. Throws as the backward does for a bad shape.
 size_t flash_backward_fp16_scratch_bytes(const AttentionShape& shape);
 
 // The same forward and backward in bf16 (__nv_bfloat16: fp32's 8-bit exponent, 8 bits of
@@ -125,12 +126,15 @@ void flash_forward_bc(const float* Q, const float* K, const float* V, float* O, 
 FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim);
 void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __half* O,
                            float* L, const AttentionShape& shape, int Bc, cudaStream_t stream = 0);
-// The fp16 backward's tile: Br = 64 query rows a Q tile (32 at d = 256), Bc = 128 keys a K/V
-// tile, one per block of 8 warps, where that fits the device's shared memory (d >= 32), else
-// Bc = 64 (4 warps). At d = 128 shared_bytes is 173 KiB with Bc = 128 and 121 KiB with 64, so a
-// GPU with 99 KiB (sm_86, sm_89) gets the runtime_error there. Throws as the forward's does.
+// The fp16 backward's tile, (Bc keys a K/V tile, Br query rows a Q tile), the first of a list
+// whose block fits the device's shared memory: (128, 64) else (64, 64) at head_dim 32, 96, 128;
+// (128, 128) else (128, 64) else (64, 64) at 64; (64, 64) else (64, 32) at 256; (64, 64) at 16.
+// A warp per 16 keys (8 warps at 256). At d = 128 shared_bytes is 173 KiB with Bc = 128 and
+// 121 KiB with 64, so a GPU with 99 KiB (sm_86, sm_89) gets the runtime_error there, as at 256.
+// Throws as the forward's does.
 FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_dim);
-// flash_backward_fp16 with Bc (64, or 128 from head_dim 32) given by the caller.
+// flash_backward_fp16 with Bc (64, or 128 from head_dim 32 to 128) given by the caller; Br is
+// the list's first for that Bc that fits.
 void flash_backward_fp16_bc(const __half* Q, const __half* K, const __half* V, const __half* O,
                             const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
                             const AttentionShape& shape, int Bc, cudaStream_t stream = 0);
