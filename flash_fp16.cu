@@ -280,13 +280,13 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 // parts into dQacc, an fp32 copy of dQ in global memory, in a fixed order (below): deterministic,
 // bitwise. Three launches: D (line 4), the kernel, then dQ = dQacc / sqrt(d) rounded to fp16.
 //
-// The block: W warps, Bc keys, Q tiles of Br rows. Everything is transposed: S^T = K_j Q_i^T has a key per
-// row, as do P^T and dS^T, the left operands of lines 12 and 16, so each thread needs L and D of
-// its columns' queries (staged beside Q_i). Every product is split over the W warps in
-// two-dimensional tiles (WarpTile): S^T and dP^T in tiles of keys x queries, dV_j and dK_j in
-// tiles of keys x columns of d (so a thread holds only its share of both), dQ_i's part in tiles
-// of queries x columns. The tiles of one product are not those of the next, so P^T and dS^T go
-// through shared memory (fp16), between a barrier.
+// The block: W warps, Bc keys, Q tiles of Br rows (bwd_tiles, below). Everything is transposed:
+// S^T = K_j Q_i^T has a key per row, as do P^T and dS^T, the left operands of lines 12 and 16, so
+// each thread needs L and D of its columns' queries (staged beside Q_i). Every product is split
+// over the W warps in two-dimensional tiles (WarpTile): S^T and dP^T in tiles of keys x queries,
+// dV_j and dK_j in tiles of keys x columns of d (so a thread holds only its share of both), dQ_i's
+// part in tiles of queries x columns. The tiles of one product are not those of the next, so P^T
+// and dS^T go through shared memory (fp16), between a barrier.
 //
 // The order of line 15's adds. Every block takes a ticket as it starts (atomicAdd on a zeroed
 // counter): the order blocks start in. Tickets run over each head's K/V tiles from the right
@@ -439,7 +439,8 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         float S[TS::M][TS::cols / 8][4] = {}, dP[TS::M][TS::cols / 8][4] = {};
         // Line 10: S^T = K_j Q_i^T; line 13: dP^T = V_j dO_i^T (this warp's tile of each).
         mma_AB<TS::M, D, TS::cols, false, true>(S, K_j + k_w * ld, ld, Q_i + stage + q_w * ld, ld);
-        mma_AB<TS::M, D, TS::cols, false, true>(dP, V_j + k_w * ld, ld, dO_i + stage + q_w * ld, ld);
+        mma_AB<TS::M, D, TS::cols, false, true>(dP, V_j + k_w * ld, ld, dO_i + stage + q_w * ld,
+                                                ld);
         // The turn of the dQ_i added to a step ago, passed on by one thread (a warp in turn), after
         // the barrier above: the adds have had time to land, so the release waits little.
         if (added && threadIdx.x == 32 * (i % W)) pass_turn(added);
