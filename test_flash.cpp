@@ -18,6 +18,7 @@
 //                (one tile, one count serve both types) and those that pass a Bc (fp16 only:
 //                flash_forward_fp16_bc, flash_backward_fp16_bc)
 //   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
+//   [readme]     README.md's figures against the data files they come from: in test_docs.cpp
 // Everything else (argument validation, determinism, the caller-chosen Bc, extreme inputs, tensors
 // past 65535 heads and 2^31 elements, the [.timing] test) is in test_hardening.cpp; the helpers
 // are in test_util.h, main() in test_util.cpp.

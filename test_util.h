@@ -1,5 +1,6 @@
 // test_util.h: what the test files share (Catch2 v2). Nothing here is a test: the tests are in
-// test_flash.cpp (the classroom core) and test_hardening.cpp; main() is in test_util.cpp.
+// test_flash.cpp (the classroom core), test_hardening.cpp and test_docs.cpp (README.md's figures);
+// main() is in test_util.cpp.
 //
 //   Element types      float (chapter 1's tensors), __half and __nv_bfloat16 (chapter 2's, named
 //                      fp16 and bf16 in its tests' type lists) and double (the reference): NaN
@@ -24,7 +25,8 @@
 //   Tile chooser       four real GPUs' properties, and what every tile (fp32, chapter 2's forward
 //                      and backward: one for both types) must satisfy
 //   Big tensors        inputs built from a repeating pattern, checked one head at a time
-//   Source files       the lines of NOTES.md and flash.cu, for the [notes] test
+//   Source files       the lines of a file of the project (NOTES.md, flash.cu, README.md, data/),
+//                      for the [notes] and [readme] tests
 //
 // Chapter 2's tests are TEMPLATE_TEST_CASEs over (fp16, bf16), tagged [fp16][bf16]; a helper's
 // "16" (tolerances16, kSafety16, u16, Q16) stands for either 16-bit type.
