@@ -38,6 +38,7 @@ all: test_flash flash_bench
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
 # The headers beyond flash.h that objects include.
 flash.o flash_fp16.o checks.o: checks.h
+flash.o flash_fp16.o: log2_units.h
 bench.o standard.o: standard.h
 $(TEST_OBJS): $(wildcard test_*.h)
 
