@@ -39,6 +39,7 @@ all: test_flash flash_bench
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
 # The headers beyond those two that objects include.
 reference.o bench.o $(TEST_OBJS): reference.h
+flash.o flash_fp16.o: log2_units.h
 bench.o standard.o: standard.h
 $(TEST_OBJS): $(wildcard test_*.h)
 

@@ -6,10 +6,12 @@
 // Demo:             make run         (one shape, timed and checked against the CPU reference)
 //
 // In order: the constants and helpers the kernels use, the forward kernel, the two backward
-// kernels, the tile rule, the launchers. The argument checks are in checks.cpp.
+// kernels, the tile rule, the launchers. The argument checks are in checks.cpp. The names are the
+// papers' (Q_i, K_j, S_ij, m, l, Br, Bc, ...), and chapter 2's: NOTES.md's glossary lists them.
 // Layouts: Q, O, dQ, dO (B, H, q_len, d); K, V, dK, dV (B, H, kv_len, d); L (B, H, q_len).
 #include "checks.h"
 #include "flash.h"
+#include "log2_units.h"
 
 #include <cuda_pipeline.h>
 
@@ -18,16 +20,19 @@
 #include <optional>
 #include <string>
 
-static constexpr int kThreads = 128;  // threads per block (4 warps)
-// Forward blocks resident per SM: 3 caps a thread at 170 registers, and each block gets a third of
-// the SM's shared memory (the tile rule below). An experiment knob, e.g.
+static constexpr int kThreads = 128;  // threads per block (4 warps), in all three kernels
+// Blocks resident per SM: each kernel's second __launch_bounds__ argument. It caps a thread's
+// registers: an SM has 65536, handed to warps in steps of 256 (8 a thread), so b blocks of 128
+// threads leave a thread 65536 / (128 b) rounded down to a multiple of 8: 168 at b = 3 (170.7
+// before rounding), and at b = 2 the most a thread may have, 255. The forward's b also gives each
+// of its blocks 1/b of the SM's shared memory (the tile rule below), and is an experiment knob:
 // make clean all DEFINES=-DFLASH_MIN_BLOCKS_PER_SM=2
 #ifndef FLASH_MIN_BLOCKS_PER_SM
 #define FLASH_MIN_BLOCKS_PER_SM 3
 #endif
 static constexpr int kMinBlocksPerSM = FLASH_MIN_BLOCKS_PER_SM;
-static constexpr float kLog2e = 1.4426950408889634f;  // scores are kept in log2 units: exp2f
-static constexpr float kLn2 = 0.6931471805599453f;
+static constexpr int kDqMinBlocksPerSM = 3;    // the backward's dQ kernel: at most 168 registers
+static constexpr int kDkdvMinBlocksPerSM = 2;  // its dK, dV kernel: at most 255 (it uses up to 219)
 
 // ---------------------------------------------------------------------------------------------
 // Helpers. CUDA has no float4 arithmetic.
@@ -59,10 +64,11 @@ __device__ __forceinline__ float row_dot(const float4 (&x)[N], const float4* y) 
     for (int c = 0; c < N; c++) s += dot4(x[c], y[c * TPR]);
     return row_sum<TPR>(s);
 }
-// The backward's two dot products per (query, key), S_ij = q.k (times `scale`) and dP_ij = dO_i.v,
-// both summed before either is reduced: the two shuffle chains then overlap (reducing S's first
-// cost ~1% at d = 64 on the H100). S is scaled here, right after its reduction, as the first
-// edition did: scaled later, inside exp2f, it cost 0.25% at d = 128 (NOTES.md section 7).
+// The backward's two dot products per (query, key), S_ij (times `scale`) and dP_ij, of the row of
+// Q_i with the row of K_j and of the row of dO_i with the row of V_j. Both are summed over this
+// thread's slices before either is reduced across the row, so that the two shuffle chains
+// overlap, and S is scaled right after its reduction: both orders decide the machine code, and
+// both were measured (NOTES.md section 7).
 template <int TPR, int N>
 __device__ __forceinline__ float2 row_dot2(const float4 (&x)[N], const float4* y,
                                            const float4 (&u)[N], const float4* w, float scale) {
@@ -92,26 +98,30 @@ __device__ __forceinline__ void load_tiles(float4* A, const float4* __restrict__
         __pipeline_memcpy_async(B + x, gB + offset + x, sizeof(float4));
 #endif
     }
+    // This thread's copies have landed; after the barrier, everyone's have.
     __pipeline_commit();
-    __pipeline_wait_prior(0);  // this thread's copies have landed
-    __syncthreads();           // and everyone's
+    __pipeline_wait_prior(0);
+    __syncthreads();
 }
 
 // ---------------------------------------------------------------------------------------------
 // Forward: FlashAttention-2, Algorithm 1. One block per (Q tile Q_i, batch*head); each query row
-// of Q_i belongs to TPR adjacent threads, each holding a 1/TPR slice of the row's q and o in
-// registers (float4s part, part + TPR, part + 2*TPR, ...: the interleave keeps a warp's
+// of Q_i belongs to TPR adjacent threads, each holding a 1/TPR slice of that row of Q_i and of O_i
+// in registers (float4s part, part + TPR, part + 2*TPR, ...: the interleave keeps a warp's
 // shared-memory reads on distinct banks). K_j and V_j stream through shared memory.
-//   D:   the head dim, known at compile time, so that q and o are register arrays (fully unrolled
-//        loops index them with constants; a runtime d would put them in slow local memory).
-//   TPR: threads per row, so that a row's q and o (2 * D floats) fit in one thread's registers.
-// Names: i and j are the paper's tile indices (Q_i; K_j, V_j); `query` is this thread's query row,
-// `kj` a key's place within K_j. Tr = ceil(q_len / Br) Q tiles. The block order: blockIdx 0 takes
-// the LAST Q tile, which under a causal mask sees the most keys. The GPU starts blocks roughly in
-// index order, so the long blocks start first and the short ones fill the tail of the last wave.
-// The scale 1/sqrt(d) and log2(e) are folded into q once, so scores come out in log2 units and
-// exp(x) is exp2f(x). Threads past the last row load that row (the clamp), compute alongside (a
-// row's threads must all take part in its shuffles), and write nothing.
+//   D:   the head dim, known at compile time, so that the slices are register arrays (fully
+//        unrolled loops index them with constants; a runtime d would put them in local memory).
+//   TPR: threads per row, so that a row of Q_i and of O_i (2 * D floats) fits in one thread's
+//        registers.
+// Names (NOTES.md's glossary): i and j are the paper's tile indices (Q_i; K_j, V_j), k0 = j Bc is
+// the first key of K_j and kj a key's place within it; `query` is this thread's query row. A
+// thread's part of a tile is named as the tile: here Q_i and O_i are its slices of its row.
+// Tr = ceil(q_len / Br) Q tiles. The block order: blockIdx 0 takes the LAST Q tile, which under a
+// causal mask sees the most keys. The GPU starts blocks roughly in index order, so the long blocks
+// start first and the short ones fill the tail of the last wave. The scale 1/sqrt(d) and log2(e)
+// are folded into Q_i once, so scores come out in log2 units and exp(x) is exp2f(x). Threads past
+// the last row load that row (the clamp), compute alongside (a row's threads must all take part in
+// its shuffles), and write nothing.
 template <int D, int TPR>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
 flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
@@ -119,40 +129,45 @@ flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
                      int q_len, int kv_len, bool causal, int Bc, int Tr, float scale_log2) {
     constexpr int Br = kThreads / TPR;                 // query rows per block
     constexpr int slice4 = D / 4 / TPR;                // float4s of a row that one thread holds
-    extern __shared__ float4 Kj[];                     // K_j: (Bc, D/4) ...
-    float4* Vj = Kj + Bc * (D / 4);                    // ... then V_j: (Bc, D/4)
+    // Shared memory: K_j, (Bc, D/4) float4s, then V_j, (Bc, D/4).
+    extern __shared__ float4 K_j[];
+    float4* V_j = K_j + Bc * (D / 4);
     const int i = Tr - 1 - blockIdx.x % Tr;            // line 3: for each Q_i (the grid)
     const size_t bh = blockIdx.x / Tr;                 // batch * heads + head
     const int query = i * Br + threadIdx.x / TPR;      // this thread's row of Q_i
     const int part = threadIdx.x % TPR;                // which of the row's TPR threads it is
     const size_t offset = (bh * q_len + min(query, q_len - 1)) * (D / 4) + part;  // in Q and O
-    float4 q[slice4];
-    float4 o[slice4] = {};                             // line 5: O_i = 0, in registers
+    float4 Q_i[slice4];
+    float4 O_i[slice4] = {};                           // line 5: O_i = 0, in registers
     float m = -INFINITY;                               // line 5: row max m (log2 units)
     float l = 0.f;                                     // line 5: row sum l
-    for (int c = 0; c < slice4; c++) q[c] = scale4(Q[offset + c * TPR], scale_log2);  // line 4
-    const int keys = flash_kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: the keys it needs
-    for (int key0 = 0; key0 < keys; key0 += Bc) {      // line 6: for each K_j, V_j (from key0)
-        load_tiles<D>(Kj, K, Vj, V, (bh * kv_len + key0) * (D / 4), min(Bc, keys - key0));  // 7
-        #pragma unroll(D == 128 ? 2 : 1)  // measured: +1-3% at d = 128, -12% at d = 64 (NOTES 3)
-        for (int kj = 0; kj < min(Bc, keys - key0); kj++) {  // lines 8-10, one key at a time
-            const float s = row_dot<TPR>(q, &Kj[kj * (D / 4) + part]);  // line 8: S = Q_i K_j^T
-            const bool seen = !causal || key0 + kj <= flash_last_key(query, q_len, kv_len);
-            if (seen && s > m) {                       // lines 9-10: a new row max m: rescale
-                const float alpha = exp2f(m - s);      // l and O_i by exp(m_old - m_new)
+    for (int c = 0; c < slice4; c++) Q_i[c] = scale4(Q[offset + c * TPR], scale_log2);  // line 4
+    const int kv_end = flash_kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: keys it needs
+    // Line 6: for each K_j, V_j, from its first key k0 = j Bc; line 7: load them.
+    for (int k0 = 0; k0 < kv_end; k0 += Bc) {
+        load_tiles<D>(K_j, K, V_j, V, (bh * kv_len + k0) * (D / 4), min(Bc, kv_end - k0));
+        // Two keys a step at d = 128 only: a tuning, measured in NOTES.md section 7.
+        #pragma unroll(D == 128 ? 2 : 1)
+        for (int kj = 0; kj < min(Bc, kv_end - k0); kj++) {  // lines 8-10, one key at a time
+            const float s = row_dot<TPR>(Q_i, &K_j[kj * (D / 4) + part]);  // line 8: S_ij
+            const bool seen = !causal || k0 + kj <= flash_last_key(query, q_len, kv_len);
+            // Lines 9-10: a new row max m: rescale l and O_i by exp(m_old - m_new).
+            if (seen && s > m) {
+                const float alpha = exp2f(m - s);
                 l *= alpha;
-                for (int c = 0; c < slice4; c++) o[c] = scale4(o[c], alpha);
+                for (int c = 0; c < slice4; c++) O_i[c] = scale4(O_i[c], alpha);
                 m = s;
             }
             const float p = seen ? exp2f(s - m) : 0.f;  // line 9: P_ij = exp(S_ij - m)
             l += p;                                     // line 9: l += rowsum(P_ij)
-            for (int c = 0; c < slice4; c++) axpy4(o[c], p, Vj[kj * (D / 4) + part + c * TPR]);
-        }                                               // line 10: O_i += P_ij V_j
+            // Line 10: O_i += P_ij V_j.
+            for (int c = 0; c < slice4; c++) axpy4(O_i[c], p, V_j[kj * (D / 4) + part + c * TPR]);
+        }
     }
     // Lines 12-15: O_i = O_i / l and L_i = m + log(l), written once; a row that saw no key (l = 0)
     // gets O = 0 and L = -inf. m is in log2 units, so L = (m + log2(l)) * ln(2).
     if (query >= q_len) return;
-    for (int c = 0; c < slice4; c++) O[offset + c * TPR] = scale4(o[c], l > 0.f ? 1.f / l : 0.f);
+    for (int c = 0; c < slice4; c++) O[offset + c * TPR] = scale4(O_i[c], l > 0.f ? 1.f / l : 0.f);
     if (part == 0) L[bh * q_len + query] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
@@ -160,15 +175,16 @@ flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
 // Backward: FlashAttention-2, Algorithm 2, split in two kernels so that no sum needs atomics (and
 // the result is bitwise deterministic): each dQ row, and each dK and dV row, is summed by the
 // threads that own it, in order. Both recompute P from L (line 11) instead of storing it. Tiles
-// are square, Br = Bc, and the layout is the forward's (TPR threads per row; names likewise).
+// are square, Br = Bc, and the layout is the forward's (TPR threads per row; names likewise: one
+// entry of S_ij, P_ij, dP_ij, dS_ij is s, p, dp, ds).
 
 // Kernel 1 of 2: dQ, and D. Algorithm 2's loops swapped: one block per Q tile Q_i (the grid,
 // longest causal first, as in the forward), with Q_i, dO_i and dQ_i in registers while K_j, V_j
 // stream through shared memory (the paper's outer loop, line 5, here the inner one). dQ_i is
 // written once at the end, not read and written back per K_j. It also computes line 4's
-// D_i = rowsum(dO_i * O_i) and writes it for kernel 2.
+// D_i = rowsum(dO_i * O_i) and writes it for kernel 2 (Dsum: D in global memory).
 template <int D, int TPR>
-__global__ void __launch_bounds__(kThreads, 3)
+__global__ void __launch_bounds__(kThreads, kDqMinBlocksPerSM)
 flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
                          const float4* __restrict__ V, const float4* __restrict__ O,
                          const float4* __restrict__ dO, const float* __restrict__ L,
@@ -176,45 +192,48 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
                          bool causal, int Tr, float scale_log2) {
     constexpr int Br = kThreads / TPR;                 // query rows per block; Bc = Br keys per K_j
     constexpr int slice4 = D / 4 / TPR;
-    extern __shared__ float4 Kj[];                     // K_j: (Br, D/4) ...
-    float4* Vj = Kj + Br * (D / 4);                    // ... then V_j: (Br, D/4)
+    // Shared memory: K_j, (Br, D/4) float4s, then V_j, (Br, D/4).
+    extern __shared__ float4 K_j[];
+    float4* V_j = K_j + Br * (D / 4);
     const int i = Tr - 1 - blockIdx.x % Tr;            // this block's Q tile
     const size_t bh = blockIdx.x / Tr;
     const int query = i * Br + threadIdx.x / TPR;
     const int part = threadIdx.x % TPR;
     const int last_key = flash_last_key(query, q_len, kv_len);
     const size_t offset = (bh * q_len + min(query, q_len - 1)) * (D / 4) + part;
-    float4 q[slice4];                                  // line 9: load Q_i, dO_i, L_i
-    float4 dOi[slice4];
-    float4 dq[slice4] = {};                            // dQ_i, accumulated in registers
-    for (int c = 0; c < slice4; c++) q[c] = scale4(Q[offset + c * TPR], scale_log2);
-    for (int c = 0; c < slice4; c++) dOi[c] = dO[offset + c * TPR];
-    const float Di = row_dot<TPR>(dOi, &O[offset]);   // line 4: D_i = rowsum(dO_i * O_i)
-    if (query < q_len && part == 0) Dsum[bh * q_len + query] = Di;
-    const float Li = L[bh * q_len + min(query, q_len - 1)] * kLog2e;  // log2 units, like q K^T
-    const int keys = flash_kv_end(i * Br, Br, q_len, kv_len, causal);
-    for (int key0 = 0; key0 < keys; key0 += Br) {      // line 5: for each K_j, V_j
-        load_tiles<D>(Kj, K, Vj, V, (bh * kv_len + key0) * (D / 4), min(Br, keys - key0));  // 6
-        for (int kj = 0; kj < min(Br, keys - key0); kj++) {
-            // line 10: S = Q_i K_j^T (.x); line 13: dP = dO_i V_j^T (.y)
-            const float2 s =
-                row_dot2<TPR>(q, &Kj[kj * (D / 4) + part], dOi, &Vj[kj * (D / 4) + part], 1.f);
-            const float P = !causal || key0 + kj <= last_key ? exp2f(s.x - Li) : 0.f;  // line 11
-            const float dS = P * (s.y - Di);           // line 14: dS = P o (dP - D_i)
-            for (int c = 0; c < slice4; c++) axpy4(dq[c], dS, Kj[kj * (D / 4) + part + c * TPR]);
-        }                                              // line 15: dQ_i += dS K_j
+    float4 Q_i[slice4];                                // line 9: load Q_i, dO_i, L_i
+    float4 dO_i[slice4];
+    float4 dQ_i[slice4] = {};                          // dQ_i, accumulated in registers
+    for (int c = 0; c < slice4; c++) Q_i[c] = scale4(Q[offset + c * TPR], scale_log2);
+    for (int c = 0; c < slice4; c++) dO_i[c] = dO[offset + c * TPR];
+    const float D_i = row_dot<TPR>(dO_i, &O[offset]);  // line 4: D_i = rowsum(dO_i * O_i)
+    if (query < q_len && part == 0) Dsum[bh * q_len + query] = D_i;
+    const float L_i = L[bh * q_len + min(query, q_len - 1)] * kLog2e;  // log2 units, as S_ij
+    const int kv_end = flash_kv_end(i * Br, Br, q_len, kv_len, causal);
+    // Line 5: for each K_j, V_j, from its first key k0 = j Br; line 6: load them.
+    for (int k0 = 0; k0 < kv_end; k0 += Br) {
+        load_tiles<D>(K_j, K, V_j, V, (bh * kv_len + k0) * (D / 4), min(Br, kv_end - k0));
+        for (int kj = 0; kj < min(Br, kv_end - k0); kj++) {
+            // Line 10: S_ij = Q_i K_j^T; line 13: dP_ij = dO_i V_j^T.
+            const auto [s, dp] =
+                row_dot2<TPR>(Q_i, &K_j[kj * (D / 4) + part], dO_i, &V_j[kj * (D / 4) + part], 1.f);
+            const float p = !causal || k0 + kj <= last_key ? exp2f(s - L_i) : 0.f;  // line 11
+            const float ds = p * (dp - D_i);           // line 14: dS_ij = P_ij o (dP_ij - D_i)
+            // Line 15: dQ_i += dS_ij K_j.
+            for (int c = 0; c < slice4; c++) axpy4(dQ_i[c], ds, K_j[kj * (D / 4) + part + c * TPR]);
+        }
     }
     if (query >= q_len) return;
-    for (int c = 0; c < slice4; c++) dQ[offset + c * TPR] = scale4(dq[c], rsqrtf(D));
+    for (int c = 0; c < slice4; c++) dQ[offset + c * TPR] = scale4(dQ_i[c], rsqrtf(D));
 }
 
 // Kernel 2 of 2: dK and dV, in Algorithm 2's own order. One block per K/V tile (line 5's loop is
 // the grid), one key per TPR threads, with K_j, V_j, dK_j and dV_j in registers while Q_i and dO_i
-// stream through shared memory (line 8's loop); `key` is this thread's key, `qi` a query's place
-// within Q_i. k, v, dK, dV and the Q_i, dO_i slices just read take ~220 registers: two blocks per
-// SM, no spills.
+// stream through shared memory (line 8's loop); `key` is this thread's key, q0 the first query of
+// Q_i and `qi` a query's place within it. The slices of K_j, V_j, dK_j, dV_j and of the Q_i, dO_i
+// rows just read take about 220 registers: two blocks per SM, no spills.
 template <int D, int TPR>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, kDkdvMinBlocksPerSM)
 flash_backward_dkdv_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
                            const float4* __restrict__ V, const float4* __restrict__ dO,
                            const float* __restrict__ L, const float* __restrict__ Dsum,
@@ -222,41 +241,44 @@ flash_backward_dkdv_kernel(const float4* __restrict__ Q, const float4* __restric
                            int kv_len, bool causal, int Tc, float scale_log2) {
     constexpr int Bc = kThreads / TPR;                 // keys per block; Br = Bc rows per Q_i
     constexpr int slice4 = D / 4 / TPR;
-    extern __shared__ float4 Qi[];                     // Q_i: (Bc, D/4) ...
-    float4* dOi = Qi + Bc * (D / 4);                   // ... then dO_i: (Bc, D/4)
+    // Shared memory: Q_i, (Bc, D/4) float4s, then dO_i, (Bc, D/4).
+    extern __shared__ float4 Q_i[];
+    float4* dO_i = Q_i + Bc * (D / 4);
     const int j = blockIdx.x % Tc;                     // line 5: for each K_j, V_j (the grid)
     const size_t bh = blockIdx.x / Tc;
     const int key = j * Bc + threadIdx.x / TPR;        // this thread's row of K_j
     const int part = threadIdx.x % TPR;
     const size_t offset = (bh * kv_len + min(key, kv_len - 1)) * (D / 4) + part;  // K, V, dK, dV
-    float4 k[slice4];                                  // line 6: load K_j, V_j
-    float4 v[slice4];
-    float4 dk[slice4] = {};                            // line 7: dK_j = 0, dV_j = 0
-    float4 dv[slice4] = {};
-    for (int c = 0; c < slice4; c++) k[c] = K[offset + c * TPR];
-    for (int c = 0; c < slice4; c++) v[c] = V[offset + c * TPR];
+    float4 K_j[slice4];                                // line 6: load K_j, V_j
+    float4 V_j[slice4];
+    float4 dK_j[slice4] = {};                          // line 7: dK_j = 0, dV_j = 0
+    float4 dV_j[slice4] = {};
+    for (int c = 0; c < slice4; c++) K_j[c] = K[offset + c * TPR];
+    for (int c = 0; c < slice4; c++) V_j[c] = V[offset + c * TPR];
     // Causal: Q tiles before the first query that sees the block's first key are skipped.
     const int q_begin = causal ? max(0, flash_first_query(j * Bc, q_len, kv_len)) : 0;
-    for (int q0 = q_begin; q0 < q_len; q0 += Bc) {     // line 8: for each Q_i (from query q0)
-        load_tiles<D>(Qi, Q, dOi, dO, (bh * q_len + q0) * (D / 4), min(Bc, q_len - q0));  // 9
+    // Line 8: for each Q_i, from its first query q0; line 9: load Q_i and dO_i.
+    for (int q0 = q_begin; q0 < q_len; q0 += Bc) {
+        load_tiles<D>(Q_i, Q, dO_i, dO, (bh * q_len + q0) * (D / 4), min(Bc, q_len - q0));
         for (int qi = 0; qi < min(Bc, q_len - q0); qi++) {
-            // line 10: S = Q_i K_j^T (.x, scaled to log2 units); line 13: dP = dO_i V_j^T (.y)
-            const float2 s = row_dot2<TPR>(k, &Qi[qi * (D / 4) + part], v,
-                                           &dOi[qi * (D / 4) + part], scale_log2);
-            const float Li = L[bh * q_len + q0 + qi] * kLog2e;  // line 9: L_i and D_i
-            const float Di = Dsum[bh * q_len + q0 + qi];
+            // Line 10: S_ij = Q_i K_j^T (scaled to log2 units); line 13: dP_ij = dO_i V_j^T.
+            const auto [s, dp] = row_dot2<TPR>(K_j, &Q_i[qi * (D / 4) + part], V_j,
+                                               &dO_i[qi * (D / 4) + part], scale_log2);
+            // Line 9: the query's L_i (in log2 units) and D_i.
+            const float L_i = L[bh * q_len + q0 + qi] * kLog2e;
+            const float D_i = Dsum[bh * q_len + q0 + qi];
             const bool seen =
                 key < kv_len && (!causal || key <= flash_last_key(q0 + qi, q_len, kv_len));
-            const float P = seen ? exp2f(s.x - Li) : 0.f;  // line 11: P = exp(S - L_i)
-            const float dS = P * (s.y - Di);           // line 14: dS = P o (dP - D_i)
-            // line 12: dV_j += P^T dO_i; line 16: dK_j += dS^T Q_i
-            for (int c = 0; c < slice4; c++) axpy4(dv[c], P, dOi[qi * (D / 4) + part + c * TPR]);
-            for (int c = 0; c < slice4; c++) axpy4(dk[c], dS, Qi[qi * (D / 4) + part + c * TPR]);
+            const float p = seen ? exp2f(s - L_i) : 0.f;  // line 11: P_ij = exp(S_ij - L_i)
+            const float ds = p * (dp - D_i);           // line 14: dS_ij = P_ij o (dP_ij - D_i)
+            // Line 12: dV_j += P_ij^T dO_i; line 16: dK_j += dS_ij^T Q_i.
+            for (int c = 0; c < slice4; c++) axpy4(dV_j[c], p, dO_i[qi * (D / 4) + part + c * TPR]);
+            for (int c = 0; c < slice4; c++) axpy4(dK_j[c], ds, Q_i[qi * (D / 4) + part + c * TPR]);
         }
     }
     if (key >= kv_len) return;                         // line 18: write dK_j, dV_j
-    for (int c = 0; c < slice4; c++) dK[offset + c * TPR] = scale4(dk[c], rsqrtf(D));
-    for (int c = 0; c < slice4; c++) dV[offset + c * TPR] = dv[c];
+    for (int c = 0; c < slice4; c++) dK[offset + c * TPR] = scale4(dK_j[c], rsqrtf(D));
+    for (int c = 0; c < slice4; c++) dV[offset + c * TPR] = dV_j[c];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -334,9 +356,8 @@ static void launch_forward(const float* Q, const float* K, const float* V, float
     const int Tr = (s.q_len + tile.Br - 1) / tile.Br;  // Q tiles per head
     const int blocks = grid_blocks(s, s.q_len, tile.Br, "q_len");
     allow_shared(kernel, tile.shared_bytes);
-    const float scale_log2 = kLog2e / std::sqrt(float(D));
     kernel<<<blocks, kThreads, tile.shared_bytes, stream>>>(
-        f4(Q), f4(K), f4(V), f4(O), L, s.q_len, s.kv_len, s.causal, tile.Bc, Tr, scale_log2);
+        f4(Q), f4(K), f4(V), f4(O), L, s.q_len, s.kv_len, s.causal, tile.Bc, Tr, scale_log2_for(D));
     FLASH_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -376,7 +397,7 @@ static void launch_backward(const float* Q, const float* K, const float* V, cons
                             const float* dO, const float* L, float* dQ, float* dK, float* dV,
                             const AttentionShape& s, const FlashTile& tile, cudaStream_t stream) {
     constexpr int TPR = threads_per_row(D, kBackwardSlice);
-    const float scale_log2 = kLog2e / std::sqrt(float(D));
+    const float scale_log2 = scale_log2_for(D);
     const int Tr = (s.q_len + tile.Br - 1) / tile.Br;   // Q tiles per head
     const int Tc = (s.kv_len + tile.Bc - 1) / tile.Bc;  // K/V tiles per head
     const int q_blocks = grid_blocks(s, s.q_len, tile.Br, "q_len");

@@ -9,11 +9,13 @@
 // What changes from chapter 1: the two matrix products of Algorithm 1, S = Q_i K_j^T (line 8) and
 // O_i += P~ V_j (line 10), run as mma.sync.m16n8k16 instructions, each a 16x8x16 product by one
 // warp. Their operands and results live in registers in the layouts the PTX ISA documents
-// ("Matrix Fragments for mma.m16n8k16"); NOTES.md chapter 2 draws them. The one fact that lets
+// ("Matrix Fragments for mma.m16n8k16"); NOTES.md section 9 draws them. The one fact that lets
 // FA2 keep everything in registers: the fp32 accumulator of S, rounded to fp16, is already laid
 // out as the A operand of the next mma, so P~ goes from S to P~ V without touching shared memory.
+// The names are chapter 1's and the papers': NOTES.md's glossary lists them.
 #include "checks.h"
 #include "flash.h"
+#include "log2_units.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,16 +30,15 @@
 // The forward's block: kWarps warps, each owning 16 M query rows (M mma tiles of 16), so
 // Br = 16 M kWarps (the tile, below).
 static constexpr int kWarps = 4;
+static constexpr int kFwdThreads = 32 * kWarps;  // threads of a forward block
 // Shared-memory rows are D + kPad halves long. Unpadded, the 8 rows one ldmatrix reads start a
 // multiple of 128 bytes apart and hit the same banks (an 8-way conflict); 8 halves (16 bytes) of
 // padding shift each row by 4 banks, so the 8 rows cover all 32. To see what it buys:
-// make clean all DEFINES=-DFLASH_FP16_PAD=0 (NOTES.md chapter 2 has the measurement).
+// make clean all DEFINES=-DFLASH_FP16_PAD=0 (NOTES.md section 12, steps 1 and 2, measured it).
 #ifndef FLASH_FP16_PAD
 #define FLASH_FP16_PAD 8
 #endif
 static constexpr int kPad = FLASH_FP16_PAD;
-static constexpr float kLog2e = 1.4426950408889634f;
-static constexpr float kLn2 = 0.6931471805599453f;
 
 // mma.sync.m16n8k16 and cp.async need compute capability 8.0. When nvcc compiles for an older GPU
 // (a build with no GPU present defaults to sm_75), the kernel still compiles, to a trap; the API
@@ -83,6 +84,25 @@ __device__ __forceinline__ void mma_16x8x16(float c[4], const uint32_t a[4], uin
                  "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]),
                  "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// A warp's product of 16M rows by N columns in mma tiles, acc[m][n] (rows 16m .. 16m + 15,
+// columns 8n .. 8n + 7: the C above), as one thread holds it: 2M rows by N / 4 columns. Its r-th
+// row is row 16 (r / 2) + g + 8 (r % 2) = 8r + g of the warp's 16M, its c-th column is column
+// acc_col(c, t) (lane = 4g + t), and acc_at(acc, r, c) is the element there.
+template <int N8>
+__device__ __forceinline__ float& acc_at(float (*acc)[N8][4], int r, int c) {
+    return acc[r / 2][c / 2][2 * (r % 2) + c % 2];
+}
+__device__ __forceinline__ int acc_col(int c, int t) { return 8 * (c / 2) + 2 * t + c % 2; }
+// v combined by op (fmaxf, or add) over the quad, the 4 lanes 4g .. 4g + 3 that together hold a
+// row of an accumulator: lanes 1 apart first, then 2, and every lane gets the result. Chapter 1's
+// row_sum is the same butterfly taken the other way round; the order decides a sum's last bits.
+template <typename Op>
+__device__ __forceinline__ float quad_reduce(float v, Op op) {
+    v = op(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return op(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float add(float a, float b) { return a + b; }
 
 // The 16x16 block of a shared-memory array (row stride `ld` halves) whose top-left is `tile`, as
 // four 8x8 quarters: r[0] rows 0-7 cols 0-7, r[1] rows 8-15 cols 0-7, r[2] rows 0-7 cols 8-15,
@@ -175,22 +195,23 @@ __device__ __forceinline__ void mma_AB(float (*acc)[N / 8][4], const T* A, int l
 // ---------------------------------------------------------------------------------------------
 // The forward: FlashAttention-2 Algorithm 1 on tensor cores. One block per (Q tile i, batch*head),
 // kWarps warps; warp w owns M mma tiles of Q_i's rows, rows 16Mw .. 16Mw + 16M - 1 (Br = 16 M
-// kWarps), and each thread 2M of them: rows g + 8r (r < 2M) of its warp's (lane = 4g + t),
-// holding columns 2t, 2t+1 of every 8-column slice of S_ij and of O_i: its c-th column of row r is
-// column 8 (c / 2) + 2t + c % 2, in accumulator S[r / 2][c / 2][2 (r % 2) + c % 2].
+// kWarps), and each thread 2M of them: the queries query + 8r (r < 2M), rows g and g + 8 of each
+// of its warp's tiles (lane = 4g + t), and of each of those rows columns 2t, 2t+1 of every
+// 8-column slice of S_ij and of O_i: its element (r, c) is acc_at(S, r, c), column acc_col(c, t).
 // D: head dim, fixed at compile time so that O_i's accumulators (M D / 2 floats a thread) are
 // registers. Bc: keys per K/V tile; S_ij's accumulators are M Bc / 2 floats a thread, so Bc and
 // M are bounded by registers (fwd_M, flash_choose_tile_fp16). M = 2 feeds every K_j and V_j
 // fragment a warp loads from shared memory to two mmas, where M = 1 loads it for one.
 template <typename T, int D, int Bc, int M>
-__global__ void __launch_bounds__(32 * kWarps)
+__global__ void __launch_bounds__(kFwdThreads)
 flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, T* __restrict__ O, float* __restrict__ L,
                           int q_len, int kv_len, bool causal, int Tr, int HG, float scale_log2) {
     constexpr int Br = 16 * M * kWarps, ld = D + kPad;  // ld: shared row stride, in Ts
+    // Shared memory: Q_i, (Br, ld); then K_j and V_j, (2, Bc, ld) each: two stages (line 7).
     extern __shared__ __align__(16) unsigned char shared[];
-    T* Q_i = reinterpret_cast<T*>(shared);             // (Br, ld), then K_j and V_j:
-    T* K_j = Q_i + Br * ld;                            // (2, Bc, ld) each: two stages, line 7
+    T* Q_i = reinterpret_cast<T*>(shared);
+    T* K_j = Q_i + Br * ld;
     T* V_j = K_j + 2 * Bc * ld;
     const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
     // Line 3: block -> (Q tile i, head): heads in groups of HG, each group's Q tiles longest
@@ -198,7 +219,7 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const int BH = gridDim.x / Tr, head0 = blockIdx.x / (HG * Tr) * HG, heads = min(HG, BH - head0);
     const int i = Tr - 1 - int(blockIdx.x % (HG * Tr)) / heads;
     const size_t bh = head0 + blockIdx.x % (HG * Tr) % heads;  // which (batch, head)
-    const int row = i * Br + 16 * M * warp + threadIdx.x % 32 / 4;  // this thread's rows: row + 8r
+    const int query = i * Br + 16 * M * warp + threadIdx.x % 32 / 4;  // its rows: query + 8r
     const size_t kv_head = bh * kv_len * D;            // this head's K and V start here
     const int kv_end = flash_kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: keys needed
     // Keys every row of Q_i sees: a K/V tile below this needs no mask.
@@ -206,44 +227,48 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     load_rows_async<Br, D>(Q_i, Q + bh * q_len * D, i * Br, q_len);  // line 4: load Q_i
     load_rows_async<Bc, D>(K_j, K + kv_head, 0, kv_end);  // line 7 for j = 0
     load_rows_async<Bc, D>(V_j, V + kv_head, 0, kv_end);
-    float O_i[M][D / 8][4] = {}, m[2 * M], l[2 * M];  // line 5: O_i = 0, m = -inf, l = 0. m
-    for (int r = 0; r < 2 * M; r++) m[r] = -1e30f, l[r] = 0.f;  // is of the unscaled scores;
+    // Line 5: O_i = 0, m = -inf, l = 0, for this thread's rows; m is of the unscaled scores.
     // -1e30 stands in for -inf: e^(m_old - m) stays 1, not NaN, while no key has been seen.
+    float O_i[M][D / 8][4] = {}, m[2 * M], l[2 * M];
+    for (int r = 0; r < 2 * M; r++) m[r] = -1e30f, l[r] = 0.f;
     for (int j = 0; j * Bc < kv_end; j++) {            // line 6: for each K_j, V_j
         const int stage = j % 2 * Bc * ld;             // where tile j is in K_j, V_j
-        commit_and_wait<0>();                          // tile j has landed (this thread's part),
-        __syncthreads();                               // everyone's; the other stage is free
+        // Tile j has landed: this thread's copies, then, after the barrier, everyone's; the other
+        // stage is free.
+        commit_and_wait<0>();
+        __syncthreads();
         if ((j + 1) * Bc < kv_end) {                   // line 7, a tile ahead: K_{j+1}, V_{j+1}
             load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K + kv_head, (j + 1) * Bc, kv_end);
             load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V + kv_head, (j + 1) * Bc, kv_end);
         }
-        float S[M][Bc / 8][4] = {};                    // line 8: S_ij = Q_i K_j^T (this warp's
-        mma_AB<M, D, Bc, false, true>(S, Q_i + 16 * M * warp * ld, ld, K_j + stage, ld);  // rows)
+        // Line 8: S_ij = Q_i K_j^T, this warp's rows.
+        float S[M][Bc / 8][4] = {};
+        mma_AB<M, D, Bc, false, true>(S, Q_i + 16 * M * warp * ld, ld, K_j + stage, ld);
 #pragma unroll  // (so that S's indices are constants: S stays in registers at Bc = 128)
-        for (int r = 0; r < 2 * M; r++) {              // line 9 for row + 8r: mask, max
-            const int last = causal ? flash_last_key(row + 8 * r, q_len, kv_len) : kv_len - 1;
+        for (int r = 0; r < 2 * M; r++) {              // line 9 for query + 8r: mask, max
+            const int last = causal ? flash_last_key(query + 8 * r, q_len, kv_len) : kv_len - 1;
             const float m_old = m[r];
-            for (int c = 0; c < Bc / 4; c++) {         // column c is key j Bc + 8(c/2) + 2t + c%2
-                float& s = S[r / 2][c / 2][2 * (r % 2) + c % 2];
-                if ((j + 1) * Bc > kv_all && j * Bc + 8 * (c / 2) + 2 * t + c % 2 > last)
-                    s = -INFINITY;
+            for (int c = 0; c < Bc / 4; c++) {         // column c is key j Bc + acc_col(c, t)
+                float& s = acc_at(S, r, c);
+                if ((j + 1) * Bc > kv_all && j * Bc + acc_col(c, t) > last) s = -INFINITY;
                 m[r] = fmaxf(m[r], s);
             }
-            m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 1));  // over the 4 threads
-            m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));  // that hold the row
-            // Scores carry the scale 1/sqrt(d) and log2 e only here, in one fma each: e^(s - m)
-            // / sqrt(d) = 2^(s c - m c), c = scale_log2.
+            m[r] = quad_reduce(m[r], fmaxf);           // the max over the row's 4 threads
+            // Scores carry the scale 1/sqrt(d) and log2 e only here, in one fma each:
+            // e^((s - m) / sqrt(d)) = 2^(s c - m c), c = scale_log2.
             const float alpha = exp2_ftz((m_old - m[r]) * scale_log2);  // line 10's e^(m_old - m)
             l[r] *= alpha;
-            for (int c = 0; c < D / 4; c++) O_i[r / 2][c / 2][2 * (r % 2) + c % 2] *= alpha;
+            for (int c = 0; c < D / 4; c++) acc_at(O_i, r, c) *= alpha;
             for (int c = 0; c < Bc / 4; c++) {         // P~_ij = exp(S_ij - m), l += rowsum(P~)
-                float& s = S[r / 2][c / 2][2 * (r % 2) + c % 2];
+                float& s = acc_at(S, r, c);
                 s = exp2_ftz(fmaf(s, scale_log2, -m[r] * scale_log2));
                 l[r] += s;
             }
         }
-        for (int k = 0; k < Bc / 16; k++) {            // line 10: O_i += P~_ij V_j, 16 keys a
-            uint32_t p[M][4], b[4];                    // step; P~ rounded to T is the A operand
+        // Line 10: O_i += P~_ij V_j, 16 keys a step; P~, rounded to T, is the A operand as it
+        // stands in S's registers (NOTES.md section 9).
+        for (int k = 0; k < Bc / 16; k++) {
+            uint32_t p[M][4], b[4];
             for (int mt = 0; mt < M; mt++)
                 p[mt][0] = pack2<T>(S[mt][2 * k]), p[mt][1] = pack2<T>(S[mt][2 * k] + 2),
                 p[mt][2] = pack2<T>(S[mt][2 * k + 1]), p[mt][3] = pack2<T>(S[mt][2 * k + 1] + 2);
@@ -257,18 +282,17 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         }
     }
     commit_and_wait<0>();                              // no copy may land after the block exits
-    for (int r = 0; r < 2 * M; r++) {                  // lines 12-15 for row + 8r, written once
-        float l_row = l[r] + __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
-        const size_t q = bh * q_len + row + 8 * r;     // this row's place in L (and O, x D)
+    for (int r = 0; r < 2 * M; r++) {                  // lines 12-15 for query + 8r, written once
+        const float l_row = quad_reduce(l[r], add);    // the sum over the row's 4 threads
+        const size_t at = bh * q_len + query + 8 * r;  // this row's place in L (and O, x D)
         // A row that saw a key has l >= 1 (its max's own term is e^0); one that saw none has
         // l = 0 and O_i = 0: it gets O = 0 / 1 = 0 and L = -inf.
-        for (int c = 0; c < D / 8 && row + 8 * r < q_len; c++)
-            *reinterpret_cast<Pair<T>*>(O + q * D + 8 * c + 2 * t) =
-                pair_of<T>(O_i[r / 2][c][2 * (r % 2)] / fmaxf(l_row, 1.f),
-                           O_i[r / 2][c][2 * (r % 2) + 1] / fmaxf(l_row, 1.f));
-        if (t == 0 && row + 8 * r < q_len)
-            L[q] = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
+        for (int n = 0; n < D / 8 && query + 8 * r < q_len; n++)  // columns 2n, 2n + 1
+            *reinterpret_cast<Pair<T>*>(O + at * D + 8 * n + 2 * t) =
+                pair_of<T>(acc_at(O_i, r, 2 * n) / fmaxf(l_row, 1.f),
+                           acc_at(O_i, r, 2 * n + 1) / fmaxf(l_row, 1.f));
+        if (t == 0 && query + 8 * r < q_len)
+            L[at] = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
     }
 }
 
@@ -545,7 +569,7 @@ static size_t fp16_shared_bytes(int head_dim, int Bc) {  // Q_i, 2 x K_j, 2 x V_
 }
 
 static FlashTile fp16_tile(const cudaDeviceProp& prop, int head_dim, int Bc) {
-    const FlashTile tile{fwd_Br(head_dim), Bc, 32 * kWarps, 4, fp16_shared_bytes(head_dim, Bc)};
+    const FlashTile tile{fwd_Br(head_dim), Bc, kFwdThreads, 4, fp16_shared_bytes(head_dim, Bc)};
     if (tile.shared_bytes > prop.sharedMemPerBlockOptin)
         throw std::runtime_error("device " + std::string(prop.name) + " has too little shared " +
                                  "memory for the fp16 tile at head_dim " +
@@ -575,8 +599,8 @@ FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
 
 // The order of the blocks: 16 heads' Q tiles at a time, longest first (the kernel's line 3). Under
 // the causal mask the longest tiles then start first across 16 heads (largest first balances
-// the SMs' loads), and the few heads' K and V that the running blocks read stay in L2: +5-13%
-// over one head after another with the mask, -1 to +11% without, on the H100 (NOTES.md ch. 2).
+// the SMs' loads), and the few heads' K and V that the running blocks read stay in L2 (measured
+// against one head after another: NOTES.md section 12, step 8).
 static constexpr int kFwdHeadGroup = 16;
 
 template <typename T, int D, int Bc>
@@ -588,7 +612,7 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
     const int blocks = grid_blocks(s, s.q_len, tile.Br, "q_len");
     allow_shared(kernel, tile.shared_bytes);
     kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
-        Q, K, V, O, L, s.q_len, s.kv_len, s.causal, Tr, kFwdHeadGroup, kLog2e / sqrtf(float(D)));
+        Q, K, V, O, L, s.q_len, s.kv_len, s.causal, Tr, kFwdHeadGroup, scale_log2_for(D));
     FLASH_CUDA_CHECK(cudaGetLastError());
 }
 

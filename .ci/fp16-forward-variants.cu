@@ -51,9 +51,8 @@ float time_ms(const Problem& p, int HG, __half* O) {
     std::vector<float> t;
     for (int r = 0; r < 23; r++) {
         FLASH_CUDA_CHECK(cudaEventRecord(a));
-        kernel<<<Tr * p.s.batch * p.s.heads, 32 * kWarps, smem>>>(
-            p.Q, p.K, p.V, O, p.L, p.s.q_len, p.s.kv_len, p.s.causal, Tr, HG,
-            kLog2e / sqrtf(float(D)));
+        kernel<<<Tr * p.s.batch * p.s.heads, kFwdThreads, smem>>>(
+            p.Q, p.K, p.V, O, p.L, p.s.q_len, p.s.kv_len, p.s.causal, Tr, HG, scale_log2_for(D));
         FLASH_CUDA_CHECK(cudaGetLastError());
         FLASH_CUDA_CHECK(cudaEventRecord(b));
         FLASH_CUDA_CHECK(cudaEventSynchronize(b));
