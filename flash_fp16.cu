@@ -354,11 +354,10 @@ __device__ __forceinline__ void load_floats_async(float* to, const float* src, i
 template <int M, int N, int LD, typename T>
 __device__ __forceinline__ void store_tile(T* out, float (*acc)[N / 8][4], float scale, int rows) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    for (int r = 0; r < 2 * M; r++)                    // row 16(r / 2) + g + 8(r % 2), as in mma
-        for (int n = 0; n < N / 8 && 16 * (r / 2) + g + 8 * (r % 2) < rows; n++)
-            *reinterpret_cast<Pair<T>*>(out + size_t(16 * (r / 2) + g + 8 * (r % 2)) * LD + 8 * n +
-                                        2 * t) = pair_of<T>(
-                acc[r / 2][n][2 * (r % 2)] * scale, acc[r / 2][n][2 * (r % 2) + 1] * scale);
+    for (int r = 0; r < 2 * M; r++)                    // row 8r + g, columns 8n + 2t, + 1
+        for (int n = 0; n < N / 8 && 8 * r + g < rows; n++)
+            *reinterpret_cast<Pair<T>*>(out + size_t(8 * r + g) * LD + 8 * n + 2 * t) =
+                pair_of<T>(acc_at(acc, r, 2 * n) * scale, acc_at(acc, r, 2 * n + 1) * scale);
 }
 
 // The ordered add (above). block_ticket: this block's place in the order, for every thread.
@@ -393,11 +392,10 @@ template <int M, int N, int D>
 __device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], int rows,
                                          bool first) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    for (int r = 0; r < 2 * M; r++)                    // row 16(r / 2) + g + 8(r % 2), as in mma
-        for (int n = 0; n < N / 8 && 16 * (r / 2) + g + 8 * (r % 2) < rows; n++) {
-            float* to = dQacc + size_t(16 * (r / 2) + g + 8 * (r % 2)) * D + 8 * n + 2 * t;
-            const float2 v =
-                make_float2(acc[r / 2][n][2 * (r % 2)], acc[r / 2][n][2 * (r % 2) + 1]);
+    for (int r = 0; r < 2 * M; r++)                    // row 8r + g, columns 8n + 2t, + 1
+        for (int n = 0; n < N / 8 && 8 * r + g < rows; n++) {
+            float* to = dQacc + size_t(8 * r + g) * D + 8 * n + 2 * t;
+            const float2 v = make_float2(acc_at(acc, r, 2 * n), acc_at(acc, r, 2 * n + 1));
             if (first) *reinterpret_cast<float2*>(to) = v;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
             else atomicAdd(reinterpret_cast<float2*>(to), v);
@@ -424,11 +422,13 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     using TS = WarpTile<Bc, Br, W>;                    // S^T, dP^T: keys x queries
     using TKV = WarpTile<Bc, D, W>;                    // dK_j, dV_j: keys x columns
     using TQ = WarpTile<Br, D, W>;                     // dQ_i's part: queries x columns
+    // Shared memory: K_j and V_j (Bc, ld) each; Q_i and dO_i (2, Br, ld) each, two stages; P^T
+    // and dS^T (Bc, ldS) each; L_i and D_i (2, Br) floats each.
     extern __shared__ __align__(16) unsigned char shared[];
-    T* K_j = reinterpret_cast<T*>(shared);             // (Bc, ld); then V_j (Bc, ld); Q_i and
-    T* V_j = K_j + Bc * ld;                            // dO_i (2, Br, ld) each; P^T and dS^T
-    T* Q_i = V_j + Bc * ld;                            // (Bc, ldS) each; L_i and D_i (2, Br)
-    T* dO_i = Q_i + 2 * Br * ld;                       // floats each
+    T* K_j = reinterpret_cast<T*>(shared);
+    T* V_j = K_j + Bc * ld;
+    T* Q_i = V_j + Bc * ld;
+    T* dO_i = Q_i + 2 * Br * ld;
     T* P_T = dO_i + 2 * Br * ld;
     T* dS_T = P_T + Bc * ldS;
     float* L_i = reinterpret_cast<float*>(dS_T + Bc * ldS);
@@ -436,9 +436,9 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     // Ticket -> (head, K/V tile j): heads in groups of HG, each group's tiles from the right
     // (causal: the shortest first), its heads taking turns. Line 5: for each K_j, V_j.
     const int ticket = block_ticket(next_ticket), head0 = ticket / (HG * Tc) * HG;
-    const int heads = min(HG, BH - head0), r = ticket % (HG * Tc);
-    const int j = Tc - 1 - r / heads;
-    const size_t bh = head0 + r % heads;
+    const int heads = min(HG, BH - head0), slot = ticket % (HG * Tc);
+    const int j = Tc - 1 - slot / heads;
+    const size_t bh = head0 + slot % heads;
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     const int Tr = (q_len + Br - 1) / Br;
     const size_t q_head = bh * q_len * D, kv_head = bh * kv_len * D;
@@ -457,8 +457,9 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     int* added = nullptr;                              // the turn of the dQ_i added to last
     for (int i = i_first; i < Tr; i++) {               // line 8: for each Q_i
         const int q0 = i * Br, fstage = (i - i_first) % 2 * Br, stage = fstage * ld;
-        commit_and_wait<0>();                          // Q_i landed; the other stage, P^T and
-        __syncthreads();                               // dS^T are free
+        // Q_i has landed; the other stage, P^T and dS^T are free.
+        commit_and_wait<0>();
+        __syncthreads();
         const int k_w = TS::row(warp), q_w = TS::col(warp);  // this warp's tile of S^T
         float S[TS::M][TS::cols / 8][4] = {}, dP[TS::M][TS::cols / 8][4] = {};
         // Line 10: S^T = K_j Q_i^T; line 13: dP^T = V_j dO_i^T (this warp's tile of each).
@@ -469,8 +470,10 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // the barrier above: the adds have had time to land, so the release waits little.
         if (added && threadIdx.x == 32 * (i % W)) pass_turn(added);
         if (i + 1 < Tr) load_Q_tile(Br - fstage, q0 + Br);  // line 9, a tile ahead
-        // Row r of the warp's tile is key j Bc + k_w + 16(r/2) + g + 8(r%2), which the queries
-        // first[r] .. q_len - 1 see (none when it is past kv_len).
+        // Row r of the warp's tile is key j Bc + k_w + 8r + g, which the queries first[r] ..
+        // q_len - 1 see (none when it is past kv_len). 8r is written as the mma numbers rows,
+        // 16(r / 2) + 8(r % 2), here and in acc_at below: nvcc compiles these two loops into other,
+        // larger machine code from the shorter forms (NOTES.md section 14).
         int first[2 * TS::M];
         for (int r = 0; r < 2 * TS::M; r++) {
             const int key = j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2);
@@ -479,15 +482,15 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // The mask only where the tile reaches past a key's first query, kv_len or q_len.
         const bool edge = (j + 1) * Bc > kv_len || q0 + Br > q_len ||
                           (causal && q0 < flash_first_query((j + 1) * Bc - 1, q_len, kv_len));
-        for (int c = 0; c < TS::cols / 4; c++) {       // column c: query q0 + x
-            const int x = q_w + 8 * (c / 2) + 2 * t + c % 2;
-            const float L_x = L_i[fstage + x] * kLog2e, D_x = D_i[fstage + x];
+        for (int c = 0; c < TS::cols / 4; c++) {       // column c: query q0 + qi
+            const int qi = q_w + acc_col(c, t);
+            const float L_q = L_i[fstage + qi] * kLog2e, D_q = D_i[fstage + qi];
             for (int r = 0; r < 2 * TS::M; r++) {
-                float& p = S[r / 2][c / 2][2 * (r % 2) + c % 2];
-                p = exp2_ftz(p * scale_log2 - L_x);    // line 11: P^T = exp(S^T - L_i), masked
-                if (edge && (q0 + x < first[r] || q0 + x >= q_len)) p = 0.f;
-                float& ds = dP[r / 2][c / 2][2 * (r % 2) + c % 2];
-                ds = p * (ds - D_x);                   // line 14: dS^T = P^T o (dP^T - D_i)
+                float& p = S[r / 2][c / 2][2 * (r % 2) + c % 2];  // acc_at(S, r, c)
+                p = exp2_ftz(p * scale_log2 - L_q);    // line 11: P^T = exp(S^T - L_i), masked
+                if (edge && (q0 + qi < first[r] || q0 + qi >= q_len)) p = 0.f;
+                float& ds = dP[r / 2][c / 2][2 * (r % 2) + c % 2];  // acc_at(dP, r, c)
+                ds = p * (ds - D_q);                   // line 14: dS^T = P^T o (dP^T - D_i)
             }
         }
         // P^T and dS^T to shared memory, in T, for the products of lines 12, 15 and 16.
@@ -730,7 +733,7 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     const int Tc = (s.kv_len + Bc - 1) / Bc;           // K/V tiles per head
     const int blocks = grid_blocks(s, s.kv_len, Bc, "kv_len");
     allow_shared(kernel, tile.shared_bytes);
-    const float scale_log2 = kLog2e / sqrtf(float(D));
+    const float scale_log2 = scale_log2_for(D);
     const BwdScratch scratch(s);
     const size_t rows = scratch.rows, turns = scratch.turns;
     // Without a mask, every K/V tile of a head adds to every dQ_i, each after the one before:
