@@ -31,15 +31,24 @@ size_t visible_keys(const AttentionShape& s, int i) {
     return static_cast<size_t>(std::min<long long>(last + 1, s.kv_len));
 }
 
+// What both passes loop over, as size_t: head_dim, q_len, kv_len, batch * heads; and the score
+// scale 1/sqrt(head_dim).
+struct Sizes {
+    size_t d, q_len, kv_len, heads;
+    double scale;
+};
+Sizes sizes_of(const AttentionShape& s) {
+    return {static_cast<size_t>(s.head_dim), static_cast<size_t>(s.q_len),
+            static_cast<size_t>(s.kv_len),
+            static_cast<size_t>(s.batch) * static_cast<size_t>(s.heads),
+            1.0 / std::sqrt(static_cast<double>(s.head_dim))};
+}
+
 // Forward: O and L from Q, K, V.
 template <typename T>
 void forward(const T* Q, const T* K, const T* V, T* O, T* L, const AttentionShape& s) {
     validate_shape(s);
-    const size_t d = static_cast<size_t>(s.head_dim);
-    const size_t q_len = static_cast<size_t>(s.q_len);
-    const size_t kv_len = static_cast<size_t>(s.kv_len);
-    const size_t heads = static_cast<size_t>(s.batch) * static_cast<size_t>(s.heads);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    const auto [d, q_len, kv_len, heads, scale] = sizes_of(s);
 
     std::vector<double> S(kv_len);  // one row of scores
     std::vector<double> o(d);       // one row of output
@@ -85,11 +94,7 @@ template <typename T>
 void backward(const T* Q, const T* K, const T* V, const T* O, const T* dO, const T* L, T* dQ,
               T* dK, T* dV, const AttentionShape& s) {
     validate_shape(s);
-    const size_t d = static_cast<size_t>(s.head_dim);
-    const size_t q_len = static_cast<size_t>(s.q_len);
-    const size_t kv_len = static_cast<size_t>(s.kv_len);
-    const size_t heads = static_cast<size_t>(s.batch) * static_cast<size_t>(s.heads);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    const auto [d, q_len, kv_len, heads, scale] = sizes_of(s);
 
     // dK and dV of one head gather over all query rows: accumulate them in double, then store.
     std::vector<double> dK_acc(kv_len * d), dV_acc(kv_len * d), dq(d);
