@@ -22,8 +22,8 @@ CPPFLAGS  ?=
 LDLIBS    ?= -lcublas
 
 # The library: the kernels of each chapter and the checks they share.
-# Chapter 1 (fp32, CUDA cores), chapter 2 (fp16, tensor cores), and the checks both share.
-FLASH_OBJS := flash.o flash_fp16.o checks.o
+# Chapter 1 (fp32, CUDA cores), chapter 2 (fp16/bf16, tensor cores), chapter 3 (Hopper's wgmma).
+FLASH_OBJS := flash.o flash_fp16.o flash_hopper.o checks.o
 # The tests: every test_*.cpp (test_flash.cpp, and any others it is split into).
 TEST_OBJS := $(patsubst %.cpp,%.o,$(wildcard test_*.cpp))
 
@@ -39,7 +39,11 @@ all: test_flash flash_bench
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
 # The headers beyond those two that objects include.
 reference.o bench.o $(TEST_OBJS): reference.h
-flash.o flash_fp16.o: log2_units.h
+flash.o flash_fp16.o flash_hopper.o: log2_units.h
+# Chapter 3: wgmma exists only in the sm_90a target, whatever ARCH says (on another GPU its
+# launcher refuses to run, and the kernel traps if it ever did).
+flash_hopper.o: flash_hopper.cu flash.h checks.h
+	$(NVCC) $(CPPFLAGS) $(filter-out -arch=%,$(NVCCFLAGS)) -gencode=arch=compute_90a,code=sm_90a -c $< -o $@
 bench.o standard.o: standard.h
 $(TEST_OBJS): $(wildcard test_*.h)
 

@@ -83,6 +83,18 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
                          const AttentionShape& shape, cudaStream_t stream = 0);
 
 // ---------------------------------------------------------------------------------------------
+// Chapter 3 (flash_hopper.cu): the same forward on Hopper's wgmma, in its first step (NOTES.md
+// section 17). Same contract, element types and L as flash_forward_fp16 / _bf16; head_dim 64 or
+// 128 (std::invalid_argument otherwise); a GPU of compute capability 9.0 (H100, H200), else
+// std::runtime_error. Not yet what flash_forward_fp16 runs on an H100: it is not yet faster than
+// chapter 2 everywhere.
+void flash_forward_fp16_hopper(const __half* Q, const __half* K, const __half* V, __half* O,
+                               float* L, const AttentionShape& shape, cudaStream_t stream = 0);
+void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                               const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
+                               const AttentionShape& shape, cudaStream_t stream = 0);
+
+// ---------------------------------------------------------------------------------------------
 // Head dims: each chapter's list of the head dims with a compiled kernel; anything else is
 // refused. Chapter 2 has every one of chapter 1's (one kernel template covers them all).
 constexpr int kFlashHeadDims[] = {16, 32, 64, 96, 128, 256};

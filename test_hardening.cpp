@@ -524,6 +524,23 @@ TEST_CASE("flash_forward_fp16_bc refuses Bc other than 32, 64 and 128 (to head_d
     CHECK(t.outputs_untouched());
 }
 
+TEMPLATE_TEST_CASE("The Hopper forward refuses head dims it has no kernel for, naming the allowed "
+                   "ones, before it looks for a GPU", "[cpu][validation][hopper][fp16][bf16]", fp16,
+                   bf16) {
+    AttentionShape s = valid_shape();
+    s.head_dim = GENERATE(16, 32, 96, 256, 48, 0, -64);
+    CAPTURE(s.head_dim);
+    FakeTensors<TestType> t;
+    CHECK_THAT(refusal([&] {
+                   if constexpr (std::is_same<TestType, __half>::value)
+                       flash_forward_fp16_hopper(t.Q16, t.K16, t.V16, t.O16, t.L, s);
+                   else
+                       flash_forward_bf16_hopper(t.Q16, t.K16, t.V16, t.O16, t.L, s);
+               }),
+               NamesWord("head_dim") && NamesWord("64") && NamesWord("128"));
+    CHECK(t.outputs_untouched());
+}
+
 TEST_CASE("flash_forward_fp16_bc refuses Bc = 128 above head_dim 64 (registers)",
           "[cpu][validation][fp16]") {
     AttentionShape s = valid_shape();

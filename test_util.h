@@ -611,7 +611,9 @@ struct DeviceBuffer {
 // __nv_bfloat16 its flash_forward_bf16 and flash_backward_bf16: so that GpuAttention<T> and one
 // validation test body serve every type. Bc = 0: the device's own tile; Bc > 0: that many keys a
 // K/V tile, through flash_forward_bc, flash_forward_fp16_bc or flash_backward_fp16_bc. Chapter 1's
-// backward and bf16 have no such call: given a Bc, they fail the test, saying so.
+// backward and bf16 have no such call: given a Bc, they fail the test, saying so. Bc =
+// kHopperKernel (fp16, bf16 forward): chapter 3's flash_forward_fp16_hopper / _bf16_hopper.
+constexpr int kHopperKernel = -1;
 template <typename T>
 void launch_forward(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape& s,
                     int Bc = 0, cudaStream_t stream = 0);
@@ -641,7 +643,8 @@ struct GpuAttention {
         if (!p.dO.empty()) dO = DeviceBuffer<T>(p.dO);
     }
 
-    // Bc = 0: the device's own tile; Bc > 0: that many keys per tile (see launch_forward).
+    // Bc = 0: the device's own tile; Bc > 0: that many keys per tile; kHopperKernel: chapter 3
+    // (see launch_forward).
     void forward(int Bc = 0, cudaStream_t stream = 0) {
         O.poison();
         L.poison();

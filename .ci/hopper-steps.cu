@@ -1,0 +1,100 @@
+// .ci/hopper-steps.cu: chapter 3's forward (flash_forward_fp16_hopper, flash_hopper.cu) timed beside
+// chapter 2's (flash_forward_fp16) on the FA2 protocol's shapes, for NOTES.md section 17's table.
+// Build and run from the repository root on an H100 (the library built with make, ARCH=sm_90):
+//   make flash.o flash_fp16.o flash_hopper.o checks.o ARCH=sm_90
+//   nvcc -O3 -std=c++17 -arch=sm_90 -I. .ci/hopper-steps.cu flash.o flash_fp16.o flash_hopper.o
+//        checks.o -o hopper_steps && ./hopper_steps [bf16]
+// Shapes: batch * N = 16384, heads * d = 2048, d = 64 and 128, N = 1024 .. 16384, causal and not.
+// Each figure is the median of 20 CUDA-event-timed calls after 3 warm-ups; forward TFLOP/s =
+// 4 B H (visible pairs) d / t. Also prints the largest |O(chapter 3) - O(chapter 2)|, which must
+// stay at the element type's rounding (the test suite checks both against the CPU reference).
+#include "checks.h"  // FLASH_CUDA_CHECK, q_elems
+#include "flash.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+template <typename T>
+__global__ void fill(T* p, size_t n, unsigned seed) {  // uniform in [-1.5, 1.5), by hash
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+         i += size_t(gridDim.x) * blockDim.x) {
+        unsigned h = unsigned(i * 2654435761u) ^ seed;
+        h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
+        p[i] = T(((h & 0xffff) / 65536.f - 0.5f) * 3.f);
+    }
+}
+template <typename T>
+__global__ void max_diff(const T* a, const T* b, size_t n, float* out) {
+    float m = 0.f;
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+         i += size_t(gridDim.x) * blockDim.x)
+        m = fmaxf(m, fabsf(float(a[i]) - float(b[i])));
+    atomicMax(reinterpret_cast<int*>(out), __float_as_int(m));  // m >= 0: int order is float order
+}
+
+static float median_ms(const std::function<void()>& call) {
+    cudaEvent_t start, stop;
+    FLASH_CUDA_CHECK(cudaEventCreate(&start));
+    FLASH_CUDA_CHECK(cudaEventCreate(&stop));
+    std::vector<float> ms(20);
+    for (int r = 0; r < 3; r++) call();
+    for (float& t : ms) {
+        FLASH_CUDA_CHECK(cudaEventRecord(start));
+        call();
+        FLASH_CUDA_CHECK(cudaEventRecord(stop));
+        FLASH_CUDA_CHECK(cudaEventSynchronize(stop));
+        FLASH_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    }
+    std::nth_element(ms.begin(), ms.begin() + 10, ms.end());
+    FLASH_CUDA_CHECK(cudaEventDestroy(start));
+    FLASH_CUDA_CHECK(cudaEventDestroy(stop));
+    return ms[10];
+}
+
+template <typename T>
+static void run(const char* type, void (*chapter2)(const T*, const T*, const T*, T*, float*,
+                                                    const AttentionShape&, cudaStream_t),
+                void (*chapter3)(const T*, const T*, const T*, T*, float*, const AttentionShape&,
+                                 cudaStream_t)) {
+    printf("%s  d causal     N   chapter 2   chapter 3  ch3/ch2  max|O3 - O2|\n", type);
+    for (int d : {64, 128})
+        for (int causal : {0, 1})
+            for (int N = 1024; N <= 16384; N *= 2) {
+                const AttentionShape s{16384 / N, 2048 / d, N, N, d, causal == 1};
+                const size_t n = q_elems(s);
+                T *Q, *K, *V, *O2, *O3;
+                float *L, *diff;
+                for (T** p : {&Q, &K, &V, &O2, &O3}) FLASH_CUDA_CHECK(cudaMalloc(p, n * sizeof(T)));
+                FLASH_CUDA_CHECK(cudaMalloc(&L, l_elems(s) * sizeof(float)));
+                FLASH_CUDA_CHECK(cudaMalloc(&diff, sizeof(float)));
+                unsigned seed = 1;
+                for (T* p : {Q, K, V}) fill<<<1024, 256>>>(p, n, seed++);
+                FLASH_CUDA_CHECK(cudaGetLastError());
+                const double pairs = causal ? double(N) * (N + 1) / 2 : double(N) * N;
+                const double flops = 4.0 * s.batch * s.heads * pairs * d;
+                const float t2 = median_ms([&] { chapter2(Q, K, V, O2, L, s, 0); });
+                const float t3 = median_ms([&] { chapter3(Q, K, V, O3, L, s, 0); });
+                FLASH_CUDA_CHECK(cudaMemset(diff, 0, sizeof(float)));
+                max_diff<<<1024, 256>>>(O2, O3, n, diff);
+                FLASH_CUDA_CHECK(cudaGetLastError());
+                float worst = 0.f;
+                FLASH_CUDA_CHECK(cudaMemcpy(&worst, diff, sizeof(float), cudaMemcpyDeviceToHost));
+                printf("%s %3d %6d %5d %11.1f %11.1f %8.2f  %.2e\n", type, d, causal, N,
+                       flops / t2 / 1e9, flops / t3 / 1e9, t2 / t3, worst);
+                for (void* p : {static_cast<void*>(Q), static_cast<void*>(K), static_cast<void*>(V),
+                                static_cast<void*>(O2), static_cast<void*>(O3),
+                                static_cast<void*>(L), static_cast<void*>(diff)})
+                    FLASH_CUDA_CHECK(cudaFree(p));
+            }
+}
+
+int main(int argc, char** argv) {
+    if (argc > 1 && std::strcmp(argv[1], "bf16") == 0)
+        run<__nv_bfloat16>("bf16", flash_forward_bf16, flash_forward_bf16_hopper);
+    else
+        run<__half>("fp16", flash_forward_fp16, flash_forward_fp16_hopper);
+    return 0;
+}
