@@ -16,21 +16,8 @@
 #include <string>
 #include <vector>
 
-__global__ void fill(__half* p, size_t n, unsigned seed) {  // uniform in [-1.5, 1.5), by hash
-    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-         i += size_t(gridDim.x) * blockDim.x) {
-        unsigned h = unsigned(i * 2654435761u) ^ seed;
-        h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
-        p[i] = __float2half(((h & 0xffff) / 65536.f - 0.5f) * 3.f);
-    }
-}
-__global__ void max_diff(const __half* a, const __half* b, size_t n, float* out) {
-    float m = 0.f;
-    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-         i += size_t(gridDim.x) * blockDim.x)
-        m = fmaxf(m, fabsf(__half2float(a[i]) - __half2float(b[i])));
-    atomicMax(reinterpret_cast<int*>(out), __float_as_int(m));  // m >= 0: int order is float order
-}
+#include "device-fill.cuh"  // fill, max_diff
+
 
 struct Problem {
     AttentionShape s;

@@ -17,23 +17,8 @@
 #include <functional>
 #include <vector>
 
-template <typename T>
-__global__ void fill(T* p, size_t n, unsigned seed) {  // uniform in [-1.5, 1.5), by hash
-    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-         i += size_t(gridDim.x) * blockDim.x) {
-        unsigned h = unsigned(i * 2654435761u) ^ seed;
-        h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
-        p[i] = T(((h & 0xffff) / 65536.f - 0.5f) * 3.f);
-    }
-}
-template <typename T>
-__global__ void max_diff(const T* a, const T* b, size_t n, float* out) {
-    float m = 0.f;
-    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-         i += size_t(gridDim.x) * blockDim.x)
-        m = fmaxf(m, fabsf(float(a[i]) - float(b[i])));
-    atomicMax(reinterpret_cast<int*>(out), __float_as_int(m));  // m >= 0: int order is float order
-}
+#include "device-fill.cuh"  // fill, max_diff
+
 
 static float median_ms(const std::function<void()>& call) {
     cudaEvent_t start, stop;

@@ -1,0 +1,24 @@
+// .ci/device-fill.cuh: the two device helpers the .ci timing drivers share (fp16-forward-variants.cu,
+// hopper-steps.cu): random inputs made on the GPU, and the largest difference of two outputs.
+#pragma once
+
+// p[i] uniform in [-1.5, 1.5), from a hash of i and seed (no host copy for big tensors). T: __half
+// or __nv_bfloat16.
+template <typename T>
+__global__ void fill(T* p, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+         i += size_t(gridDim.x) * blockDim.x) {
+        unsigned h = unsigned(i * 2654435761u) ^ seed;
+        h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
+        p[i] = T(((h & 0xffff) / 65536.f - 0.5f) * 3.f);
+    }
+}
+// *out = max(*out, max |a[i] - b[i]|); *out must start at 0 (or below every difference).
+template <typename T>
+__global__ void max_diff(const T* a, const T* b, size_t n, float* out) {
+    float m = 0.f;
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+         i += size_t(gridDim.x) * blockDim.x)
+        m = fmaxf(m, fabsf(float(a[i]) - float(b[i])));
+    atomicMax(reinterpret_cast<int*>(out), __float_as_int(m));  // m >= 0: int order is float order
+}
