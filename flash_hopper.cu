@@ -1,10 +1,12 @@
 // flash_hopper.cu: chapter 3, the forward on Hopper's own matrix instruction (NOTES.md section 17).
 // FlashAttention-2's Algorithm 1 as chapter 2 runs it, with its two products on wgmma: a warpgroup
 // (4 warps, 128 threads) multiplies a 64-row tile at once, its operands read from shared memory
-// through 64-bit descriptors (or, for P~, from registers), asynchronously. Step 1 of the chapter:
-// wgmma with shared-memory operands, K_j and V_j loaded by cp.async in two stages; no warp
-// specialisation yet, so each warpgroup waits for its own products (section 17 says what that
-// costs). Head dims 64 and 128, fp16 and bf16, compute capability 9.0 only.
+// through 64-bit descriptors (or, for P~, from registers), asynchronously. What is written of the
+// chapter (NOTES.md section 17's steps 1, 1b and 4a): wgmma with shared-memory operands, K_j and
+// V_j loaded by cp.async in three stages, Q tiles longest first, and each tile's softmax run while
+// the previous tile's O_i += P~ V_j is on the tensor cores. Not yet: the copy engine (TMA), warp
+// specialisation, ping-pong between warpgroups. Head dims 64 and 128, fp16 and bf16, compute
+// capability 9.0 only.
 //
 // Build: wgmma exists only in the sm_90a target, so this file alone is compiled with
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c flash_hopper.cu
@@ -31,6 +33,8 @@
 
 constexpr int kHopperHeadDims[] = {64, 128};
 constexpr int kHopperBr = 128, kHopperBc = 128;        // two warpgroups of 64 rows; keys a tile
+constexpr int kStages = 3;                             // K/V tiles in shared memory at once
+constexpr int kHopperHeadGroup = 16;                   // heads whose Q tiles go together (line 3)
 
 // ---------------------------------------------------------------------------------------------
 // Shared memory: the 128-byte swizzle. wgmma reads a tile as blocks of 64 columns of 16-bit
@@ -48,7 +52,8 @@ __device__ __forceinline__ void load_swizzled(T* to, const T* src, int first, in
         char* dst = reinterpret_cast<char*>(to) + chunk / 8 * R * 128 + r * 128 + (c ^ r % 8) * 16;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
                          uint32_t(__cvta_generic_to_shared(dst))),
-                     "l"(src + size_t(inside ? first + r : 0) * D + chunk * 8), "r"(inside ? 16 : 0));
+                     "l"(src + size_t(inside ? first + r : 0) * D + chunk * 8),
+                     "r"(inside ? 16 : 0));
     }
 }
 
@@ -67,9 +72,19 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo) {
 __device__ __forceinline__ void wgmma_fence() {
     HOPPER_ONLY(asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"));
 }
-__device__ __forceinline__ void wgmma_commit_and_wait() {
-    HOPPER_ONLY(asm volatile("wgmma.commit_group.sync.aligned;\n"
-                             "wgmma.wait_group.sync.aligned 0;\n" ::: "memory"));
+__device__ __forceinline__ void wgmma_commit() {
+    HOPPER_ONLY(asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"));
+}
+template <int Pending>  // wgmma.wait_group: until at most Pending of the latest batches run
+__device__ __forceinline__ void wgmma_wait() {
+    HOPPER_ONLY(asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory"));
+}
+// After a wait: the compiler must not read (or write) these registers before it, as it would
+// for registers no instruction it knows of is still writing.
+template <int N>
+__device__ __forceinline__ void fence_registers(float* r) {
+#pragma unroll
+    for (int x = 0; x < N; x++) asm volatile("" : "+f"(r[x])::"memory");
 }
 
 // wgmma.mma_async m64nNk16 with fp32 accumulators d (N / 2 a thread, laid out as mma.m16n8's, a
@@ -123,52 +138,74 @@ __device__ __forceinline__ uint32_t pair_bits(float a, float b) {
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. One block per (Q tile i, batch*head): Br = 128 rows, two warpgroups of 64; K/V
-// tiles of Bc = 128 keys in two stages. A thread's accumulator element 4n + 2h + e is row
+// tiles of Bc = 128 keys in three stages (tile j + 1 loads while tile j's S_ij and tile j - 1's
+// P~ V_{j-1} run). A thread's accumulator element 4n + 2h + e is row
 // 16 warp + g + 8h of its warpgroup's 64, column 8n + 2t + e (lane = 4g + t), as in chapter 2.
 template <typename T, int D>
 __global__ void __launch_bounds__(256, 1)
 flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                             const T* __restrict__ V, T* __restrict__ O, float* __restrict__ L,
-                            int q_len, int kv_len, bool causal, int Tr, float scale_log2) {
+                            int q_len, int kv_len, bool causal, int Tr, int HG,
+                            float scale_log2) {
     constexpr int Br = kHopperBr, Bc = kHopperBc;
     extern __shared__ __align__(16) unsigned char shared[];
-    // Q_i (2 x 64 rows), then two stages of K_j and V_j (Bc rows each), from a 1024-byte boundary.
+    // Q_i (2 x 64 rows), then three stages of K_j and V_j (Bc rows each), 1024-byte aligned.
     T* Q_i = reinterpret_cast<T*>(shared + (1024 - __cvta_generic_to_shared(shared) % 1024) % 1024);
     T* KV = Q_i + Br * D;
-    const int i = blockIdx.x % Tr, wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32;
+    // Line 3: block -> (Q tile i, head), as chapter 2: heads in groups of HG, each group's Q
+    // tiles longest (causal) first, its heads taking turns.
+    const int BH = gridDim.x / Tr, head0 = blockIdx.x / (HG * Tr) * HG, heads = min(HG, BH - head0);
+    const int i = Tr - 1 - int(blockIdx.x % (HG * Tr)) / heads;
+    const size_t bh = head0 + blockIdx.x % (HG * Tr) % heads;
+    const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32;
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    const size_t bh = blockIdx.x / Tr;                 // line 3: one block per Q_i, (b, h)
     const int q0 = i * Br, query = q0 + 64 * wg + 16 * warp + g;  // its rows: query + 8h
     load_swizzled<64, D>(Q_i, Q + bh * q_len * D, q0, q_len);  // line 4: load Q_i
     load_swizzled<64, D>(Q_i + 64 * D, Q + bh * q_len * D, q0 + 64, q_len);
     const int Tc = (flash_kv_end(q0, Br, q_len, kv_len, causal) + Bc - 1) / Bc;
-    const auto load_KV = [&](int j) {                  // line 7: load K_j, V_j into stage j % 2
-        load_swizzled<Bc, D>(KV + j % 2 * 2 * Bc * D, K + bh * kv_len * D, j * Bc, kv_len);
-        load_swizzled<Bc, D>(KV + (j % 2 * 2 + 1) * Bc * D, V + bh * kv_len * D, j * Bc, kv_len);
+    const auto load_KV = [&](int j) {                  // line 7: load K_j, V_j into a stage
+        load_swizzled<Bc, D>(KV + j % kStages * 2 * Bc * D, K + bh * kv_len * D, j * Bc, kv_len);
+        load_swizzled<Bc, D>(KV + (j % kStages * 2 + 1) * Bc * D, V + bh * kv_len * D, j * Bc,
+                             kv_len);
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
     if (Tc > 0) load_KV(0);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
     const char* Q_w = reinterpret_cast<const char*>(Q_i + wg * 64 * D);  // the warpgroup's rows
+    uint32_t P[Bc / 16][4];                            // P~ of the last tile, in T, as A
+    const auto K_of = [&](int j) {                     // K_j's stage; V_j follows it
+        return reinterpret_cast<const char*>(KV + j % kStages * 2 * Bc * D);
+    };
+    const auto add_PV = [&](int j) {                   // line 10's product: O_i += P~ V_j
+        const char* V_j = K_of(j) + Bc * D * sizeof(T);
+#pragma unroll
+        for (int k = 0; k < Bc / 16; k++)
+            wgmma_rs<T, D>(O_i, P[k], smem_desc(V_j + k * 16 * 128, Bc * 128));
+        wgmma_commit();
+    };
     for (int j = 0; j < Tc; j++) {                     // line 6: for each K_j, V_j
-        if (j + 1 < Tc) load_KV(j + 1);                // a tile ahead, into the other stage
-        if (j + 1 < Tc) asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        else asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         // Written through cp.async, read by wgmma, which is another proxy: fence.proxy.async
         // (PTX ISA, "Memory Consistency Model: proxies") before the barrier.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        const char* K_j = reinterpret_cast<const char*>(KV + j % 2 * 2 * Bc * D);
-        const char* V_j = K_j + Bc * D * sizeof(T);
+        __syncthreads();                               // tile j is in; tile j - 2 is read
+        if (j + 1 < Tc) load_KV(j + 1);                // a tile ahead, into its stage
+        const char* K_j = K_of(j);
         float S[Bc / 2] = {};                          // line 8: S_ij = Q_i K_j^T, 16 of d a step
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; k++)
             wgmma_ss_128<T>(S, smem_desc(Q_w + k / 4 * 64 * 128 + k % 4 * 32, 0),
                             smem_desc(K_j + k / 4 * Bc * 128 + k % 4 * 32, 0));
-        wgmma_commit_and_wait();
+        wgmma_commit();
+        // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
+        if (j > 0) add_PV(j - 1);
+        if (j > 0) wgmma_wait<1>();                    // S_ij is done (P~ V_{j-1} may not be)
+        else wgmma_wait<0>();
+        fence_registers<Bc / 2>(S);
+        float alpha[2];
 #pragma unroll
-        for (int h = 0; h < 2; h++) {                  // lines 9-10 for row query + 8h
+        for (int h = 0; h < 2; h++) {                  // line 9 for row query + 8h
             const int last = causal ? flash_last_key(query + 8 * h, q_len, kv_len) : kv_len - 1;
             const bool edge = (j + 1) * Bc - 1 > min(last, kv_len - 1);
             float m_new = m[h];
@@ -182,7 +219,7 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));  // over the quad
             m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
             const float m_log2 = m_new == -INFINITY ? 0.f : m_new * scale_log2;  // no key yet
-            const float alpha = exp2f(m[h] * scale_log2 - m_log2);
+            alpha[h] = exp2f(m[h] * scale_log2 - m_log2);
             m[h] = m_new;
             float sum = 0.f;
 #pragma unroll
@@ -191,21 +228,25 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                 s = exp2f(fmaf(s, scale_log2, -m_log2));
                 sum += s;
             }
-            l[h] = l[h] * alpha + sum;
-#pragma unroll
-            for (int n = 0; n < D / 4; n++) O_i[4 * (n / 2) + 2 * h + n % 2] *= alpha;
+            l[h] = l[h] * alpha[h] + sum;
         }
-        uint32_t P[Bc / 16][4];                        // line 10: O_i += P~ V_j, P~ in T as A
+        wgmma_wait<0>();                               // O_i += P~ V_{j-1} is done
+        fence_registers<D / 2>(O_i);
 #pragma unroll
-        for (int k = 0; k < Bc / 16; k++)
+        for (int n = 0; n < D / 4; n++) O_i[4 * (n / 2) + n % 2] *= alpha[0];
 #pragma unroll
-            for (int x = 0; x < 4; x++) P[k][x] = pair_bits<T>(S[8 * k + 2 * x], S[8 * k + 2 * x + 1]);
+        for (int n = 0; n < D / 4; n++) O_i[4 * (n / 2) + 2 + n % 2] *= alpha[1];
+#pragma unroll
+        for (int k = 0; k < Bc / 16; k++)              // line 10's P~, in T as A, for next time
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+                P[k][x] = pair_bits<T>(S[8 * k + 2 * x], S[8 * k + 2 * x + 1]);
+    }
+    if (Tc > 0) {                                      // line 10 of the last tile
         wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < Bc / 16; k++)
-            wgmma_rs<T, D>(O_i, P[k], smem_desc(V_j + k * 16 * 128, Bc * 128));
-        wgmma_commit_and_wait();
-        __syncthreads();                               // the stage is free for the next load
+        add_PV(Tc - 1);
+        wgmma_wait<0>();
+        fence_registers<D / 2>(O_i);
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {                      // lines 12-13: O_i / l, L = m + log l
@@ -219,14 +260,15 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             *reinterpret_cast<uint32_t*>(O + (bh * q_len + row) * D + 8 * n + 2 * t) =
                 pair_bits<T>(O_i[4 * n + 2 * h] * inv, O_i[4 * n + 2 * h + 1] * inv);
         if (t == 0)
-            L[bh * q_len + row] = l_row > 0.f ? (m[h] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
+            L[bh * q_len + row] =
+                l_row > 0.f ? (m[h] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // The launcher: chapter 2's checks, then compute capability 9.0.
-static size_t flash_hopper_shared_bytes(int head_dim) {  // Q_i, two stages of K_j and V_j, alignment
-    return size_t(kHopperBr + 4 * kHopperBc) * head_dim * 2 + 1024;
+static size_t flash_hopper_shared_bytes(int head_dim) {  // Q_i, 3 stages of K_j, V_j, alignment
+    return size_t(kHopperBr + 2 * kStages * kHopperBc) * head_dim * 2 + 1024;
 }
 
 template <typename T>
@@ -247,7 +289,7 @@ static void forward_hopper_checked(const char* fn, const T* Q, const T* K, const
         allow_shared(kernel, bytes);
         kernel<<<blocks, 256, bytes, stream>>>(Q, K, V, O, L, s.q_len, s.kv_len, s.causal,
                                               (s.q_len + kHopperBr - 1) / kHopperBr,
-                                              scale_log2_for(D));
+                                              kHopperHeadGroup, scale_log2_for(D));
         FLASH_CUDA_CHECK(cudaGetLastError());
     });
 }
