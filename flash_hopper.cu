@@ -32,7 +32,10 @@
 #endif
 
 constexpr int kHopperHeadDims[] = {64, 128};
-constexpr int kHopperBr = 128, kHopperBc = 128;        // two warpgroups of 64 rows; keys a tile
+constexpr int kHopperBr = 128;                         // two warpgroups of 64 rows
+// Keys a K/V tile. At d = 64, 64: a thread then holds S_ij, P~ and O_i in 123 registers, and two
+// blocks share an SM, one's loads and softmax under the other's products (NOTES.md section 17).
+constexpr int hopper_Bc(int head_dim) { return head_dim == 64 ? 64 : 128; }
 constexpr int kStages = 3;                             // K/V tiles in shared memory at once
 constexpr int kHopperHeadGroup = 16;                   // heads whose Q tiles go together (line 3)
 
@@ -101,16 +104,19 @@ __device__ __forceinline__ void fence_registers(float* r) {
                "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41," \
                "%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61," \
                "%62,%63}"
-#define WGMMA_SS_128(TY) asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY \
-                                      " " REGS64 ", %64, %65, 1, 1, 1, 0, 0;\n"               \
-                                      : ACC64 : "l"(a), "l"(b))
+#define WGMMA_SS(N, REGS, ACC, AB, TY)                                                          \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", " AB    \
+                 ", 1, 1, 1, 0, 0;\n" : ACC : "l"(a), "l"(b))
 #define WGMMA_RS(N, REGS, ACC, AB, TY)                                                          \
     asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", " AB    \
                  ", 1, 1, 1, 1;\n" : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
-template <typename T>
-__device__ __forceinline__ void wgmma_ss_128(float* d, uint64_t a, uint64_t b) {
-    if constexpr (std::is_same<T, __half>::value) HOPPER_ONLY(WGMMA_SS_128("f16"));
-    else HOPPER_ONLY(WGMMA_SS_128("bf16"));
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss(float* d, uint64_t a, uint64_t b) {
+    constexpr bool h = std::is_same<T, __half>::value;
+    if constexpr (N == 64 && h) HOPPER_ONLY(WGMMA_SS(64, REGS32, ACC32, "%32, %33", "f16"));
+    if constexpr (N == 64 && !h) HOPPER_ONLY(WGMMA_SS(64, REGS32, ACC32, "%32, %33", "bf16"));
+    if constexpr (N == 128 && h) HOPPER_ONLY(WGMMA_SS(128, REGS64, ACC64, "%64, %65", "f16"));
+    if constexpr (N == 128 && !h) HOPPER_ONLY(WGMMA_SS(128, REGS64, ACC64, "%64, %65", "bf16"));
 }
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b) {
@@ -138,16 +144,16 @@ __device__ __forceinline__ uint32_t pair_bits(float a, float b) {
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. One block per (Q tile i, batch*head): Br = 128 rows, two warpgroups of 64; K/V
-// tiles of Bc = 128 keys in three stages (tile j + 1 loads while tile j's S_ij and tile j - 1's
+// tiles of Bc keys (hopper_Bc) in three stages (tile j + 1 loads while tile j's S_ij and tile j - 1's
 // P~ V_{j-1} run). A thread's accumulator element 4n + 2h + e is row
 // 16 warp + g + 8h of its warpgroup's 64, column 8n + 2t + e (lane = 4g + t), as in chapter 2.
-template <typename T, int D>
-__global__ void __launch_bounds__(256, 1)
+template <typename T, int D, int Bc>
+__global__ void __launch_bounds__(256, Bc == 64 ? 2 : 1)
 flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                             const T* __restrict__ V, T* __restrict__ O, float* __restrict__ L,
                             int q_len, int kv_len, bool causal, int Tr, int HG,
                             float scale_log2) {
-    constexpr int Br = kHopperBr, Bc = kHopperBc;
+    constexpr int Br = kHopperBr;
     extern __shared__ __align__(16) unsigned char shared[];
     // Q_i (2 x 64 rows), then three stages of K_j and V_j (Bc rows each), 1024-byte aligned.
     T* Q_i = reinterpret_cast<T*>(shared + (1024 - __cvta_generic_to_shared(shared) % 1024) % 1024);
@@ -195,7 +201,7 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; k++)
-            wgmma_ss_128<T>(S, smem_desc(Q_w + k / 4 * 64 * 128 + k % 4 * 32, 0),
+            wgmma_ss<T, Bc>(S, smem_desc(Q_w + k / 4 * 64 * 128 + k % 4 * 32, 0),
                             smem_desc(K_j + k / 4 * Bc * 128 + k % 4 * 32, 0));
         wgmma_commit();
         // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
@@ -268,7 +274,7 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 // ---------------------------------------------------------------------------------------------
 // The launcher: chapter 2's checks, then compute capability 9.0.
 static size_t flash_hopper_shared_bytes(int head_dim) {  // Q_i, 3 stages of K_j, V_j, alignment
-    return size_t(kHopperBr + 2 * kStages * kHopperBc) * head_dim * 2 + 1024;
+    return size_t(kHopperBr + 2 * kStages * hopper_Bc(head_dim)) * head_dim * 2 + 1024;
 }
 
 template <typename T>
@@ -285,7 +291,7 @@ static void forward_hopper_checked(const char* fn, const T* Q, const T* K, const
     const size_t bytes = flash_hopper_shared_bytes(s.head_dim);
     dispatch_head_dim<kHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
-        const auto kernel = flash_forward_hopper_kernel<T, D>;
+        const auto kernel = flash_forward_hopper_kernel<T, D, hopper_Bc(D)>;
         allow_shared(kernel, bytes);
         kernel<<<blocks, 256, bytes, stream>>>(Q, K, V, O, L, s.q_len, s.kv_len, s.causal,
                                               (s.q_len + kHopperBr - 1) / kHopperBr,
