@@ -17,6 +17,9 @@
 //                selects one type's), but for the tile choosers' and the backward's extra memory
 //                (one tile, one count serve both types) and those that pass a Bc (fp16 only:
 //                flash_forward_fp16_bc, flash_backward_fp16_bc)
+//   [hopper]     chapter 3's forward (flash_forward_fp16_hopper, _bf16_hopper) on chapter 2's
+//                forward grid, sanitizer shapes, 100 identical calls, >65535 heads, and its
+//                validation; on a GPU other than compute capability 9.0 each says SKIPPED
 //   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
 //   [readme]     README.md's figures against the data files they come from: in test_docs.cpp
 // Everything else (argument validation, determinism, the caller-chosen Bc, extreme inputs, tensors
@@ -445,6 +448,16 @@ TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core forward matc
                    "[gpu][sanitize][forward][fp16][bf16]", fp16, bf16) {
     const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kFp16HeadDims, 100)));
     check_forward_on_gpu<TestType>(s, 1300);
+}
+
+TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the Hopper forward matches the reference",
+                   "[gpu][sanitize][forward][hopper][fp16][bf16]", fp16, bf16) {
+    if (current_device_props().major != 9) {
+        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
+        return;
+    }
+    const AttentionShape s = GENERATE(from_range(sanitizer_shapes({64, 128}, 150)));
+    check_forward_on_gpu<TestType>(s, 1350, kHopperKernel);
 }
 
 // Chapter 2's backward's share: the same small shapes, forward then backward, but 150 for 100, so

@@ -1051,6 +1051,20 @@ TEST_CASE("More than 65535 batch*heads: the heads past 65535 are right, the last
         check_big_head(gpu, bh, patterns, true);
 }
 
+TEMPLATE_TEST_CASE("100 calls of the Hopper forward give bitwise identical results",
+                   "[gpu][hardening][determinism][hopper][fp16][bf16]", fp16, bf16) {
+    if (current_device_props().major != 9) {
+        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
+        return;
+    }
+    const int d = GENERATE(64, 128);
+    const AttentionShape s{1, 2, 300, 277, d, true};  // three Q tiles, three K/V tiles at d = 64
+    INFO(describe(s));
+    const auto p = rounded_problem<TestType>(s, 1750);
+    GpuAttention<TestType> gpu(p);
+    check_against_reference(outputs_of_identical_calls(gpu, 100, false, kHopperKernel), p);
+}
+
 TEST_CASE("Tensors of more than 2^31 elements: the heads past 2^31 are right", "[gpu][big]") {
     // 4097 * 32 heads of 128 x 128: each of Q, K, V, O holds 2^31 + 2^19 elements (8.6 GB), and
     // heads 131072.. lie wholly past element 2^31, where a 32-bit index wraps.
@@ -1095,6 +1109,30 @@ TEMPLATE_TEST_CASE("More than 65535 batch*heads: the tensor-core forward's heads
     gpu.K.fill_repeating(patterns[1]);
     gpu.V.fill_repeating(patterns[2]);
     gpu.forward();
+    for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
+                      size_t(69999)})
+        check_big_head(gpu, bh, patterns, false);
+}
+
+TEMPLATE_TEST_CASE("More than 65535 batch*heads: the Hopper forward's heads past 65535 are right",
+                   "[gpu][big][hopper][fp16][bf16]", fp16, bf16) {
+    // As the tensor-core test, at d = 64 (the Hopper kernel's smallest head dim): two Q tiles a
+    // head (q_len 129 > Br = 128), a partial K/V tile, and, when causal, rows that see no key.
+    if (current_device_props().major != 9) {
+        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
+        return;
+    }
+    const bool causal = GENERATE(false, true);
+    const AttentionShape s{70000, 1, 129, 33, 64, causal};
+    INFO(describe(s));
+    std::vector<std::vector<TestType>> patterns;
+    for (uint32_t t = 0; t < 3; ++t)
+        patterns.push_back(converted<TestType>(random_pattern(3100 + t)));
+    GpuAttention<TestType> gpu(s);
+    gpu.Q.fill_repeating(patterns[0]);
+    gpu.K.fill_repeating(patterns[1]);
+    gpu.V.fill_repeating(patterns[2]);
+    gpu.forward(kHopperKernel);
     for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
                       size_t(69999)})
         check_big_head(gpu, bh, patterns, false);

@@ -688,11 +688,12 @@ struct GpuAttention {
 // and backward() do that). Every call's outputs (O and L; dQ, dK, dV with gradients), downloaded
 // whole, must hold the very bits of the first call's: the first call that differs fails the test,
 // naming the call and, for every output that differs, its first differing element. Returns the
-// first call's outputs, for the caller to check against the reference.
+// first call's outputs, for the caller to check against the reference. Bc: as forward()'s.
 template <typename T>
-Outputs<float> outputs_of_identical_calls(GpuAttention<T>& gpu, int calls, bool with_gradients) {
+Outputs<float> outputs_of_identical_calls(GpuAttention<T>& gpu, int calls, bool with_gradients,
+                                          int Bc = 0) {
     const auto call_once = [&] {
-        gpu.forward();
+        gpu.forward(Bc);
         if (with_gradients) gpu.backward();
         return gpu.outputs(with_gradients);
     };
