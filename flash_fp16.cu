@@ -132,16 +132,6 @@ __device__ __forceinline__ uint32_t pack2(const float* c) {
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// 2^x, flushing results below 2^-126 to 0 (ex2.approx.ftz: one instruction, where exp2f adds a
-// range check and two multiplies to keep them). What is flushed is a weight P = 2^x below 2^-126,
-// lost anyway beside the row's largest weight, 1: summed into l >= 1, or rounded to T (fp16's
-// smallest value is 2^-24) and multiplied by inputs of the order of 1.
-__device__ __forceinline__ float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // Rows [first, first + ROWS) of a (len, D) tensor of T into shared memory (row stride D + kPad),
 // 16 bytes per cp.async; rows at or past `len` are filled with zeros (cp.async's source size 0),
 // so padding rows never carry garbage (0 * NaN would be NaN). Not waited for: see below.

@@ -225,13 +225,13 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));  // over the quad
             m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
             const float m_log2 = m_new == -INFINITY ? 0.f : m_new * scale_log2;  // no key yet
-            alpha[h] = exp2f(m[h] * scale_log2 - m_log2);
+            alpha[h] = exp2_ftz(m[h] * scale_log2 - m_log2);
             m[h] = m_new;
             float sum = 0.f;
 #pragma unroll
             for (int n = 0; n < Bc / 4; n++) {         // P~_ij = exp(S_ij - m), in S's registers
                 float& s = S[4 * (n / 2) + 2 * h + n % 2];
-                s = exp2f(fmaf(s, scale_log2, -m_log2));
+                s = exp2_ftz(fmaf(s, scale_log2, -m_log2));
                 sum += s;
             }
             l[h] = l[h] * alpha[h] + sum;

@@ -13,3 +13,15 @@ inline constexpr float kLn2 = 0.6931471805599453f;    // ln(2) = 1 / log2(e)
 // The factor that takes a raw score q . k to the softmax's exponent in log2 units: the scale
 // 1/sqrt(d) of attention, times log2(e). Each launcher passes it to its kernels as scale_log2.
 inline float scale_log2_for(int head_dim) { return kLog2e / std::sqrt(float(head_dim)); }
+
+#ifdef __CUDACC__
+// 2^x, flushing results below 2^-126 to 0 (ex2.approx.ftz: one instruction, where exp2f adds a
+// range check and two multiplies to keep them). What is flushed is a weight P = 2^x below 2^-126,
+// lost anyway beside the row's largest weight, 1: summed into l >= 1, or rounded to T (fp16's
+// smallest value is 2^-24) and multiplied by inputs of the order of 1. Chapters 2 and 3.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+#endif
