@@ -2,11 +2,12 @@
 // FlashAttention-2's Algorithm 1 as chapter 2 runs it, with its two products on wgmma: a warpgroup
 // (4 warps, 128 threads) multiplies a 64-row tile at once, its operands read from shared memory
 // through 64-bit descriptors (or, for P~, from registers), asynchronously. What is written of the
-// chapter (NOTES.md section 17's steps 1, 1b and 4a): wgmma with shared-memory operands, K_j and
-// V_j loaded by cp.async in three stages, Q tiles longest first, and each tile's softmax run while
-// the previous tile's O_i += P~ V_j is on the tensor cores. Not yet: the copy engine (TMA), warp
-// specialisation, ping-pong between warpgroups. Head dims 64 and 128, fp16 and bf16, compute
-// capability 9.0 only.
+// chapter (NOTES.md section 17's steps 1, 1b, 4a-4c): wgmma with shared-memory operands, K_j and
+// V_j loaded by cp.async in three stages, Q tiles longest first, each tile's softmax run while
+// the previous tile's O_i += P~ V_j is on the tensor cores, a tile that fits two blocks an SM at
+// d = 64, one-instruction exponentials. Not yet: the copy engine (TMA), warp specialisation,
+// ping-pong between warpgroups, d = 256. Head dims 64 and 128, fp16 and bf16, compute capability
+// 9.0 only.
 //
 // Build: wgmma exists only in the sm_90a target, so this file alone is compiled with
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c flash_hopper.cu
@@ -144,9 +145,9 @@ __device__ __forceinline__ uint32_t pair_bits(float a, float b) {
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. One block per (Q tile i, batch*head): Br = 128 rows, two warpgroups of 64; K/V
-// tiles of Bc keys (hopper_Bc) in three stages (tile j + 1 loads while tile j's S_ij and tile j - 1's
-// P~ V_{j-1} run). A thread's accumulator element 4n + 2h + e is row
-// 16 warp + g + 8h of its warpgroup's 64, column 8n + 2t + e (lane = 4g + t), as in chapter 2.
+// tiles of Bc keys (hopper_Bc) in three stages: tile j + 1 loads while tile j's S_ij and tile
+// j - 1's P~ V_{j-1} run. A thread's accumulator element 4n + 2h + e is row 16 warp + g + 8h of
+// its warpgroup's 64, column 8n + 2t + e (lane = 4g + t), as in chapter 2.
 template <typename T, int D, int Bc>
 __global__ void __launch_bounds__(256, Bc == 64 ? 2 : 1)
 flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
@@ -194,7 +195,7 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // Written through cp.async, read by wgmma, which is another proxy: fence.proxy.async
         // (PTX ISA, "Memory Consistency Model: proxies") before the barrier.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();                               // tile j is in; tile j - 2 is read
+        __syncthreads();                               // tile j is in; tile j - 2 was read
         if (j + 1 < Tc) load_KV(j + 1);                // a tile ahead, into its stage
         const char* K_j = K_of(j);
         float S[Bc / 2] = {};                          // line 8: S_ij = Q_i K_j^T, 16 of d a step
