@@ -1,5 +1,6 @@
 // .ci/device-fill.cuh: the two device helpers the .ci timing drivers share
-// (fp16-forward-variants.cu, hopper-steps.cu): random inputs made on the GPU, and the largest difference of two outputs.
+// (fp16-forward-variants.cu, hopper-steps.cu): random inputs made on the GPU, and the largest
+// difference of two outputs.
 #pragma once
 
 // p[i] uniform in [-1.5, 1.5), from a hash of i and seed (no host copy for big tensors). T: __half

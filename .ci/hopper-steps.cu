@@ -1,5 +1,6 @@
 // .ci/hopper-steps.cu: chapter 3's forward (flash_forward_fp16_hopper, flash_hopper.cu) timed
-// beside chapter 2's (flash_forward_fp16) on the FA2 protocol's shapes, for NOTES.md section 17's table.
+// beside chapter 2's (flash_forward_fp16) on the FA2 protocol's shapes, for NOTES.md section 17's
+// table.
 // Build and run from the repository root on an H100 (the library built with make, ARCH=sm_90):
 //   make flash.o flash_fp16.o flash_hopper.o checks.o ARCH=sm_90
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I. .ci/hopper-steps.cu flash.o flash_fp16.o flash_hopper.o
