@@ -87,7 +87,7 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
 // section 17). Same contract, element types and L as flash_forward_fp16 / _bf16; head_dim 64 or
 // 128 (std::invalid_argument otherwise); a GPU of compute capability 9.0 (H100, H200), else
 // std::runtime_error. Not yet what flash_forward_fp16 runs on an H100: it is not yet faster than
-// chapter 2 everywhere (not under the causal mask).
+// chapter 2 everywhere (under the causal mask, only at some lengths).
 void flash_forward_fp16_hopper(const __half* Q, const __half* K, const __half* V, __half* O,
                                float* L, const AttentionShape& shape, cudaStream_t stream = 0);
 void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
