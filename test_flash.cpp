@@ -19,8 +19,8 @@
 //                flash_forward_fp16_bc, flash_backward_fp16_bc)
 //   [hopper]     chapter 3's forward (flash_forward_fp16_hopper, _bf16_hopper) on chapter 2's
 //                forward grid, sanitizer shapes, 100 identical calls, >65535 heads, >2^31
-//                elements (with chapter 2's [big] tests), and its
-//                validation; on a GPU other than compute capability 9.0 each says SKIPPED
+//                elements (with chapter 2's [big] tests), and its validation; on a GPU other
+//                than compute capability 9.0 each says SKIPPED
 //   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
 //   [readme]     README.md's figures against the data files they come from: in test_docs.cpp
 // Everything else (argument validation, determinism, the caller-chosen Bc, extreme inputs, tensors
