@@ -761,10 +761,13 @@ static void backward_fp16_checked(const char* fn, const T* Q, const T* K, const 
                                   const AttentionShape& s, std::optional<int> Bc,
                                   cudaStream_t stream) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(T));
-    if (Bc)
-        require(*Bc == 64 || (*Bc == 128 && s.head_dim >= 32 && s.head_dim <= 128),
+    if (Bc) {                                          // a Bc of this head_dim's tile list
+        const auto tiles = bwd_tiles(s.head_dim);
+        require(std::any_of(tiles.begin(), tiles.end(),
+                            [&](BwdTile t) { return t.Bc > 0 && t.Bc == *Bc; }),
                 "Bc = " + std::to_string(*Bc) + " is invalid; allowed values: 64, 128 (128 from "
                 "head_dim 32 to 128)");
+    }
     validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s);
     const cudaDeviceProp prop = flash_device_props();
     require_sm80(prop, fn);
