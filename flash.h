@@ -53,7 +53,9 @@ void flash_backward(const float* Q, const float* K, const float* V, const float*
 // The same forward on tensor cores. Q, K, V, O are fp16 (__half), laid out as above; L stays fp32.
 // The softmax statistics and every sum are fp32; only Q, K, V, O and P are rounded to fp16. Same
 // contract as flash_forward. Needs a GPU of compute capability 8.0 or newer (A100, RTX 30/40,
-// H100): on an older one it throws std::runtime_error.
+// H100): on an older one it throws std::runtime_error. On compute capability 9.0 (H100, H200),
+// at the head dims chapter 3 has (kFlashHopperHeadDims), it runs chapter 3's kernel
+// (flash_forward_fp16_hopper, below); everywhere else chapter 2's (flash_forward_fp16_ampere).
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
                         const AttentionShape& shape, cudaStream_t stream = 0);
 // The fp16 backward: given dO, fills dQ, dK, dV (fp16, shaped as Q, K, V) from the forward's O
@@ -83,11 +85,18 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
                          const AttentionShape& shape, cudaStream_t stream = 0);
 
 // ---------------------------------------------------------------------------------------------
-// Chapter 3 (flash_hopper.cu): the same forward on Hopper's wgmma, in its first step (NOTES.md
-// section 17). Same contract, element types and L as flash_forward_fp16 / _bf16; head_dim 64 or
-// 128 (std::invalid_argument otherwise); a GPU of compute capability 9.0 (H100, H200), else
-// std::runtime_error. Not yet what flash_forward_fp16 runs on an H100: it is not yet faster than
-// chapter 2 everywhere (under the causal mask, only at some lengths).
+// Chapter 2's forward kernel (mma.sync) whatever the GPU: what flash_forward_fp16 / _bf16 run
+// before compute capability 9.0, here so that one H100 can compare the two chapters.
+void flash_forward_fp16_ampere(const __half* Q, const __half* K, const __half* V, __half* O,
+                               float* L, const AttentionShape& shape, cudaStream_t stream = 0);
+void flash_forward_bf16_ampere(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                               const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
+                               const AttentionShape& shape, cudaStream_t stream = 0);
+
+// Chapter 3 (flash_hopper.cu): the same forward on Hopper's wgmma, TMA and warp specialisation
+// (NOTES.md section 17). Same contract, element types and L as flash_forward_fp16 / _bf16;
+// head_dim in kFlashHopperHeadDims (std::invalid_argument otherwise); a GPU of compute capability
+// 9.0 (H100, H200), else std::runtime_error. flash_forward_fp16 / _bf16 run it there.
 void flash_forward_fp16_hopper(const __half* Q, const __half* K, const __half* V, __half* O,
                                float* L, const AttentionShape& shape, cudaStream_t stream = 0);
 void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
@@ -99,6 +108,7 @@ void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
 // refused. Chapter 2 has every one of chapter 1's (one kernel template covers them all).
 constexpr int kFlashHeadDims[] = {16, 32, 64, 96, 128, 256};
 constexpr int kFlashFp16HeadDims[] = {16, 32, 64, 96, 128, 256};
+constexpr int kFlashHopperHeadDims[] = {64, 128, 256};
 // True iff head_dim is one of kFlashHeadDims.
 bool flash_head_dim_supported(int head_dim);
 // "16, 32, 64, 96, 128, 256": for error messages.

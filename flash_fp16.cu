@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -610,11 +611,11 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
 }
 
 // Bc: keys per K/V tile given by the caller (32, 64, or 128 up to head_dim 64), or none for the
-// device-derived choice.
+// device-derived choice. hopper: may run chapter 3 instead (compute capability 9.0, its head dims).
 template <typename T>
 static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T* V, T* O,
                                  float* L, const AttentionShape& s, std::optional<int> Bc,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, bool hopper = false) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(T));
     if (Bc)
         require(*Bc == 32 || *Bc == 64 || (*Bc == 128 && s.head_dim <= 64),
@@ -623,6 +624,14 @@ static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T
     validate_forward_pointers(fn, Q, K, V, O, L, s);
     const cudaDeviceProp prop = flash_device_props();
     require_sm80(prop, fn);
+    if (hopper && prop.major == 9 &&
+        std::find(std::begin(kFlashHopperHeadDims), std::end(kFlashHopperHeadDims), s.head_dim) !=
+            std::end(kFlashHopperHeadDims)) {
+        if constexpr (std::is_same<T, __half>::value)
+            return flash_forward_fp16_hopper(Q, K, V, O, L, s, stream);
+        else
+            return flash_forward_bf16_hopper(Q, K, V, O, L, s, stream);
+    }
     FlashTile tile = flash_choose_tile_fp16(prop, s.head_dim);
     if (Bc) tile = fp16_tile(prop, s.head_dim, *Bc);
     dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
@@ -637,13 +646,24 @@ static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T
 
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
                         const AttentionShape& shape, cudaStream_t stream) {
-    forward_fp16_checked("flash_forward_fp16", Q, K, V, O, L, shape, std::nullopt, stream);
+    forward_fp16_checked("flash_forward_fp16", Q, K, V, O, L, shape, std::nullopt, stream, true);
 }
 
 void flash_forward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
                         __nv_bfloat16* O, float* L, const AttentionShape& shape,
                         cudaStream_t stream) {
-    forward_fp16_checked("flash_forward_bf16", Q, K, V, O, L, shape, std::nullopt, stream);
+    forward_fp16_checked("flash_forward_bf16", Q, K, V, O, L, shape, std::nullopt, stream, true);
+}
+
+void flash_forward_fp16_ampere(const __half* Q, const __half* K, const __half* V, __half* O,
+                               float* L, const AttentionShape& shape, cudaStream_t stream) {
+    forward_fp16_checked("flash_forward_fp16_ampere", Q, K, V, O, L, shape, std::nullopt, stream);
+}
+
+void flash_forward_bf16_ampere(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                               const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
+                               const AttentionShape& shape, cudaStream_t stream) {
+    forward_fp16_checked("flash_forward_bf16_ampere", Q, K, V, O, L, shape, std::nullopt, stream);
 }
 
 void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __half* O,

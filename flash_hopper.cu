@@ -1,22 +1,24 @@
-// flash_hopper.cu: chapter 3, the forward on Hopper's own matrix instruction (NOTES.md section 17).
+// flash_hopper.cu: chapter 3, the forward on Hopper's own instructions (NOTES.md section 17).
 // FlashAttention-2's Algorithm 1 as chapter 2 runs it, with its two products on wgmma: a warpgroup
 // (4 warps, 128 threads) multiplies a 64-row tile at once, its operands read from shared memory
-// through 64-bit descriptors (or, for P~, from registers), asynchronously. What is written of the
-// chapter (NOTES.md section 17's steps 1, 1b, 4a-4c): wgmma with shared-memory operands, K_j and
-// V_j loaded by cp.async in three stages, Q tiles longest first, each tile's softmax run while
-// the previous tile's O_i += P~ V_j is on the tensor cores, a tile that fits two blocks an SM at
-// d = 64, one-instruction exponentials. Not yet: the copy engine (TMA), warp specialisation,
-// ping-pong between warpgroups, d = 256. Head dims 64 and 128, fp16 and bf16, compute capability
-// 9.0 only.
+// through 64-bit descriptors (or, for P~, from registers), asynchronously. The tiles arrive by the
+// tensor memory accelerator (TMA), which one producer thread drives while the consumer warpgroups
+// compute (warp specialisation; setmaxnreg moves registers to the consumers); mbarriers say when
+// a stage is full and when it is free again. Each tile's softmax runs while the previous tile's
+// O_i += P~ V_j is on the tensor cores. Head dims 64, 128, 256, fp16 and bf16, compute capability
+// 9.0 only. Not here: FlashAttention-3's persistent grid, its O written by TMA, its fp8.
 //
 // Build: wgmma exists only in the sm_90a target, so this file alone is compiled with
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c flash_hopper.cu
-// (the Makefile does it). Every helper below is one PTX instruction; the PTX ISA sections are
-// named beside them ("wgmma" is "Asynchronous Warpgroup Level Matrix Multiply-Accumulate").
+// (the Makefile does it). Every helper below wraps one PTX instruction (load_tile: a tile's TMA
+// copies), its PTX ISA section named beside it ("wgmma" is "Asynchronous Warpgroup Level Matrix
+// Multiply-Accumulate").
 #include "checks.h"
 #include "flash.h"
 #include "log2_units.h"
 
+#include <cuda.h>          // CUtensorMap and its enums (types only: nothing links libcuda)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -32,12 +34,23 @@
 #define HOPPER_ONLY(...) __VA_ARGS__
 #endif
 
-constexpr int kHopperHeadDims[] = {64, 128};
-constexpr int kHopperBr = 128;                         // two warpgroups of 64 rows
-// Keys a K/V tile. At d = 64, 64: a thread then holds S_ij, P~ and O_i in 123 registers, and two
-// blocks share an SM, one's loads and softmax under the other's products (NOTES.md section 17).
-constexpr int hopper_Bc(int head_dim) { return head_dim == 64 ? 64 : 128; }
-constexpr int kStages = 3;                             // K/V tiles in shared memory at once
+// Consumer warpgroups, 64 rows of Q_i each (Br = 64 C): two, but three at d = 64, where a tile's
+// products are short beside its softmax. Registers a thread, set with setmaxnreg: 65536 shared
+// by the block's 128 (C + 1) threads, the producer keeping few.
+__host__ __device__ constexpr int hopper_C(int head_dim) { return head_dim == 64 ? 3 : 2; }
+__host__ __device__ constexpr int hopper_Br(int head_dim) { return 64 * hopper_C(head_dim); }
+__host__ __device__ constexpr int producer_regs(int C) { return C == 2 ? 24 : 32; }
+__host__ __device__ constexpr int consumer_regs(int C) { return C == 2 ? 240 : 160; }
+// Keys a K/V tile: 128, but 64 at d = 256, where a consumer thread holds 128 floats of O_i.
+__host__ __device__ constexpr int hopper_Bc(int head_dim) { return head_dim == 256 ? 64 : 128; }
+// K/V tiles in shared memory at once (227 KiB an SM): three, but two at d = 256 (192 KiB).
+__host__ __device__ constexpr int hopper_stages(int head_dim) { return head_dim == 256 ? 2 : 3; }
+// Step 4's ping-pong, the consumers taking turns on the tensor cores: off, as measured (it lost up
+// to 17% without a mask, NOTES.md section 17). -DHOPPER_PINGPONG=1 builds it, to measure it again.
+#ifndef HOPPER_PINGPONG
+#define HOPPER_PINGPONG 0
+#endif
+constexpr bool kPingPong = HOPPER_PINGPONG;
 constexpr int kHopperHeadGroup = 16;                   // heads whose Q tiles go together (line 3)
 
 // ---------------------------------------------------------------------------------------------
@@ -46,19 +59,68 @@ constexpr int kHopperHeadGroup = 16;                   // heads whose Q tiles go
 // chunk c ^ (row % 8): 8 rows that a read touches at one chunk then fall in 8 different banks.
 // (Picture: NOTES.md section 17.) The swizzle works on address bits, so tiles start 1024-aligned.
 
-// Rows [first, first + R) of a (len x D) matrix into that layout, 16 bytes a cp.async (PTX ISA,
-// "Data Movement: cp.async"); rows at or past len become zeros. Not waited for.
+// The tensor memory accelerator (TMA) writes that layout itself: a tensor map (made on the host,
+// below) names the tensor and the box it copies, with the 128-byte swizzle, and rows past the
+// tensor's end arrive as zeros. One thread issues a copy; it completes on an mbarrier, a 64-bit
+// barrier in shared memory that counts arrivals and bytes (PTX ISA, "Parallel Synchronization and
+// Communication Instructions: mbarrier"). Each use of a barrier is a phase; waiters name the
+// phase's parity (0, 1, 0, ...).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return uint32_t(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int arrivals) {  // mbarrier.init
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals));
+}
+// mbarrier.arrive.expect_tx: one arrival, and `bytes` more to come from copies before the phase
+// completes.
+__device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+                 "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {  // mbarrier.try_wait.parity
+    uint32_t done = 0;
+    while (!done)
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity)
+                     : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {  // mbarrier.arrive: one arrival
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// cp.async.bulk.tensor (PTX ISA, "Data Movement: cp.async.bulk.tensor"): the box of the tensor map
+// at (column, row, head) to shared memory, its bytes counted on bar. The map is a __grid_constant__
+// kernel parameter, named by its generic address.
+__device__ __forceinline__ void tma_load(void* to, const CUtensorMap& map, int col, int row,
+                                         int head, uint64_t* bar) {
+    HOPPER_ONLY(asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(smem_addr(to)),
+        "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(row), "r"(head), "r"(smem_addr(bar))
+        : "memory"));
+}
+// Rows [first, first + R) of one head's (len x D) matrix as blocks of 64 columns (R x 128 bytes
+// each), D / 64 copies on bar.
 template <int R, int D, typename T>
-__device__ __forceinline__ void load_swizzled(T* to, const T* src, int first, int len) {
-    for (int x = threadIdx.x; x < R * D / 8; x += blockDim.x) {
-        const int r = x / (D / 8), chunk = x % (D / 8), c = chunk % 8;
-        const bool inside = first + r < len;
-        char* dst = reinterpret_cast<char*>(to) + chunk / 8 * R * 128 + r * 128 + (c ^ r % 8) * 16;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                         uint32_t(__cvta_generic_to_shared(dst))),
-                     "l"(src + size_t(inside ? first + r : 0) * D + chunk * 8),
-                     "r"(inside ? 16 : 0));
-    }
+__device__ __forceinline__ void load_tile(T* to, const CUtensorMap& map, int first, int head,
+                                          uint64_t* bar) {
+#pragma unroll
+    for (int c = 0; c < D / 64; c++) tma_load(to + c * R * 64, map, c * 64, first, head, bar);
+}
+
+// setmaxnreg (PTX ISA, "Miscellaneous Instructions: setmaxnreg"): a warpgroup gives back registers
+// (inc = false) or takes them (true) up to R a thread. The block starts with 65536 / its threads
+// (168 a thread with C = 2, 128 with C = 3) and the sums stay within 65536.
+template <bool Inc, int R>
+__device__ __forceinline__ void setmaxnreg() {
+    if constexpr (Inc) HOPPER_ONLY(asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)));
+    else HOPPER_ONLY(asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)));
+}
+// bar.sync / bar.arrive (PTX ISA, "Parallel Synchronization: bar"): named barrier `id` of the two
+// warpgroups (256 threads): one waits on it (Sync) while the other arrives.
+template <bool Sync>
+__device__ __forceinline__ void named_barrier(int id) {
+    if constexpr (Sync) asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+    else asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
 
 // A shared-memory matrix descriptor (wgmma, "Matrix Descriptor Format"): the start address, the
@@ -67,7 +129,7 @@ __device__ __forceinline__ void load_swizzled(T* to, const T* src, int first, in
 // block of 64 columns to the next; K-major operands (Q_i, K_j) ignore it, and step through k by
 // moving the start 32 bytes (16 elements) along the row.
 __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo) {
-    const uint32_t a = uint32_t(__cvta_generic_to_shared(p));
+    const uint32_t a = smem_addr(p);
     return uint64_t((a & 0x3FFFF) >> 4) | uint64_t(lbo >> 4) << 16 | uint64_t(1024 >> 4) << 32 |
            uint64_t(1) << 62;
 }
@@ -144,72 +206,97 @@ __device__ __forceinline__ uint32_t pair_bits(float a, float b) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The kernel. One block per (Q tile i, batch*head): Br = 128 rows, two warpgroups of 64; K/V
-// tiles of Bc keys (hopper_Bc) in three stages: tile j + 1 loads while tile j's S_ij and tile
-// j - 1's P~ V_{j-1} run. A thread's accumulator element 4n + 2h + e is row 16 warp + g + 8h of
-// its warpgroup's 64, column 8n + 2t + e (lane = 4g + t), as in chapter 2.
-template <typename T, int D, int Bc>
-__global__ void __launch_bounds__(256, Bc == 64 ? 2 : 1)
-flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
-                            const T* __restrict__ V, T* __restrict__ O, float* __restrict__ L,
-                            int q_len, int kv_len, bool causal, int Tr, int HG,
-                            float scale_log2) {
-    constexpr int Br = kHopperBr;
+// The kernel. One block per (Q tile i, batch*head), C + 1 warpgroups: warpgroup 0 is the producer
+// (one thread issues every TMA copy), warpgroups 1..C the consumers, 64 rows of Q_i each
+// (Br = 64 C). K/V tiles of Bc keys in S stages, each with two mbarriers: full (the copy engine's
+// bytes are in) and empty (the 4 C consumer warps are done reading it). A consumer thread's
+// accumulator element 4n + 2h + e is row 16 warp + g + 8h of its warpgroup's 64, column
+// 8n + 2t + e (lane = 4g + t), as in chapter 2.
+template <typename T, int D, int Bc, int C>
+__global__ void __launch_bounds__(128 * (C + 1), 1)
+flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
+                            const __grid_constant__ CUtensorMap K,
+                            const __grid_constant__ CUtensorMap V, T* __restrict__ O,
+                            float* __restrict__ L, int q_len, int kv_len, bool causal, int Tr,
+                            int HG, float scale_log2) {
+    constexpr int Br = 64 * C, S = hopper_stages(D);
     extern __shared__ __align__(16) unsigned char shared[];
-    // Q_i (2 x 64 rows), then three stages of K_j and V_j (Bc rows each), 1024-byte aligned.
-    T* Q_i = reinterpret_cast<T*>(shared + (1024 - __cvta_generic_to_shared(shared) % 1024) % 1024);
+    // Q_i (C x 64 rows), then the stages of K_j and V_j (Bc rows each), 1024-byte aligned, then
+    // the mbarriers: full[s] and empty[s] of stage s, full[S] for Q_i.
+    T* Q_i = reinterpret_cast<T*>(shared + (1024 - smem_addr(shared) % 1024) % 1024);
     T* KV = Q_i + Br * D;
+    uint64_t* full = reinterpret_cast<uint64_t*>(KV + S * 2 * Bc * D);
+    uint64_t* empty = full + S + 1;
     // Line 3: block -> (Q tile i, head), as chapter 2: heads in groups of HG, each group's Q
     // tiles longest (causal) first, its heads taking turns.
     const int BH = gridDim.x / Tr, head0 = blockIdx.x / (HG * Tr) * HG, heads = min(HG, BH - head0);
     const int i = Tr - 1 - int(blockIdx.x % (HG * Tr)) / heads;
-    const size_t bh = head0 + blockIdx.x % (HG * Tr) % heads;
-    const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32;
-    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    const int q0 = i * Br, query = q0 + 64 * wg + 16 * warp + g;  // its rows: query + 8h
-    load_swizzled<64, D>(Q_i, Q + bh * q_len * D, q0, q_len);  // line 4: load Q_i
-    load_swizzled<64, D>(Q_i + 64 * D, Q + bh * q_len * D, q0 + 64, q_len);
+    const int bh = head0 + blockIdx.x % (HG * Tr) % heads, q0 = i * Br;
     const int Tc = (flash_kv_end(q0, Br, q_len, kv_len, causal) + Bc - 1) / Bc;
-    const auto load_KV = [&](int j) {                  // line 7: load K_j, V_j into a stage
-        load_swizzled<Bc, D>(KV + j % kStages * 2 * Bc * D, K + bh * kv_len * D, j * Bc, kv_len);
-        load_swizzled<Bc, D>(KV + (j % kStages * 2 + 1) * Bc * D, V + bh * kv_len * D, j * Bc,
-                             kv_len);
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-    };
-    if (Tc > 0) load_KV(0);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * C);
+        mbar_init(&full[S], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // seen by the TMA
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {                           // the producer: lines 4 and 7
+        setmaxnreg<false, producer_regs(C)>();         // it needs few registers; the math, many
+        if (threadIdx.x != 0) return;
+        mbar_expect_bytes(&full[S], Br * D * sizeof(T));  // line 4: load Q_i
+        for (int w = 0; w < C; w++) load_tile<64, D>(Q_i + w * 64 * D, Q, q0 + 64 * w, bh, &full[S]);
+        for (int j = 0; j < Tc; j++) {                 // line 7: K_j, V_j, once tile j - S is read
+            if (j >= S) mbar_wait(&empty[j % S], (j / S - 1) % 2);
+            mbar_expect_bytes(&full[j % S], 2 * Bc * D * sizeof(T));
+            load_tile<Bc, D>(KV + j % S * 2 * Bc * D, K, j * Bc, bh, &full[j % S]);
+            load_tile<Bc, D>(KV + (j % S * 2 + 1) * Bc * D, V, j * Bc, bh, &full[j % S]);
+        }
+        return;
+    }
+    setmaxnreg<true, consumer_regs(C)>();
+    const int wg = threadIdx.x / 128 - 1, warp = threadIdx.x % 128 / 32;
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const int query = q0 + 64 * wg + 16 * warp + g;    // this thread's rows: query + 8h
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
     const char* Q_w = reinterpret_cast<const char*>(Q_i + wg * 64 * D);  // the warpgroup's rows
     uint32_t P[Bc / 16][4];                            // P~ of the last tile, in T, as A
     const auto K_of = [&](int j) {                     // K_j's stage; V_j follows it
-        return reinterpret_cast<const char*>(KV + j % kStages * 2 * Bc * D);
+        return reinterpret_cast<const char*>(KV + j % S * 2 * Bc * D);
     };
     const auto add_PV = [&](int j) {                   // line 10's product: O_i += P~ V_j
         const char* V_j = K_of(j) + Bc * D * sizeof(T);
+        constexpr int N = D < 128 ? D : 128;           // columns a wgmma (d = 256: two halves)
 #pragma unroll
         for (int k = 0; k < Bc / 16; k++)
-            wgmma_rs<T, D>(O_i, P[k], smem_desc(V_j + k * 16 * 128, Bc * 128));
+#pragma unroll
+            for (int c = 0; c < D / N; c++)
+                wgmma_rs<T, N>(O_i + c * N / 2, P[k],
+                               smem_desc(V_j + c * N / 64 * Bc * 128 + k * 16 * 128, Bc * 128));
         wgmma_commit();
     };
+    // Ping-pong: the warpgroups take turns issuing their products (named barrier 1 + wg: "your
+    // turn"), so one's softmax runs while the others' products hold the tensor cores.
+    if (kPingPong && wg == C - 1 && Tc > 0) named_barrier<false>(1);  // warpgroup 0 goes first
+    mbar_wait(&full[S], 0);                            // Q_i is in
     for (int j = 0; j < Tc; j++) {                     // line 6: for each K_j, V_j
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-        // Written through cp.async, read by wgmma, which is another proxy: fence.proxy.async
-        // (PTX ISA, "Memory Consistency Model: proxies") before the barrier.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();                               // tile j is in; tile j - 2 was read
-        if (j + 1 < Tc) load_KV(j + 1);                // a tile ahead, into its stage
+        mbar_wait(&full[j % S], j / S % 2);            // tile j is in
+        if (kPingPong) named_barrier<true>(1 + wg);
         const char* K_j = K_of(j);
-        float S[Bc / 2] = {};                          // line 8: S_ij = Q_i K_j^T, 16 of d a step
+        float S_ij[Bc / 2] = {};                       // line 8: S_ij = Q_i K_j^T, 16 of d a step
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; k++)
-            wgmma_ss<T, Bc>(S, smem_desc(Q_w + k / 4 * 64 * 128 + k % 4 * 32, 0),
+            wgmma_ss<T, Bc>(S_ij, smem_desc(Q_w + k / 4 * 64 * 128 + k % 4 * 32, 0),
                             smem_desc(K_j + k / 4 * Bc * 128 + k % 4 * 32, 0));
         wgmma_commit();
+        // The other warpgroup's turn (its last turn has no successor). Here, not after add_PV:
+        // a bar.arrive between a wgmma that reads registers and its wait makes ptxas (13.0)
+        // serialize the wgmmas (its warning C7514).
+        if (kPingPong && !(wg == C - 1 && j == Tc - 1)) named_barrier<false>(1 + (wg + 1) % C);
         // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
         if (j > 0) add_PV(j - 1);
         if (j > 0) wgmma_wait<1>();                    // S_ij is done (P~ V_{j-1} may not be)
         else wgmma_wait<0>();
-        fence_registers<Bc / 2>(S);
+        fence_registers<Bc / 2>(S_ij);
         float alpha[2];
 #pragma unroll
         for (int h = 0; h < 2; h++) {                  // line 9 for row query + 8h
@@ -218,7 +305,7 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             float m_new = m[h];
 #pragma unroll
             for (int n = 0; n < Bc / 4; n++) {         // element n / 2, 2h + n % 2: a key
-                float& s = S[4 * (n / 2) + 2 * h + n % 2];
+                float& s = S_ij[4 * (n / 2) + 2 * h + n % 2];
                 const int key = j * Bc + 8 * (n / 2) + 2 * t + n % 2;
                 if (edge && (key >= kv_len || key > last)) s = -INFINITY;
                 m_new = fmaxf(m_new, s);
@@ -231,7 +318,7 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             float sum = 0.f;
 #pragma unroll
             for (int n = 0; n < Bc / 4; n++) {         // P~_ij = exp(S_ij - m), in S's registers
-                float& s = S[4 * (n / 2) + 2 * h + n % 2];
+                float& s = S_ij[4 * (n / 2) + 2 * h + n % 2];
                 s = exp2_ftz(fmaf(s, scale_log2, -m_log2));
                 sum += s;
             }
@@ -239,6 +326,7 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         }
         wgmma_wait<0>();                               // O_i += P~ V_{j-1} is done
         fence_registers<D / 2>(O_i);
+        if (j > 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[(j - 1) % S]);  // V_{j-1} read
 #pragma unroll
         for (int n = 0; n < D / 4; n++) O_i[4 * (n / 2) + n % 2] *= alpha[0];
 #pragma unroll
@@ -247,7 +335,7 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         for (int k = 0; k < Bc / 16; k++)              // line 10's P~, in T as A, for next time
 #pragma unroll
             for (int x = 0; x < 4; x++)
-                P[k][x] = pair_bits<T>(S[8 * k + 2 * x], S[8 * k + 2 * x + 1]);
+                P[k][x] = pair_bits<T>(S_ij[8 * k + 2 * x], S_ij[8 * k + 2 * x + 1]);
     }
     if (Tc > 0) {                                      // line 10 of the last tile
         wgmma_fence();
@@ -262,41 +350,74 @@ flash_forward_hopper_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
         if (row >= q_len) continue;
         const float inv = l_row > 0.f ? 1.f / l_row : 0.f;  // a row that sees no key: O = 0
+        const size_t at = (size_t(bh) * q_len + row) * D;
 #pragma unroll
         for (int n = 0; n < D / 8; n++)
-            *reinterpret_cast<uint32_t*>(O + (bh * q_len + row) * D + 8 * n + 2 * t) =
+            *reinterpret_cast<uint32_t*>(O + at + 8 * n + 2 * t) =
                 pair_bits<T>(O_i[4 * n + 2 * h] * inv, O_i[4 * n + 2 * h + 1] * inv);
         if (t == 0)
-            L[bh * q_len + row] =
+            L[size_t(bh) * q_len + row] =
                 l_row > 0.f ? (m[h] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // The launcher: chapter 2's checks, then compute capability 9.0.
-static size_t flash_hopper_shared_bytes(int head_dim) {  // Q_i, 3 stages of K_j, V_j, alignment
-    return size_t(kHopperBr + 2 * kStages * hopper_Bc(head_dim)) * head_dim * 2 + 1024;
+static size_t flash_hopper_shared_bytes(int d) {  // Q_i, K_j and V_j, alignment, mbarriers
+    return size_t(hopper_Br(d) + 2 * hopper_stages(d) * hopper_Bc(d)) * d * 2 + 1024 +
+           8 * (2 * hopper_stages(d) + 1);
+}
+
+// The tensor map of Q, K or V, (heads, len, D) elements of T, for boxes of rows x 64 elements in
+// the 128-byte swizzle; rows past len are read as zeros. cuTensorMapEncodeTiled is a driver call,
+// found through the runtime, so that nothing links libcuda (CI machines have none).
+template <typename T>
+static CUtensorMap tensor_map(const T* base, size_t heads, int len, int D, int rows) {
+    static const auto encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        FLASH_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                          cudaEnableDefault, &found));
+        if (found != cudaDriverEntryPointSuccess || fn == nullptr)
+            throw std::runtime_error("the CUDA driver has no cuTensorMapEncodeTiled (CUDA 12+)");
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    CUtensorMap map;
+    const cuuint64_t dims[3] = {cuuint64_t(D), cuuint64_t(len), heads};
+    const cuuint64_t strides[2] = {D * sizeof(T), size_t(len) * D * sizeof(T)};  // bytes
+    const cuuint32_t box[3] = {64, cuuint32_t(rows), 1}, steps[3] = {1, 1, 1};
+    const CUresult r = encode(
+        &map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        3, const_cast<T*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        throw std::runtime_error("cuTensorMapEncodeTiled failed: CUresult " + std::to_string(r));
+    return map;
 }
 
 template <typename T>
 static void forward_hopper_checked(const char* fn, const T* Q, const T* K, const T* V, T* O,
                                    float* L, const AttentionShape& s, cudaStream_t stream) {
-    validate_shape(s, kHopperHeadDims, sizeof(T));
+    validate_shape(s, kFlashHopperHeadDims, sizeof(T));
     validate_forward_pointers(fn, Q, K, V, O, L, s);
     const cudaDeviceProp prop = flash_device_props();
     if (prop.major != 9)
         throw std::runtime_error(std::string(fn) + " needs a GPU of compute capability 9.0 (wgmma, "
                                  "sm_90a: H100, H200); " + prop.name + " is " +
                                  std::to_string(prop.major) + "." + std::to_string(prop.minor));
-    const int blocks = grid_blocks(s, s.q_len, kHopperBr, "q_len");
     const size_t bytes = flash_hopper_shared_bytes(s.head_dim);
-    dispatch_head_dim<kHopperHeadDims>(s.head_dim, [&](auto dim) {
-        constexpr int D = decltype(dim)::value;
-        const auto kernel = flash_forward_hopper_kernel<T, D, hopper_Bc(D)>;
+    dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
+        constexpr int D = decltype(dim)::value, Br = hopper_Br(D), Bc = hopper_Bc(D);
+        const int blocks = grid_blocks(s, s.q_len, Br, "q_len");
+        const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_C(D)>;
         allow_shared(kernel, bytes);
-        kernel<<<blocks, 256, bytes, stream>>>(Q, K, V, O, L, s.q_len, s.kv_len, s.causal,
-                                              (s.q_len + kHopperBr - 1) / kHopperBr,
-                                              kHopperHeadGroup, scale_log2_for(D));
+        const size_t heads = size_t(s.batch) * s.heads;
+        kernel<<<blocks, 128 * (hopper_C(D) + 1), bytes, stream>>>(
+            tensor_map(Q, heads, s.q_len, D, 64), tensor_map(K, heads, s.kv_len, D, Bc),
+            tensor_map(V, heads, s.kv_len, D, Bc), O, L, s.q_len, s.kv_len, s.causal,
+            (s.q_len + Br - 1) / Br, kHopperHeadGroup, scale_log2_for(D));
         FLASH_CUDA_CHECK(cudaGetLastError());
     });
 }

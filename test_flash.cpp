@@ -40,7 +40,9 @@
 
 #include "test_util.h"
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -399,10 +401,10 @@ TEST_CASE("The forward matches the reference over a grid of shapes", "[gpu][forw
 TEMPLATE_TEST_CASE("The tensor-core forward matches the reference over a grid of shapes",
                    "[gpu][forward][fp16][bf16]", fp16, bf16) {
     // The same grid as the fp32 forward's (odd lengths, q_len != kv_len both ways, causal and
-    // not, batched heads), over chapter 2's head dims; the reference runs in double on the
-    // inputs as rounded to TestType.
+    // not, batched heads), over chapter 2's head dims, on chapter 2's kernel whatever the GPU
+    // (kAmpereKernel); the reference runs in double on the inputs as rounded to TestType.
     const AttentionShape s = GENERATE(from_range(forward_grid(kFp16HeadDims)));
-    check_forward_on_gpu<TestType>(s, 1100);
+    check_forward_on_gpu<TestType>(s, 1100, kAmpereKernel);
 }
 
 TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shapes",
@@ -415,8 +417,28 @@ TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shap
              << current_device_props().major << "." << current_device_props().minor);
         return;
     }
-    const AttentionShape s = GENERATE(from_range(forward_grid({64, 128})));
+    const AttentionShape s = GENERATE(from_range(forward_grid({64, 128, 256})));
     check_forward_on_gpu<TestType>(s, 1100, kHopperKernel);
+}
+
+TEMPLATE_TEST_CASE("flash_forward_fp16 and _bf16 run chapter 3 on compute capability 9.0 at its "
+                   "head dims and chapter 2 everywhere else", "[gpu][forward][hopper][fp16][bf16]",
+                   fp16, bf16) {
+    // The public call's O and L, bitwise, against those of the chapter it should have run (both
+    // are deterministic, and the two chapters differ in the last bits: their sums run in other
+    // orders), over every head dim.
+    const int d = GENERATE(16, 32, 64, 96, 128, 256);
+    const AttentionShape s{2, 3, 200, 333, d, true};
+    const bool hopper = current_device_props().major == 9 &&
+                        std::count(std::begin(kFlashHopperHeadDims),
+                                   std::end(kFlashHopperHeadDims), d) == 1;
+    INFO(describe(s) << ", expecting chapter " << (hopper ? 3 : 2));
+    const auto p = rounded_problem<TestType>(s, 1450);
+    GpuAttention<TestType> gpu(p);
+    gpu.forward();
+    const Outputs<float> chosen = gpu.outputs(false);
+    gpu.forward(hopper ? kHopperKernel : kAmpereKernel);
+    check_bitwise(chosen, gpu.outputs(false), s);
 }
 
 TEST_CASE("The backward matches the reference over a grid of shapes", "[gpu][backward]") {
@@ -448,7 +470,7 @@ TEST_CASE("Small shapes for the sanitizer: forward and backward match the refere
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core forward matches the reference",
                    "[gpu][sanitize][forward][fp16][bf16]", fp16, bf16) {
     const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kFp16HeadDims, 100)));
-    check_forward_on_gpu<TestType>(s, 1300);
+    check_forward_on_gpu<TestType>(s, 1300, kAmpereKernel);
 }
 
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the Hopper forward matches the reference",
@@ -457,7 +479,7 @@ TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the Hopper forward matches t
         WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
         return;
     }
-    const AttentionShape s = GENERATE(from_range(sanitizer_shapes({64, 128}, 150)));
+    const AttentionShape s = GENERATE(from_range(sanitizer_shapes({64, 128, 256}, 150)));
     check_forward_on_gpu<TestType>(s, 1350, kHopperKernel);
 }
 

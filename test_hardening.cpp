@@ -528,7 +528,7 @@ TEMPLATE_TEST_CASE("The Hopper forward refuses head dims it has no kernel for, n
                    "ones, before it looks for a GPU", "[cpu][validation][hopper][fp16][bf16]", fp16,
                    bf16) {
     AttentionShape s = valid_shape();
-    s.head_dim = GENERATE(16, 32, 96, 256, 48, 0, -64);
+    s.head_dim = GENERATE(16, 32, 96, 512, 48, 0, -64);
     CAPTURE(s.head_dim);
     FakeTensors<TestType> t;
     CHECK_THAT(refusal([&] {
@@ -537,7 +537,7 @@ TEMPLATE_TEST_CASE("The Hopper forward refuses head dims it has no kernel for, n
                    else
                        flash_forward_bf16_hopper(t.Q16, t.K16, t.V16, t.O16, t.L, s);
                }),
-               NamesWord("head_dim") && NamesWord("64") && NamesWord("128"));
+               NamesWord("head_dim") && NamesWord("64") && NamesWord("128") && NamesWord("256"));
     CHECK(t.outputs_untouched());
 }
 
@@ -1057,8 +1057,8 @@ TEMPLATE_TEST_CASE("100 calls of the Hopper forward give bitwise identical resul
         WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
         return;
     }
-    const int d = GENERATE(64, 128);
-    const AttentionShape s{1, 2, 300, 277, d, true};  // three Q tiles, three K/V tiles at d = 64
+    const int d = GENERATE(64, 128, 256);
+    const AttentionShape s{1, 2, 300, 277, d, true};  // three Q tiles; three K/V tiles, five at 256
     INFO(describe(s));
     const auto p = rounded_problem<TestType>(s, 1750);
     GpuAttention<TestType> gpu(p);

@@ -296,10 +296,12 @@ void launch_forward(const T* Q, const T* K, const T* V, T* O, float* L, const At
         flash_forward(Q, K, V, O, L, s, stream);
     } else if constexpr (std::is_same<T, __half>::value) {
         if (Bc == kHopperKernel) return flash_forward_fp16_hopper(Q, K, V, O, L, s, stream);
+        if (Bc == kAmpereKernel) return flash_forward_fp16_ampere(Q, K, V, O, L, s, stream);
         if (Bc > 0) return flash_forward_fp16_bc(Q, K, V, O, L, s, Bc, stream);
         flash_forward_fp16(Q, K, V, O, L, s, stream);
     } else {
         if (Bc == kHopperKernel) return flash_forward_bf16_hopper(Q, K, V, O, L, s, stream);
+        if (Bc == kAmpereKernel) return flash_forward_bf16_ampere(Q, K, V, O, L, s, stream);
         if (Bc > 0)
             FAIL("Bc = " << Bc << " asked of the bf16 forward: there is no flash_forward_bf16_bc");
         flash_forward_bf16(Q, K, V, O, L, s, stream);
@@ -327,6 +329,7 @@ template <typename T>
 Outputs<float> check_forward_on_gpu(const AttentionShape& s, uint32_t salt, int Bc) {
     INFO(describe(s) << (Bc > 0                ? ", Bc = " + std::to_string(Bc)
                          : Bc == kHopperKernel ? ", chapter 3's Hopper kernel"
+                         : Bc == kAmpereKernel ? ", chapter 2's kernel"
                                                : std::string()));
     const auto p = rounded_problem<T>(s, salt);
     GpuAttention<T> gpu(p);

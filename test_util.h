@@ -612,8 +612,11 @@ struct DeviceBuffer {
 // validation test body serve every type. Bc = 0: the device's own tile; Bc > 0: that many keys a
 // K/V tile, through flash_forward_bc, flash_forward_fp16_bc or flash_backward_fp16_bc. Chapter 1's
 // backward and bf16 have no such call: given a Bc, they fail the test, saying so. Bc =
-// kHopperKernel (fp16, bf16 forward): chapter 3's flash_forward_fp16_hopper / _bf16_hopper.
+// kHopperKernel (fp16, bf16 forward): chapter 3's flash_forward_fp16_hopper / _bf16_hopper;
+// kAmpereKernel: chapter 2's flash_forward_fp16_ampere / _bf16_ampere (Bc = 0, the public call,
+// runs chapter 3 on compute capability 9.0 at its head dims).
 constexpr int kHopperKernel = -1;
+constexpr int kAmpereKernel = -2;
 template <typename T>
 void launch_forward(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape& s,
                     int Bc = 0, cudaStream_t stream = 0);
@@ -643,8 +646,8 @@ struct GpuAttention {
         if (!p.dO.empty()) dO = DeviceBuffer<T>(p.dO);
     }
 
-    // Bc = 0: the device's own tile; Bc > 0: that many keys per tile; kHopperKernel: chapter 3
-    // (see launch_forward).
+    // Bc = 0: the device's own tile; Bc > 0: that many keys per tile; kHopperKernel: chapter 3;
+    // kAmpereKernel: chapter 2 (see launch_forward).
     void forward(int Bc = 0, cudaStream_t stream = 0) {
         O.poison();
         L.poison();
