@@ -250,6 +250,8 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             load_tile<Bc, D>(KV + j % S * 2 * Bc * D, K, j * Bc, bh, &full[j % S]);
             load_tile<Bc, D>(KV + (j % S * 2 + 1) * Bc * D, V, j * Bc, bh, &full[j % S]);
         }
+        // It leaves once the last tiles it filled are read: a copy's issuer outlives the copy.
+        for (int j = max(Tc - S, 0); j < Tc; j++) mbar_wait(&empty[j % S], j / S % 2);
         return;
     }
     setmaxnreg<true, consumer_regs(C)>();
@@ -342,6 +344,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         add_PV(Tc - 1);
         wgmma_wait<0>();
         fence_registers<D / 2>(O_i);
+        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[(Tc - 1) % S]);
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {                      // lines 12-13: O_i / l, L = m + log l

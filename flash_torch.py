@@ -19,10 +19,10 @@ Inputs that are not contiguous are copied to contiguous tensors first (a copy of
 size); the outputs are contiguous. Bad input raises ValueError naming the argument and what is
 allowed (the C++ checks' own messages); a CUDA failure raises RuntimeError.
 
-The C++ half (flash_torch.cpp over flash.cu, flash_fp16.cu, checks.cpp) is compiled on first
-import with torch.utils.cpp_extension.load (nvcc and ninja; a minute or two, then cached in
-.torch_build/ beside this file), or ahead of time by `make torch`. Run the tests with
-`pytest test_torch.py`; see example_train.py for a model that uses it.
+The C++ half (flash_torch.cpp over flash.cu, flash_fp16.cu, flash_hopper.cu, checks.cpp) is
+compiled on first import with torch.utils.cpp_extension.load (nvcc and ninja; a minute or two,
+then cached in .torch_build/ beside this file), or ahead of time by `make torch`. Run the tests
+with `pytest test_torch.py`; see example_train.py for a model that uses it.
 """
 import os
 
@@ -33,14 +33,15 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _build():
-    # One target, the GPU in this machine (TORCH_CUDA_ARCH_LIST overrides, as for any extension):
-    # sm_90 on an H100, so the kernels are native code, not PTX compiled by the driver at start.
+    # One target, the GPU in this machine (TORCH_CUDA_ARCH_LIST overrides, as for any extension),
+    # so the kernels are native code, not PTX compiled by the driver at start. On an H100 or H200
+    # that is sm_90a ("9.0a"), the target with chapter 3's wgmma and setmaxnreg.
     if "TORCH_CUDA_ARCH_LIST" not in os.environ and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}" + ("a" if major == 9 else "")
     build_dir = os.path.join(_HERE, ".torch_build")
     os.makedirs(build_dir, exist_ok=True)
-    sources = ["flash_torch.cpp", "flash.cu", "flash_fp16.cu", "checks.cpp"]
+    sources = ["flash_torch.cpp", "flash.cu", "flash_fp16.cu", "flash_hopper.cu", "checks.cpp"]
     return load(name="flash_torch_ext", sources=[os.path.join(_HERE, s) for s in sources],
                 extra_cflags=["-O3", "-std=c++17"],
                 extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],

@@ -1,6 +1,6 @@
 // .ci/hopper-steps.cu: chapter 3's forward (flash_forward_fp16_hopper, flash_hopper.cu) timed
-// beside chapter 2's (flash_forward_fp16) on the FA2 protocol's shapes, for NOTES.md section 17's
-// table.
+// beside chapter 2's (flash_forward_fp16_ampere) on the FA2 protocol's shapes, for NOTES.md
+// section 17's table.
 // Build and run from the repository root on an H100 (the library built with make, ARCH=sm_90):
 //   make flash.o flash_fp16.o flash_hopper.o checks.o ARCH=sm_90
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I. .ci/hopper-steps.cu flash.o flash_fp16.o flash_hopper.o
@@ -93,8 +93,8 @@ static void run(const char* type, void (*chapter2)(const T*, const T*, const T*,
 int main(int argc, char** argv) {
     const int only_N = argc > 2 ? std::atoi(argv[2]) : 0;  // one N only (0: all)
     if (argc > 1 && std::strcmp(argv[1], "bf16") == 0)
-        run<__nv_bfloat16>("bf16", flash_forward_bf16, flash_forward_bf16_hopper, only_N);
+        run<__nv_bfloat16>("bf16", flash_forward_bf16_ampere, flash_forward_bf16_hopper, only_N);
     else
-        run<__half>("fp16", flash_forward_fp16, flash_forward_fp16_hopper, only_N);
+        run<__half>("fp16", flash_forward_fp16_ampere, flash_forward_fp16_hopper, only_N);
     return 0;
 }
