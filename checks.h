@@ -1,9 +1,9 @@
 // checks.h: the library's inside that every chapter shares (chapter 1: flash.cu, fp32; chapter 2:
-// flash_fp16.cu, fp16 and bf16): argument checks, element counts, the causal rule's tile bounds,
-// launch helpers and FLASH_CUDA_CHECK. Not the API (that is flash.h); the tests, the benchmark
-// and the CPU reference include it too. The checks run before any launch, so bad input never
-// reaches the GPU and never touches an output; they throw std::invalid_argument naming the field
-// and the allowed values.
+// flash_fp16.cu, fp16 and bf16; chapter 3: flash_hopper.cu): argument checks, element counts, the
+// causal rule's tile bounds, launch helpers and FLASH_CUDA_CHECK. Not the API (that is flash.h);
+// the tests, the benchmark and the CPU reference include it too. The checks run before any launch,
+// so bad input never reaches the GPU and never touches an output; they throw
+// std::invalid_argument naming the field and the allowed values.
 #pragma once
 
 #include "flash.h"
@@ -161,6 +161,15 @@ void with_row_scratch(const AttentionShape& s, cudaStream_t stream, Launch launc
     with_scratch(l_elems(s) * sizeof(float), stream,
                  [&](void* scratch) { return launch(static_cast<float*>(scratch)); });
 }
+
+// Chapter 3's forward (flash_hopper.cu) without its checks, for flash_forward_fp16 / _bf16 on
+// compute capability 9.0, which have run them all (shape, pointers, head dim in
+// kFlashHopperHeadDims): checking twice would cost a cudaPointerGetAttributes per tensor again.
+void flash_forward_hopper_launch(const __half* Q, const __half* K, const __half* V, __half* O,
+                                 float* L, const AttentionShape& s, cudaStream_t stream);
+void flash_forward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                 const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
+                                 const AttentionShape& s, cudaStream_t stream);
 
 // Lets `kernel` use `bytes` of dynamic shared memory (above 48 KiB needs the opt-in).
 template <typename Kernel>

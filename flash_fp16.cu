@@ -627,10 +627,7 @@ static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T
     if (hopper && prop.major == 9 &&
         std::find(std::begin(kFlashHopperHeadDims), std::end(kFlashHopperHeadDims), s.head_dim) !=
             std::end(kFlashHopperHeadDims)) {
-        if constexpr (std::is_same<T, __half>::value)
-            return flash_forward_fp16_hopper(Q, K, V, O, L, s, stream);
-        else
-            return flash_forward_bf16_hopper(Q, K, V, O, L, s, stream);
+        return flash_forward_hopper_launch(Q, K, V, O, L, s, stream);  // checked above
     }
     FlashTile tile = flash_choose_tile_fp16(prop, s.head_dim);
     if (Bc) tile = fp16_tile(prop, s.head_dim, *Bc);

@@ -69,23 +69,25 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return uint32_t(__cvta_generic_to_shared(p));
 }
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int arrivals) {  // mbarrier.init
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals));
+    HOPPER_ONLY(asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)),
+                             "r"(arrivals)));
 }
 // mbarrier.arrive.expect_tx: one arrival, and `bytes` more to come from copies before the phase
 // completes.
 __device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
-                 "r"(bytes) : "memory");
+    HOPPER_ONLY(asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                                 smem_addr(bar)), "r"(bytes) : "memory"));
 }
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {  // mbarrier.try_wait.parity
     uint32_t done = 0;
     while (!done)
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity)
-                     : "memory");
+        HOPPER_ONLY(asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, "
+                                 "[%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n" : "=r"(done)
+                                 : "r"(smem_addr(bar)), "r"(parity) : "memory"));
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {  // mbarrier.arrive: one arrival
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+    HOPPER_ONLY(
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory"));
 }
 // cp.async.bulk.tensor (PTX ISA, "Data Movement: cp.async.bulk.tensor"): the box of the tensor map
 // at (column, row, head) to shared memory, its bytes counted on bar. The map is a __grid_constant__
@@ -236,7 +238,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * C);
         mbar_init(&full[S], 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // seen by the TMA
+        HOPPER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));  // for TMA
     }
     __syncthreads();
     if (threadIdx.x < 128) {                           // the producer: lines 4 and 7
@@ -402,6 +404,37 @@ static CUtensorMap tensor_map(const T* base, size_t heads, int len, int D, int r
     return map;
 }
 
+// The launch alone (checks.h: flash_forward_hopper_launch), for callers that have run every check.
+template <typename T>
+static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, float* L,
+                                  const AttentionShape& s, cudaStream_t stream) {
+    const size_t bytes = flash_hopper_shared_bytes(s.head_dim);
+    dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
+        constexpr int D = decltype(dim)::value, Br = hopper_Br(D), Bc = hopper_Bc(D);
+        const int blocks = grid_blocks(s, s.q_len, Br, "q_len");
+        const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_C(D)>;
+        allow_shared(kernel, bytes);
+        const size_t heads = size_t(s.batch) * s.heads;
+        const CUtensorMap Qm = tensor_map(Q, heads, s.q_len, D, 64),
+                          Km = tensor_map(K, heads, s.kv_len, D, Bc),
+                          Vm = tensor_map(V, heads, s.kv_len, D, Bc);
+        kernel<<<blocks, 128 * (hopper_C(D) + 1), bytes, stream>>>(
+            Qm, Km, Vm, O, L, s.q_len, s.kv_len, s.causal, (s.q_len + Br - 1) / Br,
+            kHopperHeadGroup, scale_log2_for(D));
+        FLASH_CUDA_CHECK(cudaGetLastError());
+    });
+}
+
+void flash_forward_hopper_launch(const __half* Q, const __half* K, const __half* V, __half* O,
+                                 float* L, const AttentionShape& s, cudaStream_t stream) {
+    launch_forward_hopper(Q, K, V, O, L, s, stream);
+}
+void flash_forward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                 const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
+                                 const AttentionShape& s, cudaStream_t stream) {
+    launch_forward_hopper(Q, K, V, O, L, s, stream);
+}
+
 template <typename T>
 static void forward_hopper_checked(const char* fn, const T* Q, const T* K, const T* V, T* O,
                                    float* L, const AttentionShape& s, cudaStream_t stream) {
@@ -412,19 +445,7 @@ static void forward_hopper_checked(const char* fn, const T* Q, const T* K, const
         throw std::runtime_error(std::string(fn) + " needs a GPU of compute capability 9.0 (wgmma, "
                                  "sm_90a: H100, H200); " + prop.name + " is " +
                                  std::to_string(prop.major) + "." + std::to_string(prop.minor));
-    const size_t bytes = flash_hopper_shared_bytes(s.head_dim);
-    dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
-        constexpr int D = decltype(dim)::value, Br = hopper_Br(D), Bc = hopper_Bc(D);
-        const int blocks = grid_blocks(s, s.q_len, Br, "q_len");
-        const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_C(D)>;
-        allow_shared(kernel, bytes);
-        const size_t heads = size_t(s.batch) * s.heads;
-        kernel<<<blocks, 128 * (hopper_C(D) + 1), bytes, stream>>>(
-            tensor_map(Q, heads, s.q_len, D, 64), tensor_map(K, heads, s.kv_len, D, Bc),
-            tensor_map(V, heads, s.kv_len, D, Bc), O, L, s.q_len, s.kv_len, s.causal,
-            (s.q_len + Br - 1) / Br, kHopperHeadGroup, scale_log2_for(D));
-        FLASH_CUDA_CHECK(cudaGetLastError());
-    });
+    launch_forward_hopper(Q, K, V, O, L, s, stream);
 }
 
 void flash_forward_fp16_hopper(const __half* Q, const __half* K, const __half* V, __half* O,

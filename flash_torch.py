@@ -35,10 +35,17 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 def _build():
     # One target, the GPU in this machine (TORCH_CUDA_ARCH_LIST overrides, as for any extension),
     # so the kernels are native code, not PTX compiled by the driver at start. On an H100 or H200
-    # that is sm_90a ("9.0a"), the target with chapter 3's wgmma and setmaxnreg.
-    if "TORCH_CUDA_ARCH_LIST" not in os.environ and torch.cuda.is_available():
+    # that is sm_90a ("9.0a"), the target with chapter 3's wgmma and setmaxnreg: there the forward
+    # runs chapter 3, whose kernels built for any other target trap, so a list without 9.0a is
+    # refused on such a GPU.
+    if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}" + ("a" if major == 9 else "")
+        if "TORCH_CUDA_ARCH_LIST" not in os.environ:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}" + ("a" if major == 9 else "")
+        elif major == 9 and "9.0a" not in os.environ["TORCH_CUDA_ARCH_LIST"]:
+            raise ImportError("flash_torch: TORCH_CUDA_ARCH_LIST is "
+                              f"'{os.environ['TORCH_CUDA_ARCH_LIST']}'; on this GPU (compute "
+                              "capability 9.0) it must include 9.0a, chapter 3's target")
     build_dir = os.path.join(_HERE, ".torch_build")
     os.makedirs(build_dir, exist_ok=True)
     sources = ["flash_torch.cpp", "flash.cu", "flash_fp16.cu", "flash_hopper.cu", "checks.cpp"]
