@@ -7,10 +7,12 @@
 //                unequal lengths, causal on and off, batched heads, every head dim); [sanitize]
 //                is the small subset `make sanitize` runs under compute-sanitizer
 //   [masking]    rows that see no key: O = 0, L = -inf, zero gradients
-//   [fp16]       chapter 2's tensor-core forward and backward, next to each fp32 twin: their tile
+//   [fp16]       the tensor-core forward and backward, next to each fp32 twin: their tile
 //                choosers, the forward and backward grids, the sanitizer subset and the rows that
 //                see no key (against the reference run in double on the exact rounded inputs,
-//                within tolerances16 and backward_tolerances16)
+//                within tolerances16 and backward_tolerances16). Chapter 2's kernels everywhere
+//                (kAmpereKernel); on compute capability 9.0, where the public forward runs chapter
+//                3, the forward's tests run that too, and the backward's take their O and L from it
 //   [bf16]       the same tests in bf16: each of chapter 2's tests is one body run in each type,
 //                a TEMPLATE_TEST_CASE tagged [fp16][bf16] whose instances end in " - fp16" and
 //                " - bf16" (so [fp16] and [bf16] both select both types' runs, and a name's ending
@@ -19,8 +21,8 @@
 //                flash_forward_fp16_bc, flash_backward_fp16_bc)
 //   [hopper]     chapter 3's forward (flash_forward_fp16_hopper, _bf16_hopper) on chapter 2's
 //                forward grid, sanitizer shapes, 100 identical calls, >65535 heads, >2^31
-//                elements (with chapter 2's [big] tests), and its validation; on a GPU other
-//                than compute capability 9.0 each says SKIPPED
+//                elements (with chapter 2's [big] tests), its validation, and which chapter the
+//                public forward runs; on a GPU other than compute capability 9.0 each says SKIPPED
 //   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
 //   [readme]     README.md's figures against the data files they come from: in test_docs.cpp
 // Everything else (argument validation, determinism, the caller-chosen Bc, extreme inputs, tensors
@@ -33,7 +35,7 @@
 //   flash tests: N passed, M failed, K skipped
 // Examples: ./test_flash "[cpu]"     ./test_flash "[reference]"     ./test_flash "[gpu]~[big]"
 //           ./test_flash -s "[tile]"     ./test_flash --list-tests     ./test_flash "[fp16]"
-//           ./test_flash "[fp16]~[big]"  (chapter 2 only; "[fp16][cpu]" without a GPU)
+//           ./test_flash "[fp16]~[big]"  (the tensor-core tests; "[fp16][cpu]" without a GPU)
 //           ./test_flash "[fp16][backward]"  (chapter 2's backward's tests, both files)
 //           ./test_flash "[bf16]"        (chapter 2's tests that run in both types, in both)
 //           ./test_flash "* - bf16"      (their bf16 runs alone, by name; "* - fp16": fp16's)
@@ -429,9 +431,7 @@ TEMPLATE_TEST_CASE("flash_forward_fp16 and _bf16 run chapter 3 on compute capabi
     // orders), over every head dim.
     const int d = GENERATE(16, 32, 64, 96, 128, 256);
     const AttentionShape s{2, 3, 200, 333, d, true};
-    const bool hopper = current_device_props().major == 9 &&
-                        std::count(std::begin(kFlashHopperHeadDims),
-                                   std::end(kFlashHopperHeadDims), d) == 1;
+    const bool hopper = public_forward_runs_hopper(d);
     INFO(describe(s) << ", expecting chapter " << (hopper ? 3 : 2));
     const auto p = rounded_problem<TestType>(s, 1450);
     GpuAttention<TestType> gpu(p);
@@ -439,6 +439,10 @@ TEMPLATE_TEST_CASE("flash_forward_fp16 and _bf16 run chapter 3 on compute capabi
     const Outputs<float> chosen = gpu.outputs(false);
     gpu.forward(hopper ? kHopperKernel : kAmpereKernel);
     check_bitwise(chosen, gpu.outputs(false), s);
+    if (hopper) {  // and the test can tell the chapters apart: chapter 2's bits differ
+        gpu.forward(kAmpereKernel);
+        CHECK_FALSE(bitwise_equal(chosen, gpu.outputs(false)));
+    }
 }
 
 TEST_CASE("The backward matches the reference over a grid of shapes", "[gpu][backward]") {
@@ -505,9 +509,12 @@ TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GP
 
 TEMPLATE_TEST_CASE("Rows that see no key get O = 0 and L = -inf from the tensor-core forward",
                    "[gpu][masking][forward][hardening][fp16][bf16]", fp16, bf16) {
+    // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
+    const int kernel = GENERATE(kAmpereKernel, 0);
     const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims)));
+    if (kernel == 0 && !public_forward_runs_hopper(s.head_dim)) return;  // chapter 2 again
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    check_masked_rows(check_forward_on_gpu<TestType>(s, 1400), s);
+    check_masked_rows(check_forward_on_gpu<TestType>(s, 1400, kernel), s);
 }
 
 TEMPLATE_TEST_CASE("Rows that see no key get zero gradients from the tensor-core backward",

@@ -10,10 +10,10 @@
 //   [big]          more than 65535 batch*heads, and tensors of more than 2^31 elements (8.6 GB
 //                  each, 4.3 GB in fp16 or bf16: skipped, with a warning, where the GPU has too
 //                  little memory)
-//   [fp16]         chapter 2's forward (flash_forward_fp16, _bc) and backward
-//                  (flash_backward_fp16, _bc): each test above that applies to them has a
-//                  tensor-core twin next to it, tagged [fp16] too (and [backward] for the
-//                  backward's)
+//   [fp16]         chapter 2's forward (flash_forward_fp16_ampere, _bc) and backward
+//                  (flash_backward_fp16, _bc), and on compute capability 9.0 the public forward's
+//                  chapter 3: each test above that applies to them has a tensor-core twin next to
+//                  it, tagged [fp16] too (and [backward] for the backward's)
 //   [bf16]         the same twins in bf16 (flash_forward_bf16, flash_backward_bf16): every twin
 //                  but those of the tile choosers (one tile serves both types) and those that pass
 //                  a Bc (fp16 only) is one TEMPLATE_TEST_CASE body over fp16 and bf16, tagged
@@ -636,14 +636,17 @@ TEST_CASE("The forward gives bitwise identical O and L on every call, on any str
 
 TEMPLATE_TEST_CASE("The tensor-core forward gives bitwise identical O and L on every call, on "
                    "any stream", "[gpu][forward][determinism][fp16][bf16]", fp16, bf16) {
+    // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
+    const int kernel = GENERATE(kAmpereKernel, 0);
     const AttentionShape s = GENERATE(from_range(determinism_shapes(1000)));
-    INFO(describe(s));
+    if (kernel == 0 && !public_forward_runs_hopper(s.head_dim)) return;  // chapter 2 again
+    INFO(describe(s) << (kernel == 0 ? ", chapter 3" : ", chapter 2"));
     const auto p = rounded_problem<TestType>(s, 1500);
     GpuAttention<TestType> gpu(p);
-    gpu.forward();
+    gpu.forward(kernel);
     const auto first = gpu.outputs(false);
     REQUIRE(count_bad(first.O) == 0);  // every O written (L may be -inf in masked rows)
-    gpu.forward();
+    gpu.forward(kernel);
     const auto second = gpu.outputs(false);
     check_bitwise(first, second, s);
     for (unsigned flags : {unsigned(cudaStreamDefault), unsigned(cudaStreamNonBlocking)}) {
@@ -651,7 +654,7 @@ TEMPLATE_TEST_CASE("The tensor-core forward gives bitwise identical O and L on e
                                                        : "a non-blocking stream of its own";
         INFO("on " << which);
         ScopedStream stream(flags);
-        gpu.forward(0, stream.stream);
+        gpu.forward(kernel, stream.stream);
         check_bitwise(first, gpu.outputs(false), s);
     }
 }
@@ -794,12 +797,13 @@ TEST_CASE("100 calls of the forward and the backward give bitwise identical resu
 
 TEMPLATE_TEST_CASE("100 calls of the tensor-core forward give bitwise identical results",
                    "[gpu][hardening][determinism][fp16][bf16]", fp16, bf16) {
+    // Chapter 2's kernel (chapter 3's 100 calls: the [hopper] test below).
     const int d = GENERATE(from_range(kFp16HeadDims));
     const AttentionShape s{1, 2, 100, 77, d, true};
     INFO(describe(s));
     const auto p = rounded_problem<TestType>(s, 1700);
     GpuAttention<TestType> gpu(p);
-    check_against_reference(outputs_of_identical_calls(gpu, 100, false), p);  // O, L
+    check_against_reference(outputs_of_identical_calls(gpu, 100, false, kAmpereKernel), p);
 }
 
 TEMPLATE_TEST_CASE("100 calls of the tensor-core forward and backward give bitwise identical "
@@ -980,8 +984,11 @@ TEMPLATE_TEST_CASE("Extreme inputs give the tensor-core forward finite outputs w
                            "V scaled by 1e4: O up to ~4e4, near fp16's largest finite value"};
     const bool causal = GENERATE(false, true);
     const int d = GENERATE(from_range(kFp16HeadDims));
+    // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
+    const int kernel = GENERATE(kAmpereKernel, 0);
+    if (kernel == 0 && !public_forward_runs_hopper(d)) return;  // chapter 2 again
     const AttentionShape s{1, 2, 77, 80, d, causal};
-    INFO(names[kind] << "; " << describe(s));
+    INFO(names[kind] << "; " << describe(s) << (kernel == 0 ? ", chapter 3" : ", chapter 2"));
     auto f = random_problem(s, 1800 + kind);  // in float: rounded to TestType below
     switch (kind) {
         case large:
@@ -1016,7 +1023,7 @@ TEMPLATE_TEST_CASE("Extreme inputs give the tensor-core forward finite outputs w
         REQUIRE(count_bad(values) == 0);
     }
     GpuAttention<TestType> gpu(p);
-    gpu.forward();
+    gpu.forward(kernel);
     const auto got = gpu.outputs(false);
     for (const auto& out : {std::make_pair("O", &got.O), std::make_pair("L", &got.L)}) {
         // no row is masked here: L is finite too
@@ -1058,7 +1065,8 @@ TEMPLATE_TEST_CASE("100 calls of the Hopper forward give bitwise identical resul
         return;
     }
     const int d = GENERATE(64, 128, 256);
-    const AttentionShape s{1, 2, 300, 277, d, true};  // three Q tiles; three K/V tiles, five at 256
+    // Two Q tiles at d = 64 (Br = 192), three elsewhere; three K/V tiles, five at d = 256 (Bc = 64).
+    const AttentionShape s{1, 2, 300, 277, d, true};
     INFO(describe(s));
     const auto p = rounded_problem<TestType>(s, 1750);
     GpuAttention<TestType> gpu(p);
@@ -1096,16 +1104,16 @@ TEST_CASE("Tensors of more than 2^31 elements: the heads past 2^31 are right", "
 
 TEMPLATE_TEST_CASE("More than 65535 batch*heads: the tensor-core forwards' heads past 65535 are "
                    "right", "[gpu][big][fp16][bf16][hopper]", fp16, bf16) {
-    // As the fp32 test. Chapter 2 (d = 16): two Q tiles a head (q_len 65 > Br = 64), a partial K
-    // tile, and, when causal, rows that see no key (0..31). Chapter 3 (kHopperKernel, d = 64, on
-    // compute capability 9.0 only): the same with q_len 129 > Br = 128.
-    const int kernel = GENERATE(0, kHopperKernel);
+    // As the fp32 test. Chapter 2 (kAmpereKernel, d = 16): two Q tiles a head (q_len 65 > Br = 64),
+    // a partial K tile, and, when causal, rows that see no key (0..31). Chapter 3 (kHopperKernel,
+    // d = 64, on compute capability 9.0 only): the same with q_len 193 > Br = 192.
+    const int kernel = GENERATE(kAmpereKernel, kHopperKernel);
     const bool causal = GENERATE(false, true);
     if (kernel == kHopperKernel && current_device_props().major != 9) {
         WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
         return;
     }
-    const AttentionShape s = kernel == kHopperKernel ? AttentionShape{70000, 1, 129, 33, 64, causal}
+    const AttentionShape s = kernel == kHopperKernel ? AttentionShape{70000, 1, 193, 33, 64, causal}
                                                      : AttentionShape{70000, 1, 65, 33, 16, causal};
     INFO(describe(s) << (kernel == kHopperKernel ? ", chapter 3" : ", chapter 2"));
     std::vector<std::vector<TestType>> patterns;
@@ -1149,9 +1157,9 @@ TEMPLATE_TEST_CASE("Tensors of more than 2^31 elements: the tensor-core forwards
                    "2^31 are right", "[gpu][big][fp16][bf16][hopper]", fp16, bf16) {
     // The fp32 test's shape: Q, K, V, O of 2^31 + 2^19 2-byte elements each (4.3 GB; 17 GB in
     // all). Head 65536 starts at element 2^30, byte 2^31 (where a 32-bit byte offset wraps); heads
-    // 131072.. lie wholly past element 2^31 (where a 32-bit element index wraps). Chapter 2, and
-    // chapter 3 (kHopperKernel) on compute capability 9.0.
-    const int kernel = GENERATE(0, kHopperKernel);
+    // 131072.. lie wholly past element 2^31 (where a 32-bit element index wraps). Chapter 2
+    // (kAmpereKernel), and chapter 3 (kHopperKernel) on compute capability 9.0.
+    const int kernel = GENERATE(kAmpereKernel, kHopperKernel);
     if (kernel == kHopperKernel && current_device_props().major != 9) {
         WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
         return;

@@ -6,8 +6,10 @@
 #define CATCH_CONFIG_RUNNER
 #include "test_util.h"
 
+#include <algorithm>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <type_traits>
 
 // =============================================================================================
@@ -349,6 +351,12 @@ Outputs<float> check_backward_on_gpu(const AttentionShape& s, uint32_t salt) {
     const Outputs<float> got = gpu.outputs(true);
     check_against_reference_backward(got, p);
     return got;
+}
+
+bool public_forward_runs_hopper(int head_dim) {
+    return current_device_props().major == 9 &&
+           std::count(std::begin(kFlashHopperHeadDims), std::end(kFlashHopperHeadDims),
+                      head_dim) == 1;
 }
 
 cudaDeviceProp current_device_props() {

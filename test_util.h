@@ -617,6 +617,11 @@ struct DeviceBuffer {
 // runs chapter 3 on compute capability 9.0 at its head dims).
 constexpr int kHopperKernel = -1;
 constexpr int kAmpereKernel = -2;
+// True iff the public forward (Bc = 0: flash_forward_fp16 / _bf16) runs chapter 3 at this head dim
+// on the current GPU (compute capability 9.0, a head dim in kFlashHopperHeadDims). Tests of the
+// tensor-core forward run kAmpereKernel, then Bc = 0 where this holds: both chapters on an H100,
+// chapter 2 once elsewhere.
+bool public_forward_runs_hopper(int head_dim);
 template <typename T>
 void launch_forward(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape& s,
                     int Bc = 0, cudaStream_t stream = 0);
