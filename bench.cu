@@ -756,8 +756,15 @@ static void print_tiles(const cudaDeviceProp& prop, int dim, int tile_bc, const 
                dt.name, pass, t.Br, t.Bc, t.threads, t.threads_per_row, t.shared_bytes / 1024.0,
                origin);
     };
-    line("forward ", forward_tile(prop, dim, tile_bc, dt),
-         tile_bc > 0 ? "Bc from --tile" : "chosen for this device");
+    const bool hopper = dt.tensor && tile_bc == 0 && prop.major == 9 &&
+                        std::count(std::begin(kFlashHopperHeadDims),
+                                   std::end(kFlashHopperHeadDims), dim) == 1;
+    if (hopper)  // flash_forward_fp16 / _bf16 run chapter 3 here; --tile runs chapter 2's _bc
+        printf("%s forward  tile: chapter 3's kernel (flash_hopper.cu, NOTES.md section 17)\n",
+               dt.name);
+    else
+        line("forward ", forward_tile(prop, dim, tile_bc, dt),
+             tile_bc > 0 ? "Bc from --tile: chapter 2's kernel" : "chosen for this device");
     if (backward) line("backward", dt.tile_backward(prop, dim), "chosen for this device");
 }
 

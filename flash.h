@@ -1,5 +1,6 @@
 // flash.h: the API of a minimal FlashAttention, forward and backward: chapter 1 in fp32 on the
-// CUDA cores (flash.cu), chapter 2 in fp16 and bf16 on the tensor cores (flash_fp16.cu).
+// CUDA cores (flash.cu), chapter 2 in fp16 and bf16 on the tensor cores (flash_fp16.cu), chapter 3
+// the fp16 and bf16 forward on Hopper's own instructions (flash_hopper.cu).
 //
 // Only what a user calls is here. The library's inside (argument checks, element counts, launch
 // helpers, FLASH_CUDA_CHECK): checks.h, checks.cpp. The CPU reference the tests and the demo

@@ -86,8 +86,8 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {  // mbarr
                                  : "r"(smem_addr(bar)), "r"(parity) : "memory"));
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {  // mbarrier.arrive: one arrival
-    HOPPER_ONLY(
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory"));
+    HOPPER_ONLY(asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar))
+                             : "memory"));
 }
 // cp.async.bulk.tensor (PTX ISA, "Data Movement: cp.async.bulk.tensor"): the box of the tensor map
 // at (column, row, head) to shared memory, its bytes counted on bar. The map is a __grid_constant__
@@ -238,7 +238,8 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * C);
         mbar_init(&full[S], 1);
-        HOPPER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));  // for TMA
+        // fence.mbarrier_init: the initialised barriers are seen by the TMA's completions too.
+        HOPPER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
     }
     __syncthreads();
     if (threadIdx.x < 128) {                           // the producer: lines 4 and 7
@@ -259,7 +260,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         return;
     }
     setmaxnreg<true, consumer_regs(C)>();
-    const int wg = threadIdx.x / 128 - 1, warp = threadIdx.x % 128 / 32;
+    const int wg = threadIdx.x / 128 - 1, warp = threadIdx.x % 128 / 32;  // wg: which consumer
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     const int query = q0 + 64 * wg + 16 * warp + g;    // this thread's rows: query + 8h
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
@@ -281,7 +282,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     };
     // Ping-pong: the warpgroups take turns issuing their products (named barrier 1 + wg: "your
     // turn"), so one's softmax runs while the others' products hold the tensor cores.
-    if (kPingPong && wg == C - 1 && Tc > 0) named_barrier<false>(1);  // warpgroup 0 goes first
+    if (kPingPong && wg == C - 1 && Tc > 0) named_barrier<false>(1);  // consumer 0 goes first
     mbar_wait(&full[S], 0);                            // Q_i is in
     for (int j = 0; j < Tc; j++) {                     // line 6: for each K_j, V_j
         mbar_wait(&full[j % S], j / S % 2);            // tile j is in
