@@ -371,10 +371,22 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 
 // ---------------------------------------------------------------------------------------------
 // The launcher: chapter 2's checks, then compute capability 9.0.
-static size_t flash_hopper_shared_bytes(int d) {  // Q_i, K_j and V_j, alignment, mbarriers
+static constexpr size_t flash_hopper_shared_bytes(int d) {  // Q_i, K_j, V_j, alignment, mbarriers
     return size_t(hopper_Br(d) + 2 * hopper_stages(d) * hopper_Bc(d)) * d * 2 + 1024 +
            8 * (2 * hopper_stages(d) + 1);
 }
+// The budgets, checked where they are set. Shared memory: 227 KiB a block on an H100 or H200.
+// Registers: setmaxnreg takes multiples of 8 from 24 to 256, and the block's 128 (C + 1) threads
+// share the SM's 65536.
+static_assert(flash_hopper_shared_bytes(64) <= 227 * 1024 &&
+              flash_hopper_shared_bytes(128) <= 227 * 1024 &&
+              flash_hopper_shared_bytes(256) <= 227 * 1024, "a block past 227 KiB");
+constexpr bool registers_fit(int C) {
+    return producer_regs(C) % 8 == 0 && consumer_regs(C) % 8 == 0 && producer_regs(C) >= 24 &&
+           consumer_regs(C) <= 256 && 128 * (producer_regs(C) + C * consumer_regs(C)) <= 65536;
+}
+static_assert(registers_fit(hopper_C(64)) && registers_fit(hopper_C(128)) &&
+              registers_fit(hopper_C(256)), "setmaxnreg's registers past the SM's 65536");
 
 // The tensor map of Q, K or V, (heads, len, D) elements of T, for boxes of rows x 64 elements in
 // the 128-byte swizzle; rows past len are read as zeros. cuTensorMapEncodeTiled is a driver call,
