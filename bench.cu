@@ -757,8 +757,7 @@ static void print_tiles(const cudaDeviceProp& prop, int dim, int tile_bc, const 
                origin);
     };
     const bool hopper = dt.tensor && tile_bc == 0 && prop.major == 9 &&
-                        std::count(std::begin(kFlashHopperHeadDims),
-                                   std::end(kFlashHopperHeadDims), dim) == 1;
+                        head_dim_in(dim, kFlashHopperHeadDims);
     if (hopper)  // flash_forward_fp16 / _bf16 run chapter 3 here; --tile runs chapter 2's _bc
         printf("%s forward  tile: chapter 3's kernel (flash_hopper.cu, NOTES.md section 17)\n",
                dt.name);

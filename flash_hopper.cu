@@ -34,6 +34,8 @@
 #define HOPPER_ONLY(...) __VA_ARGS__
 #endif
 
+constexpr int kWarpgroup = 128;  // threads in a warpgroup: 4 warps, which issue a wgmma together
+constexpr int kRowBytes = 128;   // bytes of a swizzled row: 64 fp16 or bf16 elements (below)
 // Consumer warpgroups, 64 rows of Q_i each (Br = 64 C): two, but three at d = 64, where a tile's
 // products are short beside its softmax. Registers a thread, set with setmaxnreg: 65536 shared
 // by the block's 128 (C + 1) threads, the producer keeping few.
@@ -215,7 +217,7 @@ __device__ __forceinline__ uint32_t pair_bits(float a, float b) {
 // accumulator element 4n + 2h + e is row 16 warp + g + 8h of its warpgroup's 64, column
 // 8n + 2t + e (lane = 4g + t), as in chapter 2.
 template <typename T, int D, int Bc, int C>
-__global__ void __launch_bounds__(128 * (C + 1), 1)
+__global__ void __launch_bounds__(kWarpgroup * (C + 1), 1)
 flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                             const __grid_constant__ CUtensorMap K,
                             const __grid_constant__ CUtensorMap V, T* __restrict__ O,
@@ -242,7 +244,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         HOPPER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
     }
     __syncthreads();
-    if (threadIdx.x < 128) {                           // the producer: lines 4 and 7
+    if (threadIdx.x < kWarpgroup) {                    // the producer: lines 4 and 7
         setmaxnreg<false, producer_regs(C)>();         // it needs few registers; the math, many
         if (threadIdx.x != 0) return;
         mbar_expect_bytes(&full[S], Br * D * sizeof(T));  // line 4: load Q_i
@@ -260,7 +262,8 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         return;
     }
     setmaxnreg<true, consumer_regs(C)>();
-    const int wg = threadIdx.x / 128 - 1, warp = threadIdx.x % 128 / 32;  // wg: which consumer
+    const int wg = threadIdx.x / kWarpgroup - 1;       // which consumer, 0 .. C - 1
+    const int warp = threadIdx.x % kWarpgroup / 32;
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     const int query = q0 + 64 * wg + 16 * warp + g;    // this thread's rows: query + 8h
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
@@ -277,7 +280,8 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 #pragma unroll
             for (int c = 0; c < D / N; c++)
                 wgmma_rs<T, N>(O_i + c * N / 2, P[k],
-                               smem_desc(V_j + c * N / 64 * Bc * 128 + k * 16 * 128, Bc * 128));
+                               smem_desc(V_j + (c * N / 64 * Bc + k * 16) * kRowBytes,
+                                         Bc * kRowBytes));
         wgmma_commit();
     };
     // Ping-pong: the warpgroups take turns issuing their products (named barrier 1 + wg: "your
@@ -292,8 +296,8 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < D / 16; k++)
-            wgmma_ss<T, Bc>(S_ij, smem_desc(Q_w + k / 4 * 64 * 128 + k % 4 * 32, 0),
-                            smem_desc(K_j + k / 4 * Bc * 128 + k % 4 * 32, 0));
+            wgmma_ss<T, Bc>(S_ij, smem_desc(Q_w + k / 4 * 64 * kRowBytes + k % 4 * 32, 0),
+                            smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
         wgmma_commit();
         // The other warpgroup's turn (its last turn has no successor). Here, not after add_PV:
         // a bar.arrive between a wgmma that reads registers and its wait makes ptxas (13.0)
@@ -383,7 +387,8 @@ static_assert(flash_hopper_shared_bytes(64) <= 227 * 1024 &&
               flash_hopper_shared_bytes(256) <= 227 * 1024, "a block past 227 KiB");
 constexpr bool registers_fit(int C) {
     return producer_regs(C) % 8 == 0 && consumer_regs(C) % 8 == 0 && producer_regs(C) >= 24 &&
-           consumer_regs(C) <= 256 && 128 * (producer_regs(C) + C * consumer_regs(C)) <= 65536;
+           consumer_regs(C) <= 256 &&
+           kWarpgroup * (producer_regs(C) + C * consumer_regs(C)) <= 65536;
 }
 static_assert(registers_fit(hopper_C(64)) && registers_fit(hopper_C(128)) &&
               registers_fit(hopper_C(256)), "setmaxnreg's registers past the SM's 65536");
@@ -421,9 +426,9 @@ static CUtensorMap tensor_map(const T* base, size_t heads, int len, int D, int r
 template <typename T>
 static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, float* L,
                                   const AttentionShape& s, cudaStream_t stream) {
-    const size_t bytes = flash_hopper_shared_bytes(s.head_dim);
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value, Br = hopper_Br(D), Bc = hopper_Bc(D);
+        constexpr size_t bytes = flash_hopper_shared_bytes(D);
         const int blocks = grid_blocks(s, s.q_len, Br, "q_len");
         const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_C(D)>;
         allow_shared(kernel, bytes);
@@ -431,7 +436,7 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
         const CUtensorMap Qm = tensor_map(Q, heads, s.q_len, D, 64),
                           Km = tensor_map(K, heads, s.kv_len, D, Bc),
                           Vm = tensor_map(V, heads, s.kv_len, D, Bc);
-        kernel<<<blocks, 128 * (hopper_C(D) + 1), bytes, stream>>>(
+        kernel<<<blocks, kWarpgroup * (hopper_C(D) + 1), bytes, stream>>>(
             Qm, Km, Vm, O, L, s.q_len, s.kv_len, s.causal, (s.q_len + Br - 1) / Br,
             kHopperHeadGroup, scale_log2_for(D));
         FLASH_CUDA_CHECK(cudaGetLastError());

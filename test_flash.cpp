@@ -42,9 +42,7 @@
 
 #include "test_util.h"
 
-#include <algorithm>
 #include <cmath>
-#include <iterator>
 #include <limits>
 #include <random>
 #include <string>

@@ -6,10 +6,8 @@
 #define CATCH_CONFIG_RUNNER
 #include "test_util.h"
 
-#include <algorithm>
 #include <fstream>
 #include <iostream>
-#include <iterator>
 #include <type_traits>
 
 // =============================================================================================
@@ -354,9 +352,7 @@ Outputs<float> check_backward_on_gpu(const AttentionShape& s, uint32_t salt) {
 }
 
 bool public_forward_runs_hopper(int head_dim) {
-    return current_device_props().major == 9 &&
-           std::count(std::begin(kFlashHopperHeadDims), std::end(kFlashHopperHeadDims),
-                      head_dim) == 1;
+    return current_device_props().major == 9 && head_dim_in(head_dim, kFlashHopperHeadDims);
 }
 
 cudaDeviceProp current_device_props() {
