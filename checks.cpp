@@ -130,6 +130,26 @@ cudaDeviceProp flash_device_props() {
     return prop;
 }
 
+cudaMemPool_t flash_kept_pool() {
+    static std::mutex mutex;
+    static std::map<int, cudaMemPool_t> pools;  // device -> its pool
+    int dev = 0;
+    FLASH_CUDA_CHECK(cudaGetDevice(&dev));
+    const std::lock_guard<std::mutex> lock(mutex);
+    auto found = pools.find(dev);
+    if (found != pools.end()) return found->second;
+    cudaMemPoolProps props = {};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = dev;
+    cudaMemPool_t pool;
+    FLASH_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
+    uint64_t keep = UINT64_MAX;
+    FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    pools.emplace(dev, pool);
+    return pool;
+}
+
 int grid_blocks(const AttentionShape& s, int rows, int tile, const char* what) {
     const int tiles = (rows - 1) / tile + 1;
     require(tiles <= INT_MAX / s.batch / s.heads,  // checked before multiplying: no overflow

@@ -22,6 +22,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -43,16 +44,21 @@ __host__ __device__ constexpr int hopper_C(int head_dim) { return head_dim == 64
 __host__ __device__ constexpr int hopper_Br(int head_dim) { return 64 * hopper_C(head_dim); }
 __host__ __device__ constexpr int producer_regs(int C) { return C == 2 ? 24 : 32; }
 __host__ __device__ constexpr int consumer_regs(int C) { return C == 2 ? 240 : 160; }
-// Keys a K/V tile: 128, but 64 at d = 256, where a consumer thread holds 128 floats of O_i.
-__host__ __device__ constexpr int hopper_Bc(int head_dim) { return head_dim == 256 ? 64 : 128; }
-// K/V tiles in shared memory at once (227 KiB an SM): three, but two at d = 256 (192 KiB).
-__host__ __device__ constexpr int hopper_stages(int head_dim) { return head_dim == 256 ? 2 : 3; }
-// Step 4's ping-pong, the consumers taking turns on the tensor cores: off, as measured (it lost up
-// to 17% without a mask, NOTES.md section 17). -DHOPPER_PINGPONG=1 builds it, to measure it again.
-#ifndef HOPPER_PINGPONG
-#define HOPPER_PINGPONG 0
+// The threads that meet at named barrier 1 as a tile starts: the producer's first warp, which has
+// fetched the tile's number, and the consumers, which take it.
+__host__ __device__ constexpr int handout_threads(int C) { return 32 + kWarpgroup * C; }
+// Keys a K/V tile: 128, but 48 at d = 256, where a consumer thread holds 128 floats of O_i and a
+// K/V tile of 128 keys is 128 KiB.
+__host__ __device__ constexpr int hopper_Bc(int head_dim) { return head_dim == 256 ? 48 : 128; }
+// K/V tiles in shared memory at once (227 KiB an SM): three (208 KiB with Q_i at d = 256; 64 keys
+// would allow only two, and d = 256 then ran 20-40% slower: NOTES.md section 17).
+__host__ __device__ constexpr int hopper_stages(int) { return 3; }
+// Step 5's persistent grid, one block an SM looping over the tiles: -DHOPPER_PERSISTENT=0 gives
+// every tile its own block again (step 3's grid), to measure what it buys.
+#ifndef HOPPER_PERSISTENT
+#define HOPPER_PERSISTENT 1
 #endif
-constexpr bool kPingPong = HOPPER_PINGPONG;
+constexpr bool kPersistent = HOPPER_PERSISTENT;
 constexpr int kHopperHeadGroup = 16;                   // heads whose Q tiles go together (line 3)
 
 // ---------------------------------------------------------------------------------------------
@@ -119,12 +125,11 @@ __device__ __forceinline__ void setmaxnreg() {
     if constexpr (Inc) HOPPER_ONLY(asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)));
     else HOPPER_ONLY(asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)));
 }
-// bar.sync / bar.arrive (PTX ISA, "Parallel Synchronization: bar"): named barrier `id` of the two
-// warpgroups (256 threads): one waits on it (Sync) while the other arrives.
-template <bool Sync>
-__device__ __forceinline__ void named_barrier(int id) {
-    if constexpr (Sync) asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
-    else asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+
+// bar.sync (PTX ISA, "Parallel Synchronization: bar"): named barrier `id` of `threads` threads
+// (whole warps), which waits until all of them have reached it, as __syncthreads does for all.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // A shared-memory matrix descriptor (wgmma, "Matrix Descriptor Format"): the start address, the
@@ -138,21 +143,19 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo) {
            uint64_t(1) << 62;
 }
 // wgmma.fence: registers written before it (accumulators, A) are what the next wgmma reads.
-// wgmma.commit_group and wgmma.wait_group 0: close the batch of wgmmas issued, wait for it all.
+// wgmma.commit_group: closes the batch of wgmmas issued.
 __device__ __forceinline__ void wgmma_fence() {
     HOPPER_ONLY(asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"));
 }
 __device__ __forceinline__ void wgmma_commit() {
     HOPPER_ONLY(asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"));
 }
-template <int Pending>  // wgmma.wait_group: until at most Pending of the latest batches run
-__device__ __forceinline__ void wgmma_wait() {
+// wgmma.wait_group: until at most Pending of the latest batches run. Then the accumulators r
+// are final, and an empty asm that claims to write them keeps the compiler from reading them
+// before the wait, as it would for registers no instruction it knows of is still writing.
+template <int Pending, int N>
+__device__ __forceinline__ void wgmma_wait(float (&r)[N]) {
     HOPPER_ONLY(asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory"));
-}
-// After a wait: the compiler must not read (or write) these registers before it, as it would
-// for registers no instruction it knows of is still writing.
-template <int N>
-__device__ __forceinline__ void fence_registers(float* r) {
 #pragma unroll
     for (int x = 0; x < N; x++) asm volatile("" : "+f"(r[x])::"memory");
 }
@@ -163,8 +166,11 @@ __device__ __forceinline__ void fence_registers(float* r) {
 // V_j is stored keys x columns).
 #define ACC8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), \
                 "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+#define ACC24 ACC8(0), ACC8(8), ACC8(16)
 #define ACC32 ACC8(0), ACC8(8), ACC8(16), ACC8(24)
 #define ACC64 ACC32, ACC8(32), ACC8(40), ACC8(48), ACC8(56)
+#define REGS24 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
+               "%22,%23}"
 #define REGS32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
                "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
 #define REGS64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
@@ -179,7 +185,10 @@ __device__ __forceinline__ void fence_registers(float* r) {
                  ", 1, 1, 1, 1;\n" : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss(float* d, uint64_t a, uint64_t b) {
+    static_assert(N == 48 || N == 64 || N == 128, "wgmma_ss is written for N = 48, 64, 128");
     constexpr bool h = std::is_same<T, __half>::value;
+    if constexpr (N == 48 && h) HOPPER_ONLY(WGMMA_SS(48, REGS24, ACC24, "%24, %25", "f16"));
+    if constexpr (N == 48 && !h) HOPPER_ONLY(WGMMA_SS(48, REGS24, ACC24, "%24, %25", "bf16"));
     if constexpr (N == 64 && h) HOPPER_ONLY(WGMMA_SS(64, REGS32, ACC32, "%32, %33", "f16"));
     if constexpr (N == 64 && !h) HOPPER_ONLY(WGMMA_SS(64, REGS32, ACC32, "%32, %33", "bf16"));
     if constexpr (N == 128 && h) HOPPER_ONLY(WGMMA_SS(128, REGS64, ACC64, "%64, %65", "f16"));
@@ -187,6 +196,7 @@ __device__ __forceinline__ void wgmma_ss(float* d, uint64_t a, uint64_t b) {
 }
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b) {
+    static_assert(N == 64 || N == 128, "wgmma_rs is written for N = 64, 128");
     constexpr bool h = std::is_same<T, __half>::value;
 #define AB32 "{%32,%33,%34,%35}, %36"
 #define AB64 "{%64,%65,%66,%67}, %68"
@@ -210,166 +220,174 @@ __device__ __forceinline__ uint32_t pair_bits(float a, float b) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The kernel. One block per (Q tile i, batch*head), C + 1 warpgroups: warpgroup 0 is the producer
-// (one thread issues every TMA copy), warpgroups 1..C the consumers, 64 rows of Q_i each
-// (Br = 64 C). K/V tiles of Bc keys in S stages, each with two mbarriers: full (the copy engine's
-// bytes are in) and empty (the 4 C consumer warps are done reading it). A consumer thread's
-// accumulator element 4n + 2h + e is row 16 warp + g + 8h of its warpgroup's 64, column
-// 8n + 2t + e (lane = 4g + t), as in chapter 2.
+// The kernel. A persistent grid, one block an SM, each block running tiles (Q tile i, batch*head)
+// one after another: its first is blockIdx.x, then whichever the counter `next` hands out as it
+// nears the end of one (dynamic, so that long causal tiles and short ones even out), and the next
+// tile's Q_i and first K/V tiles load while the last one's O_i is written. C + 1 warpgroups:
+// warpgroup 0 is the producer (its first warp fetches tile numbers, one thread issues every TMA
+// copy), warpgroups 1..C the consumers, 64 rows of Q_i each (Br = 64 C). K/V tiles of Bc keys in
+// S stages, each with two mbarriers: full (the copy engine's bytes are in) and empty (the 4 C
+// consumer warps are done reading it); Q_i has a pair too. A consumer thread's accumulator element
+// 4n + 2h + e is row 16 warp + g + 8h of its warpgroup's 64, column 8n + 2t + e (lane = 4g + t),
+// as in chapter 2.
 template <typename T, int D, int Bc, int C>
 __global__ void __launch_bounds__(kWarpgroup * (C + 1), 1)
 flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                             const __grid_constant__ CUtensorMap K,
                             const __grid_constant__ CUtensorMap V, T* __restrict__ O,
                             float* __restrict__ L, int q_len, int kv_len, bool causal, int Tr,
-                            int HG, float scale_log2) {
+                            int tiles, int HG, float scale_log2, int* next) {
     constexpr int Br = 64 * C, S = hopper_stages(D);
     extern __shared__ __align__(16) unsigned char shared[];
-    // Q_i (C x 64 rows), then the stages of K_j and V_j (Bc rows each), 1024-byte aligned, then
-    // the mbarriers: full[s] and empty[s] of stage s, full[S] for Q_i.
+    // Q_i (Br rows), then the stages of K_j and V_j (Bc rows each), each as blocks of 64 columns,
+    // 1024-byte aligned, then
+    // the mbarriers: full[s] and empty[s] of stage s, full[S] and empty[S] for Q_i.
     T* Q_i = reinterpret_cast<T*>(shared + (1024 - smem_addr(shared) % 1024) % 1024);
     T* KV = Q_i + Br * D;
-    uint64_t* full = reinterpret_cast<uint64_t*>(KV + S * 2 * Bc * D);
-    uint64_t* empty = full + S + 1;
-    // Line 3: block -> (Q tile i, head), as chapter 2: heads in groups of HG, each group's Q
-    // tiles longest (causal) first, its heads taking turns.
-    const int BH = gridDim.x / Tr, head0 = blockIdx.x / (HG * Tr) * HG, heads = min(HG, BH - head0);
-    const int i = Tr - 1 - int(blockIdx.x % (HG * Tr)) / heads;
-    const int bh = head0 + blockIdx.x % (HG * Tr) % heads, q0 = i * Br;
-    const int Tc = (flash_kv_end(q0, Br, q_len, kv_len, causal) + Bc - 1) / Bc;
+    uint64_t *full = reinterpret_cast<uint64_t*>(KV + S * 2 * Bc * D), *empty = full + S + 1;
+    int* work = reinterpret_cast<int*>(empty + S + 1);  // tile numbers, for rounds r % 2
+    // Line 3: tile b -> (Q tile i, head bh) and its K/V tiles Tc, as chapter 2: heads in groups of
+    // HG, each group's Q tiles longest (causal) first, its heads taking turns.
+    const auto tile = [&](int b) {                     // -> {i, bh, Tc}
+        const int head0 = b / (HG * Tr) * HG, heads = min(HG, tiles / Tr - head0);
+        const int i = Tr - 1 - b % (HG * Tr) / heads;
+        return int3{i, head0 + b % (HG * Tr) % heads,
+                    (flash_kv_end(i * Br, Br, q_len, kv_len, causal) + Bc - 1) / Bc};
+    };
     if (threadIdx.x == 0) {
-        for (int s = 0; s < S; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * C);
-        mbar_init(&full[S], 1);
+        for (int s = 0; s <= S; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * C);
         // fence.mbarrier_init: the initialised barriers are seen by the TMA's completions too.
         HOPPER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
     }
     __syncthreads();
     if (threadIdx.x < kWarpgroup) {                    // the producer: lines 4 and 7
         setmaxnreg<false, producer_regs(C)>();         // it needs few registers; the math, many
-        if (threadIdx.x != 0) return;
-        mbar_expect_bytes(&full[S], Br * D * sizeof(T));  // line 4: load Q_i
-        for (int w = 0; w < C; w++)
-            load_tile<64, D>(Q_i + w * 64 * D, Q, q0 + 64 * w, bh, &full[S]);
-        for (int j = 0; j < Tc; j++) {                 // line 7: K_j, V_j, once tile j - S is read
-            if (j >= S) mbar_wait(&empty[j % S], (j / S - 1) % 2);
-            mbar_expect_bytes(&full[j % S], 2 * Bc * D * sizeof(T));
-            load_tile<Bc, D>(KV + j % S * 2 * Bc * D, K, j * Bc, bh, &full[j % S]);
-            load_tile<Bc, D>(KV + (j % S * 2 + 1) * Bc * D, V, j * Bc, bh, &full[j % S]);
+        if (threadIdx.x >= 32) return;                 // warp 0 runs the loop, lane 0 the copies
+        const bool one = threadIdx.x == 0;
+        int x = 0;                                     // K/V tiles loaded, over all of the block's
+        for (int r = 0, b = blockIdx.x;; r++) {
+            if (one) work[r % 2] = b;                  // tile b (past the end: none left) is next
+            if (b >= tiles) break;
+            const auto [i, bh, Tc] = tile(b);
+            if (r > 0) mbar_wait(&empty[S], (r - 1) % 2);  // the last Q_i is read
+            if (one) mbar_expect_bytes(&full[S], Br * D * sizeof(T));  // line 4: load Q_i
+            if (one) load_tile<Br, D>(Q_i, Q, i * Br, bh, &full[S]);
+            for (int j = 0; j < Tc; j++, x++) {        // line 7: K_j, V_j, once tile x - S is read
+                if (j == S) named_barrier(1, handout_threads(C));  // the consumers start tile b
+                if (x >= S) mbar_wait(&empty[x % S], (x / S - 1) % 2);
+                if (!one) continue;
+                mbar_expect_bytes(&full[x % S], 2 * Bc * D * sizeof(T));
+                load_tile<Bc, D>(KV + x % S * 2 * Bc * D, K, j * Bc, bh, &full[x % S]);
+                load_tile<Bc, D>(KV + (x % S * 2 + 1) * Bc * D, V, j * Bc, bh, &full[x % S]);
+            }
+            if (Tc <= S) named_barrier(1, handout_threads(C));
+            b = __shfl_sync(0xffffffffu, one ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
         }
+        named_barrier(1, handout_threads(C));         // the consumers learn that none is left
         // It leaves once the last tiles it filled are read (a producer that returned at once left
         // blocks that never finished under compute-sanitizer's racecheck).
-        for (int j = max(Tc - S, 0); j < Tc; j++) mbar_wait(&empty[j % S], j / S % 2);
+        for (int y = max(x - S, 0); y < x; y++) mbar_wait(&empty[y % S], y / S % 2);
         return;
     }
     setmaxnreg<true, consumer_regs(C)>();
     const int wg = threadIdx.x / kWarpgroup - 1;       // which consumer, 0 .. C - 1
-    const int warp = threadIdx.x % kWarpgroup / 32;
-    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    const int query = q0 + 64 * wg + 16 * warp + g;    // this thread's rows: query + 8h
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
-    const char* Q_w = reinterpret_cast<const char*>(Q_i + wg * 64 * D);  // the warpgroup's rows
+    const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const char* Q_w = reinterpret_cast<const char*>(Q_i + wg * 64 * 64);  // the warpgroup's rows
     uint32_t P[Bc / 16][4];                            // P~ of the last tile, in T, as A
-    const auto K_of = [&](int j) {                     // K_j's stage; V_j follows it
-        return reinterpret_cast<const char*>(KV + j % S * 2 * Bc * D);
+    const auto K_of = [&](int x) {                     // K/V tile x's stage: K, then V
+        return reinterpret_cast<const char*>(KV + x % S * 2 * Bc * D);
     };
-    const auto add_PV = [&](int j) {                   // line 10's product: O_i += P~ V_j
-        const char* V_j = K_of(j) + Bc * D * sizeof(T);
-        constexpr int N = D < 128 ? D : 128;           // columns a wgmma (d = 256: two halves)
+    int x0 = 0;                                        // K/V tiles read before this Q tile's
+    for (int r = 0;; r++) {
+        named_barrier(1, handout_threads(C));          // the producer has written work[r % 2]
+        const int b = work[r % 2];
+        if (b >= tiles) break;
+        const auto [i, bh, Tc] = tile(b);
+        mbar_wait(&full[S], r % 2);                    // Q_i is in
+        const int query = i * Br + 64 * wg + 16 * warp + g;  // this thread's rows: query + 8h
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
+        const auto add_PV = [&](int x) {               // line 10's product: O_i += P~ V_j
+            const char* V_j = K_of(x) + Bc * D * sizeof(T);
+            constexpr int N = D < 128 ? D : 128;       // columns a wgmma (d = 256: two halves)
 #pragma unroll
-        for (int k = 0; k < Bc / 16; k++)
+            for (int k = 0; k < Bc / 16; k++)
 #pragma unroll
-            for (int c = 0; c < D / N; c++)
-                wgmma_rs<T, N>(O_i + c * N / 2, P[k],
-                               smem_desc(V_j + (c * N / 64 * Bc + k * 16) * kRowBytes,
-                                         Bc * kRowBytes));
-        wgmma_commit();
-    };
-    // Ping-pong: the warpgroups take turns issuing their products (named barrier 1 + wg: "your
-    // turn"), so one's softmax runs while the others' products hold the tensor cores.
-    if (kPingPong && wg == C - 1 && Tc > 0) named_barrier<false>(1);  // consumer 0 goes first
-    mbar_wait(&full[S], 0);                            // Q_i is in
-    for (int j = 0; j < Tc; j++) {                     // line 6: for each K_j, V_j
-        mbar_wait(&full[j % S], j / S % 2);            // tile j is in
-        if (kPingPong) named_barrier<true>(1 + wg);
-        const char* K_j = K_of(j);
-        float S_ij[Bc / 2] = {};                       // line 8: S_ij = Q_i K_j^T, 16 of d a step
-        wgmma_fence();
+                for (int c = 0; c < D / N; c++)
+                    wgmma_rs<T, N>(O_i + c * N / 2, P[k],
+                                   smem_desc(V_j + (c * N / 64 * Bc + k * 16) * kRowBytes,
+                                             Bc * kRowBytes));
+            wgmma_commit();
+        };
+        for (int j = 0, x = x0; j < Tc; j++, x++) {   // line 6: for each K_j, V_j (x: its stage)
+            mbar_wait(&full[x % S], x / S % 2);        // tile j is in
+            float S_ij[Bc / 2] = {}, alpha[2];         // line 8: S_ij = Q_i K_j^T, 16 of d a step
+            wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < D / 16; k++)
-            wgmma_ss<T, Bc>(S_ij, smem_desc(Q_w + k / 4 * 64 * kRowBytes + k % 4 * 32, 0),
-                            smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
-        wgmma_commit();
-        // The other warpgroup's turn (its last turn has no successor). Here, not after add_PV:
-        // a bar.arrive between a wgmma that reads registers and its wait makes ptxas (13.0)
-        // serialize the wgmmas (its warning C7514).
-        if (kPingPong && !(wg == C - 1 && j == Tc - 1)) named_barrier<false>(1 + (wg + 1) % C);
-        // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
-        if (j > 0) add_PV(j - 1);
-        if (j > 0) wgmma_wait<1>();                    // S_ij is done (P~ V_{j-1} may not be)
-        else wgmma_wait<0>();
-        fence_registers<Bc / 2>(S_ij);
-        float alpha[2];
+            for (int k = 0; k < D / 16; k++)
+                wgmma_ss<T, Bc>(S_ij, smem_desc(Q_w + k / 4 * Br * kRowBytes + k % 4 * 32, 0),
+                                smem_desc(K_of(x) + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
+            wgmma_commit();
+            // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
+            if (j > 0) add_PV(x - 1);
+            j > 0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);  // S_ij done (P~ V_{j-1} may not be)
 #pragma unroll
-        for (int h = 0; h < 2; h++) {                  // line 9 for row query + 8h
-            const int last = causal ? flash_last_key(query + 8 * h, q_len, kv_len) : kv_len - 1;
-            const bool edge = (j + 1) * Bc - 1 > min(last, kv_len - 1);
-            float m_new = m[h];
+            for (int h = 0; h < 2; h++) {              // line 9 for row query + 8h
+                const int last = causal ? flash_last_key(query + 8 * h, q_len, kv_len) : kv_len - 1;
+                const bool edge = (j + 1) * Bc - 1 > min(last, kv_len - 1);
+                float m_new = m[h];
 #pragma unroll
-            for (int n = 0; n < Bc / 4; n++) {         // element n / 2, 2h + n % 2: a key
-                float& s = S_ij[4 * (n / 2) + 2 * h + n % 2];
-                const int key = j * Bc + 8 * (n / 2) + 2 * t + n % 2;
-                if (edge && (key >= kv_len || key > last)) s = -INFINITY;
-                m_new = fmaxf(m_new, s);
+                for (int n = 0; n < Bc / 4; n++) {     // element n / 2, 2h + n % 2: a key
+                    float& s = S_ij[4 * (n / 2) + 2 * h + n % 2];
+                    const int key = j * Bc + 8 * (n / 2) + 2 * t + n % 2;
+                    if (edge && (key >= kv_len || key > last)) s = -INFINITY;
+                    m_new = fmaxf(m_new, s);
+                }
+                m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));  // over the quad
+                m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
+                const float m_log2 = m_new == -INFINITY ? 0.f : m_new * scale_log2;  // no key yet
+                alpha[h] = exp2_ftz(m[h] * scale_log2 - m_log2);
+                m[h] = m_new;
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < Bc / 4; n++) {     // P~_ij = exp(S_ij - m), in S's registers
+                    float& s = S_ij[4 * (n / 2) + 2 * h + n % 2];
+                    s = exp2_ftz(fmaf(s, scale_log2, -m_log2));
+                    sum += s;
+                }
+                l[h] = l[h] * alpha[h] + sum;
             }
-            m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));  // over the quad
-            m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
-            const float m_log2 = m_new == -INFINITY ? 0.f : m_new * scale_log2;  // no key yet
-            alpha[h] = exp2_ftz(m[h] * scale_log2 - m_log2);
-            m[h] = m_new;
-            float sum = 0.f;
+            wgmma_wait<0>(O_i);                        // O_i += P~ V_{j-1} is done
+            if (j > 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[(x - 1) % S]);  // V_{j-1} read
 #pragma unroll
-            for (int n = 0; n < Bc / 4; n++) {         // P~_ij = exp(S_ij - m), in S's registers
-                float& s = S_ij[4 * (n / 2) + 2 * h + n % 2];
-                s = exp2_ftz(fmaf(s, scale_log2, -m_log2));
-                sum += s;
-            }
-            l[h] = l[h] * alpha[h] + sum;
+            for (int n = 0; n < D / 2; n++) O_i[n] *= alpha[n % 4 / 2];  // n's row: 8 (n % 4 / 2)
+#pragma unroll
+            for (int k = 0; k < Bc / 16; k++)          // line 10's P~, in T as A, for next time
+#pragma unroll
+                for (int y = 0; y < 4; y++)
+                    P[k][y] = pair_bits<T>(S_ij[8 * k + 2 * y], S_ij[8 * k + 2 * y + 1]);
         }
-        wgmma_wait<0>();                               // O_i += P~ V_{j-1} is done
-        fence_registers<D / 2>(O_i);
-        if (j > 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[(j - 1) % S]);  // V_{j-1} read
+        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[S]);  // Q_i read: the next one may load
+        x0 += Tc;
+        if (Tc > 0) {                                  // line 10 of the last tile
+            wgmma_fence();
+            add_PV(x0 - 1);
+            wgmma_wait<0>(O_i);
+            if (threadIdx.x % 32 == 0) mbar_arrive(&empty[(x0 - 1) % S]);
+        }
 #pragma unroll
-        for (int n = 0; n < D / 4; n++) O_i[4 * (n / 2) + n % 2] *= alpha[0];
+        for (int h = 0; h < 2; h++) {                  // lines 12-13: O_i / l, L = m + log l
+            const int row = query + 8 * h;
+            float l_row = l[h] + __shfl_xor_sync(0xffffffffu, l[h], 1);
+            l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
+            if (row >= q_len) continue;
+            const float inv = l_row > 0.f ? 1.f / l_row : 0.f;  // a row that sees no key: O = 0
 #pragma unroll
-        for (int n = 0; n < D / 4; n++) O_i[4 * (n / 2) + 2 + n % 2] *= alpha[1];
-#pragma unroll
-        for (int k = 0; k < Bc / 16; k++)              // line 10's P~, in T as A, for next time
-#pragma unroll
-            for (int x = 0; x < 4; x++)
-                P[k][x] = pair_bits<T>(S_ij[8 * k + 2 * x], S_ij[8 * k + 2 * x + 1]);
-    }
-    if (Tc > 0) {                                      // line 10 of the last tile
-        wgmma_fence();
-        add_PV(Tc - 1);
-        wgmma_wait<0>();
-        fence_registers<D / 2>(O_i);
-        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[(Tc - 1) % S]);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; h++) {                      // lines 12-13: O_i / l, L = m + log l
-        const int row = query + 8 * h;
-        float l_row = l[h] + __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
-        if (row >= q_len) continue;
-        const float inv = l_row > 0.f ? 1.f / l_row : 0.f;  // a row that sees no key: O = 0
-        const size_t at = (size_t(bh) * q_len + row) * D;
-#pragma unroll
-        for (int n = 0; n < D / 8; n++)
-            *reinterpret_cast<uint32_t*>(O + at + 8 * n + 2 * t) =
-                pair_bits<T>(O_i[4 * n + 2 * h] * inv, O_i[4 * n + 2 * h + 1] * inv);
-        if (t == 0)
-            L[size_t(bh) * q_len + row] =
-                l_row > 0.f ? (m[h] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
+            for (int n = 0; n < D / 8; n++)
+                *reinterpret_cast<uint32_t*>(O + (size_t(bh) * q_len + row) * D + 8 * n + 2 * t) =
+                    pair_bits<T>(O_i[4 * n + 2 * h] * inv, O_i[4 * n + 2 * h + 1] * inv);
+            const float L_row = l_row > 0.f ? (m[h] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
+            if (t == 0) L[size_t(bh) * q_len + row] = L_row;
+        }
     }
 }
 
@@ -377,7 +395,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 // The launcher: chapter 2's checks, then compute capability 9.0.
 static constexpr size_t flash_hopper_shared_bytes(int d) {  // Q_i, K_j, V_j, alignment, mbarriers
     return size_t(hopper_Br(d) + 2 * hopper_stages(d) * hopper_Bc(d)) * d * 2 + 1024 +
-           8 * (2 * hopper_stages(d) + 1);
+           8 * (2 * hopper_stages(d) + 3);
 }
 // The budgets, checked where they are set. Shared memory: 227 KiB a block on an H100 or H200.
 // Registers: setmaxnreg takes multiples of 8 from 24 to 256, and the block's 128 (C + 1) threads
@@ -429,17 +447,23 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value, Br = hopper_Br(D), Bc = hopper_Bc(D);
         constexpr size_t bytes = flash_hopper_shared_bytes(D);
-        const int blocks = grid_blocks(s, s.q_len, Br, "q_len");
+        const int tiles = grid_blocks(s, s.q_len, Br, "q_len");  // one block an SM runs them all
         const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_C(D)>;
         allow_shared(kernel, bytes);
         const size_t heads = size_t(s.batch) * s.heads;
-        const CUtensorMap Qm = tensor_map(Q, heads, s.q_len, D, 64),
+        const CUtensorMap Qm = tensor_map(Q, heads, s.q_len, D, Br),
                           Km = tensor_map(K, heads, s.kv_len, D, Bc),
                           Vm = tensor_map(V, heads, s.kv_len, D, Bc);
-        kernel<<<blocks, kWarpgroup * (hopper_C(D) + 1), bytes, stream>>>(
-            Qm, Km, Vm, O, L, s.q_len, s.kv_len, s.causal, (s.q_len + Br - 1) / Br,
-            kHopperHeadGroup, scale_log2_for(D));
-        FLASH_CUDA_CHECK(cudaGetLastError());
+        const int blocks = kPersistent ? std::min(tiles, flash_device_props().multiProcessorCount)
+                                       : tiles;
+        with_scratch(sizeof(int), stream, [&](void* next) {  // the next tile to hand out
+            cudaError_t err = cudaMemsetAsync(next, 0, sizeof(int), stream);  // the int 0
+            if (err != cudaSuccess) return err;
+            kernel<<<blocks, kWarpgroup * (hopper_C(D) + 1), bytes, stream>>>(
+                Qm, Km, Vm, O, L, s.q_len, s.kv_len, s.causal, (s.q_len + Br - 1) / Br, tiles,
+                kHopperHeadGroup, scale_log2_for(D), static_cast<int*>(next));
+            return cudaGetLastError();
+        }, flash_kept_pool());
     });
 }
 

@@ -508,7 +508,7 @@ TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GP
 TEMPLATE_TEST_CASE("Rows that see no key get O = 0 and L = -inf from the tensor-core forward",
                    "[gpu][masking][forward][hardening][fp16][bf16]", fp16, bf16) {
     // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
-    const int kernel = GENERATE(kAmpereKernel, 0);
+    const int kernel = GENERATE(values({kAmpereKernel, 0}));
     const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims)));
     if (kernel == 0 && !public_forward_runs_hopper(s.head_dim)) return;  // chapter 2 again
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");

@@ -455,7 +455,7 @@ TEMPLATE_TEST_CASE("The tensor-core backward refuses outputs overlapping another
 }
 
 TEST_CASE("Unsupported head dims are refused, listing the supported ones", "[cpu][validation]") {
-    const int d = GENERATE(48, 0, 512, 8, 24, 257);
+    const int d = GENERATE(values({48, 0, 512, 8, 24, 257}));
     AttentionShape s = valid_shape();
     s.head_dim = d;
     INFO(describe(s));
@@ -472,7 +472,7 @@ TEST_CASE("Unsupported head dims are refused, listing the supported ones", "[cpu
 
 TEMPLATE_TEST_CASE("The tensor-core forward refuses unsupported head dims, listing the supported "
                    "ones", "[cpu][validation][fp16][bf16]", fp16, bf16) {
-    const int d = GENERATE(48, 0, 512, 8, 24, 257);
+    const int d = GENERATE(values({48, 0, 512, 8, 24, 257}));
     const int Bc = GENERATE(from_range(bc_choices<TestType>({32, 64})));
     AttentionShape s = valid_shape();
     s.head_dim = d;
@@ -488,7 +488,7 @@ TEMPLATE_TEST_CASE("The tensor-core forward refuses unsupported head dims, listi
 TEMPLATE_TEST_CASE("The tensor-core backward refuses unsupported head dims, listing 16, 32, 64, "
                    "96, 128, 256", "[cpu][validation][fp16][bf16][backward]", fp16, bf16) {
     // The same six as the forward's: 256 is accepted (on a GPU with the shared memory for it).
-    const int d = GENERATE(48, 0, 512, 8, 24, 257);
+    const int d = GENERATE(values({48, 0, 512, 8, 24, 257}));
     AttentionShape s = valid_shape();
     s.head_dim = d;
     INFO(describe(s));
@@ -528,7 +528,7 @@ TEMPLATE_TEST_CASE("The Hopper forward refuses head dims it has no kernel for, n
                    "ones, before it looks for a GPU", "[cpu][validation][hopper][fp16][bf16]", fp16,
                    bf16) {
     AttentionShape s = valid_shape();
-    s.head_dim = GENERATE(16, 32, 96, 512, 48, 0, -64);
+    s.head_dim = GENERATE(values({16, 32, 96, 512, 48, 0, -64}));
     CAPTURE(s.head_dim);
     FakeTensors<TestType> t;
     CHECK_THAT(refusal([&] {
@@ -637,7 +637,7 @@ TEST_CASE("The forward gives bitwise identical O and L on every call, on any str
 TEMPLATE_TEST_CASE("The tensor-core forward gives bitwise identical O and L on every call, on "
                    "any stream", "[gpu][forward][determinism][fp16][bf16]", fp16, bf16) {
     // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
-    const int kernel = GENERATE(kAmpereKernel, 0);
+    const int kernel = GENERATE(values({kAmpereKernel, 0}));
     const AttentionShape s = GENERATE(from_range(determinism_shapes(1000)));
     if (kernel == 0 && !public_forward_runs_hopper(s.head_dim)) return;  // chapter 2 again
     INFO(describe(s) << (kernel == 0 ? ", chapter 3" : ", chapter 2"));
@@ -905,6 +905,44 @@ TEMPLATE_TEST_CASE("The tensor-core backward takes the extra memory it states fr
     check_against_reference_backward(gpu.outputs(true), p);
 }
 
+TEMPLATE_TEST_CASE("The Hopper forward takes nothing from the stream's pool; its tile counter "
+                   "comes from the library's kept pool, whose reservation does not grow",
+                   "[gpu][hopper][fp16][bf16]", fp16, bf16) {
+    // Chapter 3's one extra allocation is the 4-byte counter its persistent grid hands tiles out
+    // by, from flash_kept_pool(): that pool keeps what it reserves (no trimming at every
+    // synchronisation, which costs a short call tens of microseconds), so its reservation is the
+    // pool's smallest, reserved by the first call and never more. The driver reserves 32 MiB at
+    // a time for a pool (measured on an H200, driver 580; a 2 MiB maxSize did not change it).
+    if (current_device_props().major != 9) {
+        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
+        return;
+    }
+    const AttentionShape s{2, 8, 1000, 700, 128, true};
+    const auto p = rounded_problem<TestType>(s, 3010);
+    GpuAttention<TestType> gpu(p);
+    gpu.forward(kHopperKernel);  // the first call makes the kept pool
+    int dev = 0;
+    FLASH_CUDA_CHECK(cudaGetDevice(&dev));
+    cudaMemPool_t stream_pool = nullptr, kept = flash_kept_pool();
+    FLASH_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&stream_pool, dev));
+    uint64_t zero = 0, high = 0, reserved = 0, reserved_after = 0, used = 0;
+    FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(stream_pool, cudaMemPoolAttrUsedMemHigh, &zero));
+    FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(kept, cudaMemPoolAttrReservedMemCurrent, &reserved));
+    for (int call = 0; call < 10; ++call) gpu.forward(kHopperKernel);
+    FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(stream_pool, cudaMemPoolAttrUsedMemHigh, &high));
+    FLASH_CUDA_CHECK(
+        cudaMemPoolGetAttribute(kept, cudaMemPoolAttrReservedMemCurrent, &reserved_after));
+    FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(kept, cudaMemPoolAttrUsedMemCurrent, &used));
+    INFO(describe(s) << ": the stream pool's used high watermark " << high << "; the kept pool "
+                     << "reserves " << reserved << " then " << reserved_after << ", uses " << used);
+    CHECK(high == 0);
+    CHECK(reserved > 0);
+    CHECK(reserved <= (size_t(32) << 20));
+    CHECK(reserved_after == reserved);
+    CHECK(used == 0);
+    check_against_reference(gpu.outputs(false), p);
+}
+
 TEST_CASE("Extreme inputs give finite outputs within tolerance of the reference",
           "[gpu][hardening]") {
     // The tolerances grow with the score magnitude M (see "Tolerances"): scores of thousands make
@@ -985,7 +1023,7 @@ TEMPLATE_TEST_CASE("Extreme inputs give the tensor-core forward finite outputs w
     const bool causal = GENERATE(false, true);
     const int d = GENERATE(from_range(kFp16HeadDims));
     // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
-    const int kernel = GENERATE(kAmpereKernel, 0);
+    const int kernel = GENERATE(values({kAmpereKernel, 0}));
     if (kernel == 0 && !public_forward_runs_hopper(d)) return;  // chapter 2 again
     const AttentionShape s{1, 2, 77, 80, d, causal};
     INFO(names[kind] << "; " << describe(s) << (kernel == 0 ? ", chapter 3" : ", chapter 2"));
@@ -1071,6 +1109,29 @@ TEMPLATE_TEST_CASE("100 calls of the Hopper forward give bitwise identical resul
     const auto p = rounded_problem<TestType>(s, 1750);
     GpuAttention<TestType> gpu(p);
     check_against_reference(outputs_of_identical_calls(gpu, 100, false, kHopperKernel), p);
+}
+
+TEMPLATE_TEST_CASE("The Hopper forward's persistent grid gives bitwise identical results however "
+                   "its blocks share out the tiles", "[gpu][hardening][determinism][hopper][fp16][bf16]",
+                   fp16, bf16) {
+    // One block an SM takes the next Q tile from a counter as it finishes one, so which block runs
+    // which tile changes from call to call: 128 heads of 1000 rows are 768 to 1024 Q tiles, six
+    // or more a block on an H100's 132 SMs, and with the mask their lengths differ. Each tile's
+    // arithmetic is its own, so O and L must not change in any bit. (The reference at this size
+    // would take minutes on the CPU; the grid tests check these kernels' values.)
+    if (current_device_props().major != 9) {
+        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
+        return;
+    }
+    const int d = GENERATE(64, 128, 256);
+    const bool causal = GENERATE(false, true);
+    const AttentionShape s{2, 64, 1000, 1000, d, causal};
+    INFO(describe(s));
+    const auto p = rounded_problem<TestType>(s, 1760);
+    GpuAttention<TestType> gpu(p);
+    const Outputs<float> out = outputs_of_identical_calls(gpu, 20, false, kHopperKernel);
+    CHECK(count_bad(out.O) == 0);  // every element written (outputs are poisoned before a call)
+    CHECK(count_bad(out.L) == 0);
 }
 
 TEST_CASE("Tensors of more than 2^31 elements: the heads past 2^31 are right", "[gpu][big]") {
