@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# .ci/hopper-ab.sh NAME=SOURCE [NAME=SOURCE ...]: builds ./hopper_ab (.ci/hopper-ab.cu) with one
+# variant of chapter 3 per argument, SOURCE a version of flash_hopper.cu (e.g. from
+# `git show COMMIT:flash_hopper.cu > old.cu`), compiled for sm_90a with its exported names
+# suffixed by NAME so that all of them link into one binary. Run from the repository root after
+# `make checks.o ARCH=sm_90`. Extra nvcc flags for every variant: HOPPER_AB_FLAGS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+objs=()
+{
+    for arg in "$@"; do echo "DECL(${arg%%=*})"; done
+    printf '#define VARIANT_LIST'
+    sep=' '
+    for arg in "$@"; do n=${arg%%=*}; printf '%s{"%s", flash_forward_fp16_hopper_%s}' "$sep" "$n" "$n"; sep=', '; done
+    echo
+} > .ci/hopper-ab-variants.h
+for arg in "$@"; do
+    n=${arg%%=*} src=${arg#*=}
+    names=(flash_forward_fp16_hopper flash_forward_bf16_hopper flash_forward_hopper_launch
+           flash_forward_hopper_kernel hopper_C hopper_Br hopper_Bc hopper_stages producer_regs
+           consumer_regs registers_fit handout_threads)
+    defs=()
+    for s in "${names[@]}"; do defs+=("-D$s=${s}_$n"); done
+    nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I. "${defs[@]}" \
+        ${HOPPER_AB_FLAGS:-} -c "$src" -o "hopper_ab_$n.o"
+    objs+=("hopper_ab_$n.o")
+done
+nvcc -O3 -std=c++17 -arch=sm_90 -I. -I.ci .ci/hopper-ab.cu "${objs[@]}" checks.o -o hopper_ab
+rm -f .ci/hopper-ab-variants.h
