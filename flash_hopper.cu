@@ -126,10 +126,11 @@ __device__ __forceinline__ void setmaxnreg() {
     else HOPPER_ONLY(asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)));
 }
 
-// bar.sync (PTX ISA, "Parallel Synchronization: bar"): named barrier `id` of `threads` threads
-// (whole warps), which waits until all of them have reached it, as __syncthreads does for all.
+// barrier.sync (PTX ISA, "Parallel Synchronization: bar, barrier"): named barrier `id` of `threads`
+// threads (whole warps), which waits until all of them have reached it, as __syncthreads does for
+// all. Not .aligned (bar.sync is): the producer's lanes may reach it apart (lane 0 issues copies).
 __device__ __forceinline__ void named_barrier(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+    asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // A shared-memory matrix descriptor (wgmma, "Matrix Descriptor Format"): the start address, the
