@@ -97,7 +97,10 @@ void flash_forward_bf16_ampere(const __nv_bfloat16* Q, const __nv_bfloat16* K,
 // Chapter 3 (flash_hopper.cu): the same forward on Hopper's wgmma, TMA and warp specialisation
 // (NOTES.md section 17). Same contract, element types and L as flash_forward_fp16 / _bf16;
 // head_dim in kFlashHopperHeadDims (std::invalid_argument otherwise); a GPU of compute capability
-// 9.0 (H100, H200), else std::runtime_error. flash_forward_fp16 / _bf16 run it there.
+// 9.0 (H100, H200), else std::runtime_error. flash_forward_fp16 / _bf16 run it there. Extra
+// memory: a 4-byte tile counter for the call, from a memory pool the library keeps on the device
+// (its first call reserves the pool's smallest block, 32 MiB on the driver measured, held until
+// the process ends; later calls reuse it).
 void flash_forward_fp16_hopper(const __half* Q, const __half* K, const __half* V, __half* O,
                                float* L, const AttentionShape& shape, cudaStream_t stream = 0);
 void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,

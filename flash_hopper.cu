@@ -5,8 +5,10 @@
 // tensor memory accelerator (TMA), which one producer thread drives while the consumer warpgroups
 // compute (warp specialisation; setmaxnreg moves registers to the consumers); mbarriers say when
 // a stage is full and when it is free again. Each tile's softmax runs while the previous tile's
-// O_i += P~ V_j is on the tensor cores. Head dims 64, 128, 256, fp16 and bf16, compute capability
-// 9.0 only. Not here: FlashAttention-3's persistent grid, its O written by TMA, its fp8.
+// O_i += P~ V_j is on the tensor cores. The grid is persistent: a block an SM, each taking tile
+// after tile from a counter. Head dims 64, 128, 256, fp16 and bf16, compute capability 9.0 only.
+// Not here: FlashAttention-3's O written by TMA, its ping-pong (slower here, NOTES.md section 17),
+// its fp8.
 //
 // Build: wgmma exists only in the sm_90a target, so this file alone is compiled with
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c flash_hopper.cu
