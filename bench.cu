@@ -431,18 +431,25 @@ static size_t free_device_bytes() {
 }
 
 // The one memory helper: a method's extra device memory (beyond the inputs and outputs it is
-// given) from the probe's construction to extra(). The sum of two measurements:
+// given) from the probe's construction to extra(). The sum of three measurements:
 //  (a) free memory (cudaMemGetInfo) then minus free memory after a synchronize: the workspace
-//      allocated in between (standard: the score buffers) and what the calls leave allocated;
-//  (b) the growth of the stream-ordered memory pool: its reserved-memory high watermark minus
-//      what it holds at the end. The flash backwards take their scratch (fp32: D; fp16, bf16:
-//      flash_backward_fp16_scratch_bytes) from it with cudaMallocAsync and give it back inside
-//      the call, so (a) cannot see it; the watermark does, at the pool's granularity.
+//      allocated in between (standard: the score buffers) and what the calls leave allocated,
+//      less what the library's pool newly reserved (it keeps that for later calls; (c) counts
+//      what a call used of it);
+//  (b) the growth of the device's stream-ordered memory pool: its reserved-memory high watermark
+//      minus what it holds at the end (memory taken with cudaMallocAsync and given back inside a
+//      call, which (a) cannot see);
+//  (c) the used-memory high watermark of the library's pool (flash.h: flash_release_scratch),
+//      from which the flash calls take their scratch (fp32 backward: D; fp16, bf16:
+//      flash_backward_fp16_scratch_bytes; chapter 3's forward: its tile counter) and give it back
+//      inside the call, at the pool's granularity.
 // Not seen: memory a call takes with plain cudaMalloc and frees before it returns. Free memory
 // is per device, so another process allocating meanwhile would show up; granularity is ~2 MiB.
 struct MemProbe {
-    cudaMemPool_t pool = nullptr;  // null when the device has no memory pools
+    cudaMemPool_t pool = nullptr;  // the device's default pool; null when there are no pools
+    cudaMemPool_t kept = nullptr;  // the library's (flash_kept_pool)
     size_t free_before = 0;
+    uint64_t kept_before = 0;      // what the library's pool had reserved at the start
 
     MemProbe() {
         // First synchronize (inside free_device_bytes), so that the pool has trimmed itself
@@ -453,17 +460,25 @@ struct MemProbe {
         FLASH_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, dev));
         if (!pools) return;
         FLASH_CUDA_CHECK(cudaDeviceGetMemPool(&pool, dev));  // the pool cudaMallocAsync uses
+        kept = flash_kept_pool();
         uint64_t zero = 0;  // a high watermark can only be reset, by writing 0
         FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero));
+        FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(kept, cudaMemPoolAttrUsedMemHigh, &zero));
+        FLASH_CUDA_CHECK(
+            cudaMemPoolGetAttribute(kept, cudaMemPoolAttrReservedMemCurrent, &kept_before));
     }
     double extra() const {
         double extra = double(free_before) - double(free_device_bytes());  // (a)
         if (pool) {
-            uint64_t high = 0, now = 0;
+            uint64_t high = 0, now = 0, kept_used = 0, kept_now = 0;
             FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &high));
             FLASH_CUDA_CHECK(
                 cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &now));
             extra += std::max(0.0, double(high) - double(now));  // (b)
+            FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(kept, cudaMemPoolAttrUsedMemHigh, &kept_used));
+            FLASH_CUDA_CHECK(
+                cudaMemPoolGetAttribute(kept, cudaMemPoolAttrReservedMemCurrent, &kept_now));
+            extra += double(kept_used) - (double(kept_now) - double(kept_before));  // (c)
         }
         return std::max(extra, 0.0);
     }

@@ -150,6 +150,10 @@ cudaMemPool_t flash_kept_pool() {
     return pool;
 }
 
+void flash_release_scratch() {
+    FLASH_CUDA_CHECK(cudaMemPoolTrimTo(flash_kept_pool(), 0));
+}
+
 int grid_blocks(const AttentionShape& s, int rows, int tile, const char* what) {
     const int tiles = (rows - 1) / tile + 1;
     require(tiles <= INT_MAX / s.batch / s.heads,  // checked before multiplying: no overflow

@@ -143,21 +143,21 @@ cudaDeviceProp flash_device_props();
 // `what` (the field the tiles run along).
 int grid_blocks(const AttentionShape& shape, int rows, int tile, const char* what);
 
-// A stream-ordered memory pool of the library's own on the current device (one per device, made
-// on first use), which keeps the memory it has reserved (release threshold: no limit). The
-// device's default pool gives its free memory back at every synchronisation, so a call after one
-// waits for the driver to map memory again: tens of microseconds, a tenth of a short forward.
+// The stream-ordered memory pool of the library's own on the current device (one per device, made
+// on first use) that every call's scratch comes from: it keeps the memory it has reserved (release
+// threshold: no limit) until flash_release_scratch. The device's default pool gives its free
+// memory back at every synchronisation, so a call after one waited for the driver to map its
+// scratch again: 8-20% of the fp16 backward at N = 1024 on an H100 (NOTES.md section 14).
 cudaMemPool_t flash_kept_pool();
 
 // Scratch for a launch: calls launch(scratch), which launches kernels on `stream` and returns
 // the first launch error (cudaSuccess if none), with scratch `bytes` of device memory taken from
-// a stream-ordered memory pool (the device's default, or `pool`) and given back after those
-// kernels, in stream order, whatever happened; then throws that launch error, if any.
+// flash_kept_pool() and given back after those kernels, in stream order, whatever happened; then
+// throws that launch error, if any.
 template <typename Launch>
-void with_scratch(size_t bytes, cudaStream_t stream, Launch launch, cudaMemPool_t pool = nullptr) {
+void with_scratch(size_t bytes, cudaStream_t stream, Launch launch) {
     void* scratch = nullptr;
-    if (pool != nullptr) FLASH_CUDA_CHECK(cudaMallocFromPoolAsync(&scratch, bytes, pool, stream));
-    else FLASH_CUDA_CHECK(cudaMallocAsync(&scratch, bytes, stream));
+    FLASH_CUDA_CHECK(cudaMallocFromPoolAsync(&scratch, bytes, flash_kept_pool(), stream));
     const cudaError_t launched = launch(scratch);
     FLASH_CUDA_CHECK(cudaFreeAsync(scratch, stream));
     FLASH_CUDA_CHECK(launched);

@@ -44,6 +44,7 @@ void flash_forward(const float* Q, const float* K, const float* V, float* O, flo
                    const AttentionShape& shape, cudaStream_t stream = 0);
 
 // Given dO = dloss/dO, fills dQ, dK, dV (shaped as Q, K, V). O and L are the forward's outputs.
+// Extra memory: D, B*H*q_len floats, scratch for the call (flash_release_scratch, below).
 void flash_backward(const float* Q, const float* K, const float* V, const float* O,
                     const float* dO, const float* L, float* dQ, float* dK, float* dV,
                     const AttentionShape& shape, cudaStream_t stream = 0);
@@ -62,8 +63,8 @@ void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __hal
 // The fp16 backward: given dO, fills dQ, dK, dV (fp16, shaped as Q, K, V) from the forward's O
 // and fp32 L. Deterministic (bitwise-identical gradients on every call: the one sum over blocks,
 // dQ's, is added in a fixed order); P and dS are rounded to fp16 for the tensor-core products,
-// every sum is fp32. Extra memory: flash_backward_fp16_scratch_bytes, taken from the stream's
-// memory pool (cudaMallocAsync) during the call and given back. Head dims and tile: see below.
+// every sum is fp32. Extra memory: flash_backward_fp16_scratch_bytes, scratch for the call
+// (flash_release_scratch, below). Head dims and tile: see below.
 void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
                          const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
                          const AttentionShape& shape, cudaStream_t stream = 0);
@@ -98,14 +99,22 @@ void flash_forward_bf16_ampere(const __nv_bfloat16* Q, const __nv_bfloat16* K,
 // (NOTES.md section 17). Same contract, element types and L as flash_forward_fp16 / _bf16;
 // head_dim in kFlashHopperHeadDims (std::invalid_argument otherwise); a GPU of compute capability
 // 9.0 (H100, H200), else std::runtime_error. flash_forward_fp16 / _bf16 run it there. Extra
-// memory: a 4-byte tile counter for the call, from a memory pool the library keeps on the device
-// (its first call reserves the pool's smallest block, 32 MiB on the driver measured, held until
-// the process ends; later calls reuse it).
+// memory: a 4-byte tile counter, scratch for the call (flash_release_scratch, below).
 void flash_forward_fp16_hopper(const __half* Q, const __half* K, const __half* V, __half* O,
                                float* L, const AttentionShape& shape, cudaStream_t stream = 0);
 void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
                                const AttentionShape& shape, cudaStream_t stream = 0);
+
+// ---------------------------------------------------------------------------------------------
+// Scratch. The backwards, and chapter 3's forward, take device memory for the duration of a call
+// (each says how much) from a stream-ordered memory pool the library keeps on each device, and
+// give it back to that pool, in stream order, when the call's kernels are done. The pool keeps
+// what it has reserved for the next call (re-reserving it after every synchronisation, as the
+// device's default pool does, cost the fp16 backward 8-20% at N = 1024 on an H100), so it holds
+// as much as the largest call so far needed, at least 32 MiB, until this gives back all of it that
+// no call is using (on the current device).
+void flash_release_scratch();
 
 // ---------------------------------------------------------------------------------------------
 // Head dims: each chapter's list of the head dims with a compiled kernel; anything else is

@@ -466,7 +466,7 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
                 Qm, Km, Vm, O, L, s.q_len, s.kv_len, s.causal, (s.q_len + Br - 1) / Br, tiles,
                 kHopperHeadGroup, scale_log2_for(D), static_cast<int*>(next));
             return cudaGetLastError();
-        }, flash_kept_pool());
+        });
     });
 }
 

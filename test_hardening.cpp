@@ -876,12 +876,14 @@ TEST_CASE("flash_backward_fp16_bc with Bc = 64 and 128 matches the reference", "
     check_against_reference_backward(gpu.outputs(true), p);
 }
 
-TEMPLATE_TEST_CASE("The tensor-core backward takes the extra memory it states from the stream's "
-                   "pool, and gives it back", "[gpu][backward][fp16][bf16]", fp16, bf16) {
-    // The pool's used-memory high watermark over one call: at least what
+TEMPLATE_TEST_CASE("The tensor-core backward takes the extra memory it states from the library's "
+                   "pool, gives it back, and flash_release_scratch returns the pool's memory",
+                   "[gpu][backward][fp16][bf16]", fp16, bf16) {
+    // The kept pool's used-memory high watermark over one call: at least what
     // flash_backward_fp16_scratch_bytes states (dQ in fp32 dominates; the same for both types),
-    // at most that rounded up to the pool's 2 MiB granularity; after the call the pool holds
-    // nothing of it.
+    // at most that rounded up to the pool's 2 MiB granularity; after the call the pool uses
+    // nothing of it, but keeps it reserved (for the next call) until flash_release_scratch. The
+    // stream's own pool is not touched.
     const AttentionShape s{2, 8, 1000, 700, 128, true};
     const auto p = rounded_problem<TestType>(s, 3000);
     GpuAttention<TestType> gpu(p);
@@ -889,19 +891,30 @@ TEMPLATE_TEST_CASE("The tensor-core backward takes the extra memory it states fr
     gpu.backward();  // the first call may grow the pool; measure the second
     int dev = 0;
     FLASH_CUDA_CHECK(cudaGetDevice(&dev));
-    cudaMemPool_t pool = nullptr;
-    FLASH_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
-    uint64_t zero = 0, high = 0, used = 0;
-    FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+    cudaMemPool_t stream_pool = nullptr, kept = flash_kept_pool();
+    FLASH_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&stream_pool, dev));
+    uint64_t zero = 0, high = 0, used = 0, stream_high = 0, reserved = 0, released = 0;
+    FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(kept, cudaMemPoolAttrUsedMemHigh, &zero));
+    FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(stream_pool, cudaMemPoolAttrUsedMemHigh, &zero));
     gpu.backward();
-    FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
-    FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+    FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(kept, cudaMemPoolAttrUsedMemHigh, &high));
+    FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(kept, cudaMemPoolAttrUsedMemCurrent, &used));
+    FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(kept, cudaMemPoolAttrReservedMemCurrent, &reserved));
+    FLASH_CUDA_CHECK(
+        cudaMemPoolGetAttribute(stream_pool, cudaMemPoolAttrUsedMemHigh, &stream_high));
+    flash_release_scratch();
+    FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(kept, cudaMemPoolAttrReservedMemCurrent, &released));
     const size_t stated = flash_backward_fp16_scratch_bytes(s);
-    INFO(describe(s) << ": states " << stated << " bytes; the pool's used high watermark "
-                     << high << ", used after the call " << used);
+    INFO(describe(s) << ": states " << stated << " bytes; the kept pool's used high watermark "
+                     << high << ", used after the call " << used << ", reserved " << reserved
+                     << ", reserved after flash_release_scratch " << released
+                     << "; the stream pool's used high watermark " << stream_high);
     CHECK(high >= stated);
     CHECK(high <= stated + (size_t(2) << 20));
     CHECK(used == 0);
+    CHECK(reserved >= stated);
+    CHECK(released == 0);
+    CHECK(stream_high == 0);
     check_against_reference_backward(gpu.outputs(true), p);
 }
 
@@ -910,7 +923,8 @@ TEMPLATE_TEST_CASE("The Hopper forward takes nothing from the stream's pool; its
                    "[gpu][hopper][fp16][bf16]", fp16, bf16) {
     // Chapter 3's one extra allocation is the 4-byte counter its persistent grid hands tiles out
     // by, from flash_kept_pool(): that pool keeps what it reserves (no trimming at every
-    // synchronisation, which costs a short call tens of microseconds), so its reservation is the
+    // synchronisation, which costs a short call tens of microseconds), so, emptied first
+    // (flash_release_scratch: earlier tests' backwards reserved more), its reservation is the
     // pool's smallest, reserved by the first call and never more. The driver reserves 32 MiB at
     // a time for a pool (measured on an H200, driver 580; a 2 MiB maxSize did not change it).
     if (current_device_props().major != 9) {
@@ -920,7 +934,8 @@ TEMPLATE_TEST_CASE("The Hopper forward takes nothing from the stream's pool; its
     const AttentionShape s{2, 8, 1000, 700, 128, true};
     const auto p = rounded_problem<TestType>(s, 3010);
     GpuAttention<TestType> gpu(p);
-    gpu.forward(kHopperKernel);  // the first call makes the kept pool
+    flash_release_scratch();
+    gpu.forward(kHopperKernel);  // the first call reserves the kept pool's memory again
     int dev = 0;
     FLASH_CUDA_CHECK(cudaGetDevice(&dev));
     cudaMemPool_t stream_pool = nullptr, kept = flash_kept_pool();
@@ -1103,7 +1118,7 @@ TEMPLATE_TEST_CASE("100 calls of the Hopper forward give bitwise identical resul
         return;
     }
     const int d = GENERATE(64, 128, 256);
-    // Two Q tiles at d = 64 (Br = 192), three elsewhere; three K/V tiles, five at d = 256 (Bc = 64).
+    // Two Q tiles at d = 64 (Br = 192), three elsewhere; three K/V tiles, six at d = 256 (Bc = 48).
     const AttentionShape s{1, 2, 300, 277, d, true};
     INFO(describe(s));
     const auto p = rounded_problem<TestType>(s, 1750);
@@ -1112,8 +1127,8 @@ TEMPLATE_TEST_CASE("100 calls of the Hopper forward give bitwise identical resul
 }
 
 TEMPLATE_TEST_CASE("The Hopper forward's persistent grid gives bitwise identical results however "
-                   "its blocks share out the tiles", "[gpu][hardening][determinism][hopper][fp16][bf16]",
-                   fp16, bf16) {
+                   "its blocks share out the tiles",
+                   "[gpu][hardening][determinism][hopper][fp16][bf16]", fp16, bf16) {
     // One block an SM takes the next Q tile from a counter as it finishes one, so which block runs
     // which tile changes from call to call: 128 heads of 1000 rows are 768 to 1024 Q tiles, six
     // or more a block on an H100's 132 SMs, and with the mask their lengths differ. Each tile's
