@@ -442,7 +442,7 @@ static size_t free_device_bytes() {
 //  (c) the used-memory high watermark of the library's pool (flash.h: flash_release_scratch),
 //      from which the flash calls take their scratch (fp32 backward: D; fp16, bf16:
 //      flash_backward_fp16_scratch_bytes; chapter 3's forward: its tile counter) and give it back
-//      inside the call, at the pool's granularity.
+//      inside the call: the bytes they asked for, not rounded up.
 // Not seen: memory a call takes with plain cudaMalloc and frees before it returns. Free memory
 // is per device, so another process allocating meanwhile would show up; granularity is ~2 MiB.
 struct MemProbe {

@@ -113,7 +113,8 @@ void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
 // what it has reserved for the next call (re-reserving it after every synchronisation, as the
 // device's default pool does, cost the fp16 backward 8-20% at N = 1024 on an H100), so it holds
 // as much as the largest call so far needed, at least 32 MiB, until this gives back all of it that
-// no call is using (on the current device).
+// no call is using (on the current device): synchronise the streams of earlier calls first, or
+// what their scratch held may stay reserved.
 void flash_release_scratch();
 
 // ---------------------------------------------------------------------------------------------

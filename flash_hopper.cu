@@ -53,7 +53,7 @@ __host__ __device__ constexpr int handout_threads(int C) { return 32 + kWarpgrou
 // K/V tile of 128 keys is 128 KiB.
 __host__ __device__ constexpr int hopper_Bc(int head_dim) { return head_dim == 256 ? 48 : 128; }
 // K/V tiles in shared memory at once (227 KiB an SM): three (208 KiB with Q_i at d = 256; 64 keys
-// would allow only two, and d = 256 then ran 20-40% slower: NOTES.md section 17).
+// would allow only two, and d = 256 then ran 17-32% slower: NOTES.md section 17).
 __host__ __device__ constexpr int hopper_stages(int) { return 3; }
 // Step 5's persistent grid, one block an SM looping over the tiles: -DHOPPER_PERSISTENT=0 gives
 // every tile its own block again (step 3's grid), to measure what it buys.
@@ -243,8 +243,8 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     constexpr int Br = 64 * C, S = hopper_stages(D);
     extern __shared__ __align__(16) unsigned char shared[];
     // Q_i (Br rows), then the stages of K_j and V_j (Bc rows each), each as blocks of 64 columns,
-    // 1024-byte aligned, then
-    // the mbarriers: full[s] and empty[s] of stage s, full[S] and empty[S] for Q_i.
+    // all 1024-byte aligned; after them the mbarriers: full[s] and empty[s] of stage s, full[S]
+    // and empty[S] for Q_i; then the tile numbers.
     T* Q_i = reinterpret_cast<T*>(shared + (1024 - smem_addr(shared) % 1024) % 1024);
     T* KV = Q_i + Br * D;
     uint64_t *full = reinterpret_cast<uint64_t*>(KV + S * 2 * Bc * D), *empty = full + S + 1;

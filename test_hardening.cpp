@@ -1130,7 +1130,7 @@ TEMPLATE_TEST_CASE("The Hopper forward's persistent grid gives bitwise identical
                    "its blocks share out the tiles",
                    "[gpu][hardening][determinism][hopper][fp16][bf16]", fp16, bf16) {
     // One block an SM takes the next Q tile from a counter as it finishes one, so which block runs
-    // which tile changes from call to call: 128 heads of 1000 rows are 768 to 1024 Q tiles, six
+    // which tile changes from call to call: 128 heads of 1000 rows are 768 to 1024 Q tiles, five
     // or more a block on an H100's 132 SMs, and with the mask their lengths differ. Each tile's
     // arithmetic is its own, so O and L must not change in any bit. (The reference at this size
     // would take minutes on the CPU; the grid tests check these kernels' values.)

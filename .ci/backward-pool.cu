@@ -1,6 +1,7 @@
 // .ci/backward-pool.cu: the fp16 backward timed with the device's default memory pool giving its
 // memory back at every synchronisation (release threshold 0, CUDA's default) and keeping it
-// (threshold: no limit), in one process: NOTES.md section 14, step 10 (data/fp16-backward-pool.txt).
+// (threshold: no limit), in one process: NOTES.md section 14, step 10
+// (data/fp16-backward-pool.txt).
 // It measures a backward that takes its scratch with cudaMallocAsync, as commits before 99ed5ad
 // did; from 99ed5ad the scratch comes from the library's own kept pool, and the columns agree.
 // Build and run from the repository root on an H100 (the library built with make, ARCH=sm_90):
@@ -19,8 +20,13 @@ static float median_ms(const std::function<void()>& call) {
     cudaEvent_t a, b; FLASH_CUDA_CHECK(cudaEventCreate(&a)); FLASH_CUDA_CHECK(cudaEventCreate(&b));
     std::vector<float> ms(10);
     for (int r = 0; r < 3; r++) call();
-    for (float& t : ms) { FLASH_CUDA_CHECK(cudaEventRecord(a)); call(); FLASH_CUDA_CHECK(cudaEventRecord(b));
-        FLASH_CUDA_CHECK(cudaEventSynchronize(b)); FLASH_CUDA_CHECK(cudaEventElapsedTime(&t, a, b)); }
+    for (float& t : ms) {
+        FLASH_CUDA_CHECK(cudaEventRecord(a));
+        call();
+        FLASH_CUDA_CHECK(cudaEventRecord(b));
+        FLASH_CUDA_CHECK(cudaEventSynchronize(b));
+        FLASH_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    }
     std::sort(ms.begin(), ms.end()); return ms[5];
 }
 int main() {
@@ -30,7 +36,8 @@ int main() {
         const AttentionShape s{16384 / N, 2048 / d, N, N, d, causal == 1};
         const size_t n = q_elems(s);
         __half *Q, *K, *V, *O, *dO, *dQ, *dK, *dV; float* L;
-        for (__half** p : {&Q, &K, &V, &O, &dO, &dQ, &dK, &dV}) FLASH_CUDA_CHECK(cudaMalloc(p, n * 2));
+        for (__half** p : {&Q, &K, &V, &O, &dO, &dQ, &dK, &dV})
+            FLASH_CUDA_CHECK(cudaMalloc(p, n * 2));
         FLASH_CUDA_CHECK(cudaMalloc(&L, l_elems(s) * 4));
         unsigned seed = 1; for (__half* p : {Q, K, V, dO}) fill<<<1024, 256>>>(p, n, seed++);
         flash_forward_fp16(Q, K, V, O, L, s);
@@ -43,7 +50,10 @@ int main() {
         FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &zero));
         FLASH_CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
         const float t2 = median_ms(bwd);
-        printf("%3d %d %5d %9.3f %9.3f %10.3f %8.3f\n", d, causal, N, t0, t1, t2, t1 / std::min(t0, t2));
-        for (void* p : {(void*)Q, (void*)K, (void*)V, (void*)O, (void*)dO, (void*)dQ, (void*)dK, (void*)dV, (void*)L}) FLASH_CUDA_CHECK(cudaFree(p));
+        printf("%3d %d %5d %9.3f %9.3f %10.3f %8.3f\n", d, causal, N, t0, t1, t2,
+               t1 / std::min(t0, t2));
+        for (void* p : {(void*)Q, (void*)K, (void*)V, (void*)O, (void*)dO, (void*)dQ, (void*)dK,
+                        (void*)dV, (void*)L})
+            FLASH_CUDA_CHECK(cudaFree(p));
     }
 }

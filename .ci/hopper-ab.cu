@@ -20,8 +20,11 @@
 #include <vector>
 #include "device-fill.cuh"  // fill, max_diff
 
-using Fn = void (*)(const __half*, const __half*, const __half*, __half*, float*, const AttentionShape&, cudaStream_t);
-#define DECL(v) void flash_forward_fp16_hopper_##v(const __half*, const __half*, const __half*, __half*, float*, const AttentionShape&, cudaStream_t);
+using Fn = void (*)(const __half*, const __half*, const __half*, __half*, float*,
+                   const AttentionShape&, cudaStream_t);
+#define DECL(v)                                                                            \
+    void flash_forward_fp16_hopper_##v(const __half*, const __half*, const __half*, __half*, \
+                                       float*, const AttentionShape&, cudaStream_t);
 #include "hopper-ab-variants.h"  // written by .ci/hopper-ab.sh: DECL(name)..., VARIANT_LIST
 struct V { const char* name; Fn fn; };
 static std::vector<V> variants = { VARIANT_LIST };
@@ -71,9 +74,13 @@ int main(int argc, char** argv) {
             for (size_t k = 0; k < variants.size(); k++)
                 t[k].push_back(median_ms([&] { variants[k].fn(Q, K, V_, O, L, s, 0); }, 10));
         printf("%3d %d %5d", d, causal, N);
-        for (auto& x : t) { std::sort(x.begin(), x.end()); printf(" %8.1f", flops / x[x.size() / 2] / 1e9); }
+        for (auto& x : t) {
+            std::sort(x.begin(), x.end());
+            printf(" %8.1f", flops / x[x.size() / 2] / 1e9);
+        }
         printf("   max|dO| %.1e\n", worst);
-        for (void* p : {(void*)Q, (void*)K, (void*)V_, (void*)O, (void*)O0, (void*)L, (void*)diff}) FLASH_CUDA_CHECK(cudaFree(p));
+        for (void* p : {(void*)Q, (void*)K, (void*)V_, (void*)O, (void*)O0, (void*)L, (void*)diff})
+            FLASH_CUDA_CHECK(cudaFree(p));
     }
     return 0;
 }

@@ -11,7 +11,11 @@ objs=()
     for arg in "$@"; do echo "DECL(${arg%%=*})"; done
     printf '#define VARIANT_LIST'
     sep=' '
-    for arg in "$@"; do n=${arg%%=*}; printf '%s{"%s", flash_forward_fp16_hopper_%s}' "$sep" "$n" "$n"; sep=', '; done
+    for arg in "$@"; do
+        n=${arg%%=*}
+        printf '%s{"%s", flash_forward_fp16_hopper_%s}' "$sep" "$n" "$n"
+        sep=', '
+    done
     echo
 } > .ci/hopper-ab-variants.h
 for arg in "$@"; do
