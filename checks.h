@@ -152,13 +152,20 @@ cudaMemPool_t flash_kept_pool();
 
 // Scratch for a launch: calls launch(scratch), which launches kernels on `stream` and returns
 // the first launch error (cudaSuccess if none), with scratch `bytes` of device memory taken from
-// flash_kept_pool() and given back after those kernels, in stream order, whatever happened; then
-// throws that launch error, if any.
+// flash_kept_pool() and given back after those kernels, in stream order, whatever happened
+// (launch returning an error or throwing); then throws that launch error, if any.
 template <typename Launch>
 void with_scratch(size_t bytes, cudaStream_t stream, Launch launch) {
     void* scratch = nullptr;
     FLASH_CUDA_CHECK(cudaMallocFromPoolAsync(&scratch, bytes, flash_kept_pool(), stream));
-    const cudaError_t launched = launch(scratch);
+    cudaError_t launched = cudaSuccess;
+    try {
+        launched = launch(scratch);
+    } catch (...) {  // a launch that throws gives the scratch back too (the first error is
+                     // the one to report, so this free's own is not checked)
+        cudaFreeAsync(scratch, stream);
+        throw;
+    }
     FLASH_CUDA_CHECK(cudaFreeAsync(scratch, stream));
     FLASH_CUDA_CHECK(launched);
 }
