@@ -15,20 +15,7 @@
 #include <cstdio>
 #include <functional>
 #include <vector>
-#include "device-fill.cuh"  // fill
-static float median_ms(const std::function<void()>& call) {
-    cudaEvent_t a, b; FLASH_CUDA_CHECK(cudaEventCreate(&a)); FLASH_CUDA_CHECK(cudaEventCreate(&b));
-    std::vector<float> ms(10);
-    for (int r = 0; r < 3; r++) call();
-    for (float& t : ms) {
-        FLASH_CUDA_CHECK(cudaEventRecord(a));
-        call();
-        FLASH_CUDA_CHECK(cudaEventRecord(b));
-        FLASH_CUDA_CHECK(cudaEventSynchronize(b));
-        FLASH_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    }
-    std::sort(ms.begin(), ms.end()); return ms[5];
-}
+#include "device-fill.cuh"  // fill, median_ms
 int main() {
     cudaMemPool_t pool; FLASH_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, 0));
     printf("  d c     N  trim(ms)  keep(ms)  trim2(ms)  keep/trim\n");
@@ -44,12 +31,12 @@ int main() {
         auto bwd = [&] { flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s); };
         uint64_t zero = 0, keep = UINT64_MAX;
         FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &zero));
-        const float t0 = median_ms(bwd);
+        const float t0 = median_ms(bwd, 10);
         FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-        const float t1 = median_ms(bwd);
+        const float t1 = median_ms(bwd, 10);
         FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &zero));
         FLASH_CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
-        const float t2 = median_ms(bwd);
+        const float t2 = median_ms(bwd, 10);
         printf("%3d %d %5d %9.3f %9.3f %10.3f %8.3f\n", d, causal, N, t0, t1, t2,
                t1 / std::min(t0, t2));
         for (void* p : {(void*)Q, (void*)K, (void*)V, (void*)O, (void*)dO, (void*)dQ, (void*)dK,

@@ -18,7 +18,7 @@
 #include <functional>
 #include <string>
 #include <vector>
-#include "device-fill.cuh"  // fill, max_diff
+#include "device-fill.cuh"  // fill, max_diff, median_ms
 
 using Fn = void (*)(const __half*, const __half*, const __half*, __half*, float*,
                    const AttentionShape&, cudaStream_t);
@@ -29,18 +29,6 @@ using Fn = void (*)(const __half*, const __half*, const __half*, __half*, float*
 struct V { const char* name; Fn fn; };
 static std::vector<V> variants = { VARIANT_LIST };
 
-static float median_ms(const std::function<void()>& call, int reps) {
-    cudaEvent_t a, b;
-    FLASH_CUDA_CHECK(cudaEventCreate(&a)); FLASH_CUDA_CHECK(cudaEventCreate(&b));
-    std::vector<float> ms(reps);
-    for (int r = 0; r < 2; r++) call();
-    for (float& t : ms) {
-        FLASH_CUDA_CHECK(cudaEventRecord(a)); call(); FLASH_CUDA_CHECK(cudaEventRecord(b));
-        FLASH_CUDA_CHECK(cudaEventSynchronize(b)); FLASH_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    }
-    std::nth_element(ms.begin(), ms.begin() + reps / 2, ms.end());
-    return ms[reps / 2];
-}
 
 int main(int argc, char** argv) {
     const int rounds = argc > 1 ? atoi(argv[1]) : 3;
@@ -72,7 +60,7 @@ int main(int argc, char** argv) {
         }
         for (int r = 0; r < rounds; r++)
             for (size_t k = 0; k < variants.size(); k++)
-                t[k].push_back(median_ms([&] { variants[k].fn(Q, K, V_, O, L, s, 0); }, 10));
+                t[k].push_back(median_ms([&] { variants[k].fn(Q, K, V_, O, L, s, 0); }, 10, 2));
         printf("%3d %d %5d", d, causal, N);
         for (auto& x : t) {
             std::sort(x.begin(), x.end());

@@ -21,27 +21,9 @@
 #include <stdexcept>
 #include <vector>
 
-#include "device-fill.cuh"  // fill, max_diff
+#include "device-fill.cuh"  // fill, max_diff, median_ms
 
 
-static float median_ms(const std::function<void()>& call) {
-    cudaEvent_t start, stop;
-    FLASH_CUDA_CHECK(cudaEventCreate(&start));
-    FLASH_CUDA_CHECK(cudaEventCreate(&stop));
-    std::vector<float> ms(20);
-    for (int r = 0; r < 3; r++) call();
-    for (float& t : ms) {
-        FLASH_CUDA_CHECK(cudaEventRecord(start));
-        call();
-        FLASH_CUDA_CHECK(cudaEventRecord(stop));
-        FLASH_CUDA_CHECK(cudaEventSynchronize(stop));
-        FLASH_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    }
-    std::nth_element(ms.begin(), ms.begin() + 10, ms.end());
-    FLASH_CUDA_CHECK(cudaEventDestroy(start));
-    FLASH_CUDA_CHECK(cudaEventDestroy(stop));
-    return ms[10];
-}
 
 template <typename T>
 static void run(const char* type, void (*chapter2)(const T*, const T*, const T*, T*, float*,
