@@ -771,9 +771,8 @@ static void print_tiles(const cudaDeviceProp& prop, int dim, int tile_bc, const 
                dt.name, pass, t.Br, t.Bc, t.threads, t.threads_per_row, t.shared_bytes / 1024.0,
                origin);
     };
-    const bool hopper = dt.tensor && tile_bc == 0 && prop.major == 9 &&
-                        head_dim_in(dim, kFlashHopperHeadDims);
-    if (hopper)  // flash_forward_fp16 / _bf16 run chapter 3 here; --tile runs chapter 2's _bc
+    // flash_forward_fp16 / _bf16 may run chapter 3; --tile runs chapter 2's _bc
+    if (dt.tensor && tile_bc == 0 && flash_forward_runs_hopper(prop, dim))
         printf("%s forward  tile: chapter 3's kernel (flash_hopper.cu, NOTES.md section 17)\n",
                dt.name);
     else

@@ -116,38 +116,44 @@ void validate_pointers(const char* fn, std::initializer_list<Arg> args) {
 // ---------------------------------------------------------------------------------------------
 // Launch helpers
 
-cudaDeviceProp flash_device_props() {
+// What make(device) gives for the current device, made on the device's first call and kept: one
+// cache for each caller (each passes its own lambda type), behind a lock.
+template <typename T, typename Make>
+static T once_per_device(Make make) {
     static std::mutex mutex;
-    static std::map<int, cudaDeviceProp> cache;  // device -> its properties
+    static std::map<int, T> cache;  // device -> its T
     int dev = 0;
     FLASH_CUDA_CHECK(cudaGetDevice(&dev));
     const std::lock_guard<std::mutex> lock(mutex);
     auto found = cache.find(dev);
-    if (found != cache.end()) return found->second;
-    cudaDeviceProp prop;
-    FLASH_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    cache.emplace(dev, prop);
-    return prop;
+    if (found == cache.end()) found = cache.emplace(dev, make(dev)).first;
+    return found->second;
+}
+
+cudaDeviceProp flash_device_props() {
+    return once_per_device<cudaDeviceProp>([](int dev) {
+        cudaDeviceProp prop;
+        FLASH_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+        return prop;
+    });
 }
 
 cudaMemPool_t flash_kept_pool() {
-    static std::mutex mutex;
-    static std::map<int, cudaMemPool_t> pools;  // device -> its pool
-    int dev = 0;
-    FLASH_CUDA_CHECK(cudaGetDevice(&dev));
-    const std::lock_guard<std::mutex> lock(mutex);
-    auto found = pools.find(dev);
-    if (found != pools.end()) return found->second;
-    cudaMemPoolProps props = {};
-    props.allocType = cudaMemAllocationTypePinned;
-    props.location.type = cudaMemLocationTypeDevice;
-    props.location.id = dev;
-    cudaMemPool_t pool;
-    FLASH_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
-    uint64_t keep = UINT64_MAX;
-    FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-    pools.emplace(dev, pool);
-    return pool;
+    return once_per_device<cudaMemPool_t>([](int dev) {
+        cudaMemPoolProps props = {};
+        props.allocType = cudaMemAllocationTypePinned;
+        props.location.type = cudaMemLocationTypeDevice;
+        props.location.id = dev;
+        cudaMemPool_t pool;
+        FLASH_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
+        uint64_t keep = UINT64_MAX;  // release threshold: keep all it reserves
+        FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+        return pool;
+    });
+}
+
+bool flash_forward_runs_hopper(const cudaDeviceProp& prop, int head_dim) {
+    return prop.major == 9 && head_dim_in(head_dim, kFlashHopperHeadDims);
 }
 
 void flash_release_scratch() {

@@ -176,6 +176,11 @@ void with_row_scratch(const AttentionShape& s, cudaStream_t stream, Launch launc
                  [&](void* scratch) { return launch(static_cast<float*>(scratch)); });
 }
 
+// Whether flash_forward_fp16 / _bf16 run chapter 3 on this device at this head dim (compute
+// capability 9.0, a head dim in kFlashHopperHeadDims) rather than chapter 2: the one statement of
+// the dispatch rule (the tests state it again on their own, to check it).
+bool flash_forward_runs_hopper(const cudaDeviceProp& prop, int head_dim);
+
 // Chapter 3's forward (flash_hopper.cu) without its checks, for flash_forward_fp16 / _bf16 on
 // compute capability 9.0, which have run them all (shape, pointers, head dim in
 // kFlashHopperHeadDims): checking twice would cost a cudaPointerGetAttributes per tensor again.

@@ -623,7 +623,7 @@ static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T
     validate_forward_pointers(fn, Q, K, V, O, L, s);
     const cudaDeviceProp prop = flash_device_props();
     require_sm80(prop, fn);
-    if (hopper && prop.major == 9 && head_dim_in(s.head_dim, kFlashHopperHeadDims))
+    if (hopper && flash_forward_runs_hopper(prop, s.head_dim))
         return flash_forward_hopper_launch(Q, K, V, O, L, s, stream);  // checked above
     FlashTile tile = flash_choose_tile_fp16(prop, s.head_dim);
     if (Bc) tile = fp16_tile(prop, s.head_dim, *Bc);

@@ -618,9 +618,10 @@ struct DeviceBuffer {
 constexpr int kHopperKernel = -1;
 constexpr int kAmpereKernel = -2;
 // True iff the public forward (Bc = 0: flash_forward_fp16 / _bf16) runs chapter 3 at this head dim
-// on the current GPU (compute capability 9.0, a head dim in kFlashHopperHeadDims). Tests of the
-// tensor-core forward run kAmpereKernel, then Bc = 0 where this holds: both chapters on an H100,
-// chapter 2 once elsewhere.
+// on the current GPU (compute capability 9.0, a head dim in kFlashHopperHeadDims): the rule stated
+// on its own, not through the library's flash_forward_runs_hopper, so that the tests check it.
+// Tests of the tensor-core forward run kAmpereKernel, then Bc = 0 where this holds: both chapters
+// on an H100, chapter 2 once elsewhere.
 bool public_forward_runs_hopper(int head_dim);
 template <typename T>
 void launch_forward(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape& s,
