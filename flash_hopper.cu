@@ -283,7 +283,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                 load_tile<Bc, D>(KV + x % S * 2 * Bc * D, K, j * Bc, bh, &full[x % S]);
                 load_tile<Bc, D>(KV + (x % S * 2 + 1) * Bc * D, V, j * Bc, bh, &full[x % S]);
             }
-            if (Tc <= S) named_barrier(1, handout_threads(C));
+            if (Tc <= S) named_barrier(1, handout_threads(C));  // (all of its tiles issued)
             b = __shfl_sync(0xffffffffu, one ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
         }
         named_barrier(1, handout_threads(C));         // the consumers learn that none is left
@@ -295,7 +295,8 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     setmaxnreg<true, consumer_regs(C)>();
     const int wg = threadIdx.x / kWarpgroup - 1;       // which consumer, 0 .. C - 1
     const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    const char* Q_w = reinterpret_cast<const char*>(Q_i + wg * 64 * 64);  // the warpgroup's rows
+    // The warpgroup's 64 rows of Q_i: in each 64-column block, after wg times 64 rows of 64.
+    const char* Q_w = reinterpret_cast<const char*>(Q_i + wg * 64 * 64);
     uint32_t P[Bc / 16][4];                            // P~ of the last tile, in T, as A
     const auto K_of = [&](int x) {                     // K/V tile x's stage: K, then V
         return reinterpret_cast<const char*>(KV + x % S * 2 * Bc * D);
@@ -396,7 +397,9 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 
 // ---------------------------------------------------------------------------------------------
 // The launcher: chapter 2's checks, then compute capability 9.0.
-static constexpr size_t flash_hopper_shared_bytes(int d) {  // Q_i, K_j, V_j, alignment, mbarriers
+// Q_i, the stages of K_j and V_j (2 bytes an element), alignment, 2 (S + 1) mbarriers and two
+// tile numbers.
+static constexpr size_t flash_hopper_shared_bytes(int d) {
     return size_t(hopper_Br(d) + 2 * hopper_stages(d) * hopper_Bc(d)) * d * 2 + 1024 +
            8 * (2 * hopper_stages(d) + 3);
 }
@@ -450,7 +453,7 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value, Br = hopper_Br(D), Bc = hopper_Bc(D);
         constexpr size_t bytes = flash_hopper_shared_bytes(D);
-        const int tiles = grid_blocks(s, s.q_len, Br, "q_len");  // one block an SM runs them all
+        const int tiles = grid_blocks(s, s.q_len, Br, "q_len");  // Q tiles of all heads
         const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_C(D)>;
         allow_shared(kernel, bytes);
         const size_t heads = size_t(s.batch) * s.heads;
