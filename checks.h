@@ -38,13 +38,14 @@ __host__ __device__ inline int flash_first_query(int j, int q_len, int kv_len) {
     return j - flash_last_key(0, q_len, kv_len);
 }
 // The keys a tile of query rows [first_row, first_row + rows) needs: 0 .. flash_kv_end - 1. Under
-// a causal mask, past the last key its last row sees, every K/V tile can be skipped.
+// a causal mask, past the last key its last row sees, every K/V tile can be skipped; 0 where no
+// row sees a key (q_len > kv_len), never less, so that a count of K/V tiles never goes negative.
 __host__ __device__ inline int flash_kv_end(int first_row, int rows, int q_len, int kv_len,
                                             bool causal) {
     if (!causal) return kv_len;
     const int last_row = (first_row + rows < q_len ? first_row + rows : q_len) - 1;
     const int end = flash_last_key(last_row, q_len, kv_len) + 1;
-    return end < kv_len ? end : kv_len;
+    return end < 0 ? 0 : end < kv_len ? end : kv_len;
 }
 
 // ---------------------------------------------------------------------------------------------
