@@ -337,15 +337,18 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 #pragma unroll
             for (int h = 0; h < 2; h++) {              // line 9 for row query + 8h
                 const int last = causal ? flash_last_key(query + 8 * h, q_len, kv_len) : kv_len - 1;
-                const bool edge = (j + 1) * Bc - 1 > min(last, kv_len - 1);
+                // Element n / 2, 2h + n % 2 is key j Bc + 2t + 8 (n / 2) + n % 2: masked past
+                // min(last, kv_len - 1), only in a tile that reaches past it (a branch, not a
+                // select on every element: NOTES.md section 17).
+                const int lim = min(last, kv_len - 1) - j * Bc - 2 * t;
+                if (lim < Bc - 7)
+#pragma unroll
+                    for (int n = 0; n < Bc / 4; n++)
+                        if (8 * (n / 2) + n % 2 > lim) S_ij[n / 2 * 4 + 2 * h + n % 2] = -INFINITY;
                 float m_new = m[h];
 #pragma unroll
-                for (int n = 0; n < Bc / 4; n++) {     // element n / 2, 2h + n % 2: a key
-                    float& s = S_ij[4 * (n / 2) + 2 * h + n % 2];
-                    const int key = j * Bc + 8 * (n / 2) + 2 * t + n % 2;
-                    if (edge && (key >= kv_len || key > last)) s = -INFINITY;
-                    m_new = fmaxf(m_new, s);
-                }
+                for (int n = 0; n < Bc / 4; n++)       // the row's max, over its keys here
+                    m_new = fmaxf(m_new, S_ij[n / 2 * 4 + 2 * h + n % 2]);
                 m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));  // over the quad
                 m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
                 const float m_log2 = m_new == -INFINITY ? 0.f : m_new * scale_log2;  // no key yet
