@@ -238,11 +238,10 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         for (int r = 0; r < 2 * M; r++) {              // line 9 for query + 8r: mask, max
             const int last = causal ? flash_last_key(query + 8 * r, q_len, kv_len) : kv_len - 1;
             const float m_old = m[r];
-            for (int c = 0; c < Bc / 4; c++) {         // column c is key j Bc + acc_col(c, t)
-                float& s = acc_at(S, r, c);
-                if ((j + 1) * Bc > kv_all && j * Bc + acc_col(c, t) > last) s = -INFINITY;
-                m[r] = fmaxf(m[r], s);
-            }
+            if ((j + 1) * Bc > kv_all)                 // the mask, in a tile past a row's last key
+                for (int c = 0; c < Bc / 4; c++)       // column c is key j Bc + acc_col(c, t)
+                    if (j * Bc + acc_col(c, t) > last) acc_at(S, r, c) = -INFINITY;
+            for (int c = 0; c < Bc / 4; c++) m[r] = fmaxf(m[r], acc_at(S, r, c));
             m[r] = quad_reduce(m[r], fmaxf);           // the max over the row's 4 threads
             // Scores carry the scale 1/sqrt(d) and log2 e only here, in one fma each:
             // e^((s - m) / sqrt(d)) = 2^(s c - m c), c = scale_log2.
