@@ -135,9 +135,11 @@ __device__ __forceinline__ uint32_t pack2(const float* c) {
 // Rows [first, first + ROWS) of a (len, D) tensor of T into shared memory (row stride D + kPad),
 // 16 bytes per cp.async; rows at or past `len` are filled with zeros (cp.async's source size 0),
 // so padding rows never carry garbage (0 * NaN would be NaN). Not waited for: see below.
-template <int ROWS, int D, typename T>
+// THREADS, the block's threads, is a constant so that nvcc steps a thread's row on from chunk to
+// chunk instead of dividing its chunk number out again (NOTES.md section 14).
+template <int ROWS, int D, int THREADS = kFwdThreads, typename T>
 __device__ __forceinline__ void load_rows_async(T* tile, const T* src, int first, int len) {
-    for (int x = threadIdx.x; x < ROWS * D / 8; x += blockDim.x) {  // x: one 16-byte chunk
+    for (int x = threadIdx.x; x < ROWS * D / 8; x += THREADS) {  // x: one 16-byte chunk
         const int row = x / (D / 8);
         const int col = x % (D / 8) * 8;
         const bool inside = first + row < len;
@@ -302,14 +304,16 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 // and dS^T go through shared memory (fp16), between a barrier.
 //
 // The order of line 15's adds. Every block takes a ticket as it starts (atomicAdd on a zeroed
-// counter): the order blocks start in. Tickets run over each head's K/V tiles from the right
-// (j = Tc - 1 first; without a mask, four heads' tiles interleaved), and every dQ_i takes its
-// adds in decreasing j, from the block with the lowest ticket up: a turn counter per (head, Q
+// counter): the order blocks start in. Without a mask, tickets run over each head's K/V tiles from
+// the right (j = Tc - 1 first, four heads' tiles interleaved) and every dQ_i takes its adds in
+// decreasing j; under the causal mask they run from the left (j = 0, the longest, first; 32 heads'
+// tiles interleaved, so that the last blocks to start are short ones), each block walks its Q
+// tiles from the last, and every dQ_i takes its adds in increasing j. A turn counter per (head, Q
 // tile) says how many blocks have added there. Each warp of block j waits until it equals the
-// number of tiles right of j that see Q_i, adds its tile of dQ_i, and one thread of the block
-// passes the turn on once all have. A block only ever waits for blocks with lower tickets, which
-// have started and so are running or done, and the lowest-ticket block still running waits for
-// nobody: no deadlock (NOTES.md section 14).
+// number of tiles before j in that order (all of which see Q_i, as j does), adds its tile of
+// dQ_i, and one thread of the block passes the turn on once all have. A block only ever waits for
+// blocks with lower tickets, which have started and so are running or done, and the lowest-ticket
+// block still running waits for nobody: no deadlock (NOTES.md section 14).
 
 // An (R x C) product split over W warps: a grid of R / rows by `across` tiles of `rows` x `cols`.
 // rows = 32 (two mma tiles, so every B fragment a warp loads feeds two mmas) where the columns then
@@ -374,16 +378,17 @@ __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
 __device__ __forceinline__ void pass_turn(int* turn) {
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
 }
-// One warp's tile of dQ_i (2M rows of 8 a thread, N columns) into dQacc (row stride D, `rows`
-// rows left in the tensor): the first block in the order stores, the others add (a red: the add
-// happens in L2, nothing comes back; on sm_90 two floats at once).
+// One warp's tile of dQ_i (2M rows of 8 a thread, N columns) into dQacc, here at the thread's
+// first element (row g, column 2t; row stride D; `rows` rows from there to the tensor's end): the
+// first block in the order stores, the others add (a red: the add happens in L2, nothing comes
+// back; on sm_90 two floats at once). Every address is one register plus a constant, so that no
+// red waits for the one before it to let go of its address register (NOTES.md section 14).
 template <int M, int N, int D>
 __device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], int rows,
                                          bool first) {
-    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int r = 0; r < 2 * M; r++)                    // row 8r + g, columns 8n + 2t, + 1
-        for (int n = 0; n < N / 8 && 8 * r + g < rows; n++) {
-            float* to = dQacc + size_t(8 * r + g) * D + 8 * n + 2 * t;
+        for (int n = 0; n < N / 8 && 8 * r < rows; n++) {
+            float* to = dQacc + 8 * r * D + 8 * n;
             const float2 v = make_float2(acc_at(acc, r, 2 * n), acc_at(acc, r, 2 * n + 1));
             if (first) *reinterpret_cast<float2*>(to) = v;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -423,10 +428,10 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     float* L_i = reinterpret_cast<float*>(dS_T + Bc * ldS);
     float* D_i = L_i + 2 * Br;
     // Ticket -> (head, K/V tile j): heads in groups of HG, each group's tiles from the right
-    // (causal: the shortest first), its heads taking turns. Line 5: for each K_j, V_j.
+    // (causal: from the left, longest first), its heads taking turns. Line 5: for each K_j, V_j.
     const int ticket = block_ticket(next_ticket), head0 = ticket / (HG * Tc) * HG;
     const int heads = min(HG, BH - head0), slot = ticket % (HG * Tc);
-    const int j = Tc - 1 - slot / heads;
+    const int j = causal ? slot / heads : Tc - 1 - slot / heads;
     const size_t bh = head0 + slot % heads;
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     const int Tr = (q_len + Br - 1) / Br;
@@ -434,18 +439,19 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     // Causal: Q tiles before the one holding the first query that sees key j Bc are skipped.
     const int i_first = causal ? max(0, flash_first_query(j * Bc, q_len, kv_len)) / Br : 0;
     auto load_Q_tile = [&](int stage, int q0) {        // line 9: load Q_i, dO_i, L_i, D_i from q0
-        load_rows_async<Br, D>(Q_i + stage * ld, Q + q_head, q0, q_len);
-        load_rows_async<Br, D>(dO_i + stage * ld, dO + q_head, q0, q_len);
+        load_rows_async<Br, D, 32 * W>(Q_i + stage * ld, Q + q_head, q0, q_len);
+        load_rows_async<Br, D, 32 * W>(dO_i + stage * ld, dO + q_head, q0, q_len);
         load_floats_async<Br>(L_i + stage, L + bh * q_len, q0, q_len);
         load_floats_async<Br>(D_i + stage, Dsum + bh * q_len, q0, q_len);
     };
-    load_rows_async<Bc, D>(K_j, K + kv_head, j * Bc, kv_len);  // line 6: load K_j, V_j
-    load_rows_async<Bc, D>(V_j, V + kv_head, j * Bc, kv_len);
-    load_Q_tile(0, i_first * Br);
+    load_rows_async<Bc, D, 32 * W>(K_j, K + kv_head, j * Bc, kv_len);  // line 6: load K_j, V_j
+    load_rows_async<Bc, D, 32 * W>(V_j, V + kv_head, j * Bc, kv_len);
+    const int i0 = causal ? Tr - 1 : i_first, di = causal ? -1 : 1;  // Q tiles: causal, last first
+    load_Q_tile(0, i0 * Br);
     float dK_j[TKV::M][TKV::cols / 8][4] = {}, dV_j[TKV::M][TKV::cols / 8][4] = {};  // line 7
     int* added = nullptr;                              // the turn of the dQ_i added to last
-    for (int i = i_first; i < Tr; i++) {               // line 8: for each Q_i
-        const int q0 = i * Br, fstage = (i - i_first) % 2 * Br, stage = fstage * ld;
+    for (int n = 0, i = i0; n < Tr - i_first; n++, i += di) {  // line 8: for each Q_i
+        const int q0 = i * Br, fstage = n % 2 * Br, stage = fstage * ld;
         // Q_i has landed; the other stage, P^T and dS^T are free.
         commit_and_wait<0>();
         __syncthreads();
@@ -458,7 +464,7 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // The turn of the dQ_i added to a step ago, passed on by one thread (a warp in turn), after
         // the barrier above: the adds have had time to land, so the release waits little.
         if (added && threadIdx.x == 32 * (i % W)) pass_turn(added);
-        if (i + 1 < Tr) load_Q_tile(Br - fstage, q0 + Br);  // line 9, a tile ahead
+        if (n + 1 < Tr - i_first) load_Q_tile(Br - fstage, q0 + di * Br);  // line 9, a tile ahead
         // Row r of the warp's tile is key j Bc + k_w + 8r + g, which the queries first[r] ..
         // q_len - 1 see (none when it is past kv_len). 8r is written as the mma numbers rows,
         // 16(r / 2) + 8(r % 2), here and in acc_at below: nvcc compiles these two loops into other,
@@ -491,16 +497,16 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             dV_j, P_T + kv_w * ldS, ldS, dO_i + stage + d_w, ld);
         mma_AB<TKV::M, Br, TKV::cols, false, false>(   // line 16: dK_j += dS^T Q_i
             dK_j, dS_T + kv_w * ldS, ldS, Q_i + stage + d_w, ld);
-        // Line 15: dQ_i += dS K_j, this warp's tile of it, added in turn (the tiles right of j
-        // that see Q_i first; the turn is passed on in the next step, above).
+        // Line 15: dQ_i += dS K_j, this warp's tile of it, added in turn (the tiles before j in
+        // the order first: right of j, causal left of it; the turn is passed on a step later).
         const int dq_q = TQ::row(warp), dq_d = TQ::col(warp);
         float dQ_i[TQ::M][TQ::cols / 8][4] = {};
         mma_AB<TQ::M, Bc, TQ::cols, true, false>(dQ_i, dS_T + dq_q, ldS, K_j + dq_d, ld);
         added = turns + bh * Tr + i;
-        const int mine = (flash_kv_end(q0, Br, q_len, kv_len, causal) - 1) / Bc - j;
+        const int mine = causal ? j : Tc - 1 - j;
         wait_turn(added, mine);
-        add_tile<TQ::M, TQ::cols, D>(dQacc + (bh * q_len + q0 + dq_q) * D + dq_d, dQ_i,
-                                     q_len - q0 - dq_q, mine == 0);
+        add_tile<TQ::M, TQ::cols, D>(dQacc + (bh * q_len + q0 + dq_q + g) * D + dq_d + 2 * t,
+                                     dQ_i, q_len - q0 - dq_q - g, mine == 0);
     }
     commit_and_wait<0>();                              // no copy may land after the block exits
     __syncthreads();                                   // every warp's last adds were issued
@@ -510,14 +516,22 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     store_tile<TKV::M, TKV::cols, D>(dK + at, dK_j, rsqrtf(D), kv_len - key);
     store_tile<TKV::M, TKV::cols, D>(dV + at, dV_j, 1.f, kv_len - key);
 }
-// Line 4, before the kernel: D = rowsum(dO o O), fp32, one thread a row of the (B*H*q_len) rows.
+// Line 4, before the kernel: D = rowsum(dO o O), fp32, over the (B*H*q_len) rows. A row is read
+// by dot_threads(D) neighbouring threads, 16 bytes each a step, so that a warp reads whole rows
+// (one thread a row read 16 bytes of each of 32 rows a load, and twice the memory traffic that
+// needs: 3.6x slower at d = 128, NOTES.md section 14); their sums meet over shuffles.
+__host__ __device__ constexpr int dot_threads(int d) { return (d / 8) & -(d / 8); }  // 2 .. 32
 template <typename T, int D>
 __global__ void flash_backward_dot_fp16_kernel(const T* __restrict__ O, const T* __restrict__ dO,
                                                float* __restrict__ Dsum, size_t rows) {
-    for (size_t q = blockIdx.x * size_t(blockDim.x) + threadIdx.x; q < rows;
-         q += size_t(gridDim.x) * blockDim.x) {
+    constexpr int TPR = dot_threads(D);
+    const int lane = threadIdx.x % 32;
+    // The warp's first row, then a grid's worth of rows on; every lane stays for the shuffles.
+    for (size_t q0 = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) / 32 * (32 / TPR);
+         q0 < rows; q0 += size_t(gridDim.x) * blockDim.x / TPR) {
+        const size_t q = q0 + lane / TPR;
         float sum = 0.f;
-        for (int c = 0; c < D; c += 8) {               // 8 elements (16 bytes) of each at a time
+        for (int c = lane % TPR * 8; c < D && q < rows; c += 8 * TPR) {  // 8 elements of each
             const uint4 o = *reinterpret_cast<const uint4*>(O + q * D + c);
             const uint4 g = *reinterpret_cast<const uint4*>(dO + q * D + c);
             for (int k = 0; k < 4; k++) {
@@ -526,7 +540,8 @@ __global__ void flash_backward_dot_fp16_kernel(const T* __restrict__ O, const T*
                 sum += a.x * b.x + a.y * b.y;
             }
         }
-        Dsum[q] = sum;
+        for (int x = TPR / 2; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+        if (q < rows && lane % TPR == 0) Dsum[q] = sum;
     }
 }
 
@@ -738,10 +753,11 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     const float scale_log2 = scale_log2_for(D);
     const BwdScratch scratch(s);
     const size_t rows = scratch.rows, turns = scratch.turns;
-    // Without a mask, every K/V tile of a head adds to every dQ_i, each after the one before:
-    // interleaving 4 heads' tiles keeps those of one head further apart in time (NOTES.md
-    // section 14). Under the mask the shortest-first order does that already.
-    const int group = s.causal ? 1 : 4;
+    // Every K/V tile of a head adds to a dQ_i after the one before it in the order: interleaving
+    // heads' tiles keeps those of one head further apart in time, 4 without a mask; under the mask
+    // 32, so that a wave holds few tiles of a head, all starting at its last Q tile (NOTES.md
+    // section 14).
+    const int group = s.causal ? 32 : 4;
     // Element-wise passes: 256 threads a block, at most 64 blocks an SM's worth (grid-stride).
     const int sms = flash_device_props().multiProcessorCount;
     const auto grid = [&](size_t n) { return int(std::min<size_t>((n + 255) / 256, 64 * sms)); };
@@ -753,7 +769,8 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
         // other than 0). dQacc needs no zeroing: each dQ_i's first block stores.
         cudaError_t err = cudaMemsetAsync(turn, 0, (turns + 1) * sizeof(int), stream);
         if (err != cudaSuccess) return err;
-        flash_backward_dot_fp16_kernel<T, D><<<grid(rows), 256, 0, stream>>>(O, dO, Dsum, rows);
+        flash_backward_dot_fp16_kernel<T, D>
+            <<<grid(rows * dot_threads(D)), 256, 0, stream>>>(O, dO, Dsum, rows);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
         kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
             Q, K, V, dO, L, Dsum, dQacc, turn, turn + turns, dK, dV, s.q_len, s.kv_len, s.causal,
