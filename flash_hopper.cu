@@ -337,9 +337,10 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 #pragma unroll
             for (int h = 0; h < 2; h++) {              // line 9 for row query + 8h
                 const int last = causal ? flash_last_key(query + 8 * h, q_len, kv_len) : kv_len - 1;
-                // Element n / 2, 2h + n % 2 is key j Bc + 2t + 8 (n / 2) + n % 2: masked past
-                // min(last, kv_len - 1), only in a tile that reaches past it (a branch, not a
-                // select on every element: NOTES.md section 17).
+                // Element n / 2 * 4 + 2h + n % 2 is key j Bc + 2t + 8 (n / 2) + n % 2: masked
+                // past min(last, kv_len - 1), only in a tile that reaches past it (a branch, not
+                // a select on every element: NOTES.md section 17). Bc - 7 = 8 (Bc / 8 - 1) + 1 is
+                // this thread's last key offset in the tile.
                 const int lim = min(last, kv_len - 1) - j * Bc - 2 * t;
                 if (lim < Bc - 7)
 #pragma unroll
@@ -357,7 +358,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                 float sum = 0.f;
 #pragma unroll
                 for (int n = 0; n < Bc / 4; n++) {     // P~_ij = exp(S_ij - m), in S's registers
-                    float& s = S_ij[4 * (n / 2) + 2 * h + n % 2];
+                    float& s = S_ij[n / 2 * 4 + 2 * h + n % 2];
                     s = exp2_ftz(fmaf(s, scale_log2, -m_log2));
                     sum += s;
                 }
