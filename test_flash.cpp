@@ -412,11 +412,7 @@ TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shap
     // Chapter 3 (flash_forward_*_hopper) on chapter 2's grid (odd lengths, q_len != kv_len both
     // ways, causal and not, rows that see no key, batched heads) at the head dims it runs, against
     // the same reference and the same tolerances. Only a GPU of compute capability 9.0 runs it.
-    if (current_device_props().major != 9) {
-        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0; this GPU is "
-             << current_device_props().major << "." << current_device_props().minor);
-        return;
-    }
+    if (!hopper_or_warn()) return;
     const AttentionShape s = GENERATE(from_range(forward_grid({64, 128, 256})));
     check_forward_on_gpu<TestType>(s, 1100, kHopperKernel);
 }
@@ -477,10 +473,7 @@ TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core forward matc
 
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the Hopper forward matches the reference",
                    "[gpu][sanitize][forward][hopper][fp16][bf16]", fp16, bf16) {
-    if (current_device_props().major != 9) {
-        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
-        return;
-    }
+    if (!hopper_or_warn()) return;
     const AttentionShape s = GENERATE(from_range(sanitizer_shapes({64, 128, 256}, 150)));
     check_forward_on_gpu<TestType>(s, 1350, kHopperKernel);
 }

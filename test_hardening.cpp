@@ -926,10 +926,7 @@ TEMPLATE_TEST_CASE("The Hopper forward's persistent grid runs Q tiles that see n
     // with Tc = 0 before and after others, in later rounds too (its Q_i loaded and given back
     // with no K/V tile between). Those rows must come out O = 0, L = -inf; the rest as the
     // reference says.
-    if (current_device_props().major != 9) {
-        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
-        return;
-    }
+    if (!hopper_or_warn()) return;
     const int d = GENERATE(64, 128, 256);
     check_forward_on_gpu<TestType>(AttentionShape{2, 64, 1000, 10, d, true}, 1770, kHopperKernel);
 }
@@ -943,10 +940,7 @@ TEMPLATE_TEST_CASE("The Hopper forward takes nothing from the stream's pool; its
     // (flash_release_scratch: earlier tests' backwards reserved more), its reservation is the
     // pool's smallest, reserved by the first call and never more. The driver reserves 32 MiB at
     // a time for a pool (measured on an H200, driver 580; a 2 MiB maxSize did not change it).
-    if (current_device_props().major != 9) {
-        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
-        return;
-    }
+    if (!hopper_or_warn()) return;
     const AttentionShape s{2, 8, 1000, 700, 128, true};
     const auto p = rounded_problem<TestType>(s, 3010);
     GpuAttention<TestType> gpu(p);
@@ -1129,10 +1123,7 @@ TEST_CASE("More than 65535 batch*heads: the heads past 65535 are right, the last
 
 TEMPLATE_TEST_CASE("100 calls of the Hopper forward give bitwise identical results",
                    "[gpu][hardening][determinism][hopper][fp16][bf16]", fp16, bf16) {
-    if (current_device_props().major != 9) {
-        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
-        return;
-    }
+    if (!hopper_or_warn()) return;
     const int d = GENERATE(64, 128, 256);
     // Two Q tiles at d = 64 (Br = 192), three elsewhere; three K/V tiles, six at d = 256 (Bc = 48).
     const AttentionShape s{1, 2, 300, 277, d, true};
@@ -1150,10 +1141,7 @@ TEMPLATE_TEST_CASE("The Hopper forward's persistent grid gives bitwise identical
     // or more a block on an H100's 132 SMs, and with the mask their lengths differ. Each tile's
     // arithmetic is its own, so O and L must not change in any bit. (The reference at this size
     // would take minutes on the CPU; the grid tests check these kernels' values.)
-    if (current_device_props().major != 9) {
-        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
-        return;
-    }
+    if (!hopper_or_warn()) return;
     const int d = GENERATE(64, 128, 256);
     const bool causal = GENERATE(false, true);
     const AttentionShape s{2, 64, 1000, 1000, d, causal};
@@ -1201,10 +1189,7 @@ TEMPLATE_TEST_CASE("More than 65535 batch*heads: the tensor-core forwards' heads
     // d = 64, on compute capability 9.0 only): the same with q_len 193 > Br = 192.
     const int kernel = GENERATE(kAmpereKernel, kHopperKernel);
     const bool causal = GENERATE(false, true);
-    if (kernel == kHopperKernel && current_device_props().major != 9) {
-        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
-        return;
-    }
+    if (kernel == kHopperKernel && !hopper_or_warn()) return;
     const AttentionShape s = kernel == kHopperKernel ? AttentionShape{70000, 1, 193, 33, 64, causal}
                                                      : AttentionShape{70000, 1, 65, 33, 16, causal};
     INFO(describe(s) << (kernel == kHopperKernel ? ", chapter 3" : ", chapter 2"));
@@ -1252,10 +1237,7 @@ TEMPLATE_TEST_CASE("Tensors of more than 2^31 elements: the tensor-core forwards
     // 131072.. lie wholly past element 2^31 (where a 32-bit element index wraps). Chapter 2
     // (kAmpereKernel), and chapter 3 (kHopperKernel) on compute capability 9.0.
     const int kernel = GENERATE(kAmpereKernel, kHopperKernel);
-    if (kernel == kHopperKernel && current_device_props().major != 9) {
-        WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0");
-        return;
-    }
+    if (kernel == kHopperKernel && !hopper_or_warn()) return;
     AttentionShape s{4097, 32, 128, 128, 128, false};
     const size_t need = (2 * q_elems(s) + 2 * kv_elems(s)) * sizeof(TestType) +
                         l_elems(s) * sizeof(float);

@@ -363,6 +363,14 @@ cudaDeviceProp current_device_props() {
     return prop;
 }
 
+bool hopper_or_warn() {
+    const cudaDeviceProp prop = current_device_props();
+    if (prop.major == 9) return true;
+    WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0; this GPU is "
+         << prop.major << "." << prop.minor);
+    return false;
+}
+
 // =============================================================================================
 // Validation helpers
 

@@ -24,7 +24,6 @@
 #include "device-fill.cuh"  // fill, max_diff, median_ms
 
 
-
 template <typename T>
 static void run(const char* type, void (*chapter2)(const T*, const T*, const T*, T*, float*,
                                                     const AttentionShape&, cudaStream_t),
