@@ -1,74 +1,107 @@
-# Minimal FlashAttention in CUDA C++: chapter 1 fp32 (CUDA cores), chapter 2 fp16 (tensor cores).
-#   make          build the test suite and the demo/benchmark
-#   make test     build and run the test suite (GPU tests skip, with one line, when there is no GPU)
-#   make run      the demo: one shape, timed, checked against the CPU reference
-#   make bench    the FlashAttention-2 benchmark protocol, flash vs standard attention
-#   make plot     bench.csv (written by make bench) -> bench.png (gnuplot)
-#   make sanitize the [sanitize] GPU tests under compute-sanitizer: memcheck, racecheck,
-#                 synccheck, initcheck (run this first after changing a kernel)
-#   make torch    build flash_torch.py's PyTorch extension (then: pytest test_torch.py)
-#   make clean
-# Overridable: ARCH (default native; e.g. ARCH=sm_90), NVCC, CPPFLAGS (e.g. -I<dir with catch2/>),
-# DEFINES (e.g. -DFLASH_MIN_BLOCKS_PER_SM=2).
+# FlashAttention in CUDA C++, in three chapters: 1, fp32 on the CUDA cores (flash.cu); 2, fp16 and
+# bf16 on the tensor cores (flash_fp16.cu); 3, Hopper's own instructions (flash_hopper.cu).
+# `make help` lists the targets.
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(shell command -v nvcc 2>/dev/null || echo $(CUDA_HOME)/bin/nvcc)
-ARCH      ?= native
+SANITIZER ?= $(shell command -v compute-sanitizer 2>/dev/null || echo $(CUDA_HOME)/bin/compute-sanitizer)
+
+# ARCH: the GPU to build for. With a GPU, the one in this machine (nvcc's -arch=native); without
+# one, sm_80, the oldest GPU both chapter 1 and chapter 2 run on (set ARCH=sm_75 for a T4, which
+# runs chapter 1 only: chapter 2's launchers refuse it).
+HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1)
+ifeq ($(HAVE_GPU),1)
+ARCH ?= native
+else
+ARCH ?= sm_80
+endif
+
+# Chapter 3 needs the sm_90a target (wgmma, setmaxnreg), which CUDA 12.0 and newer have. With an
+# older toolkit it is left out: flash_forward_fp16/_bf16 then run chapter 2 on every GPU, and
+# chapter 3's own calls throw std::runtime_error saying it was not built.
+HAVE_SM90A := $(shell $(NVCC) --list-gpu-code 2>/dev/null | grep -qx 'sm_90a\|sm_90' && echo 1)
+ifneq ($(HAVE_SM90A),1)
+DEFINES += -DFLASH_NO_HOPPER
+endif
+
 # -lineinfo lets compute-sanitizer and Nsight Compute point at source lines; it costs no speed.
-NVCCFLAGS ?= -O3 -std=c++17 -arch=$(ARCH) -lineinfo -Xcompiler -Wall,-Wextra $(DEFINES)
-# DEFINES: flash.cu's experiment knobs, e.g. make clean all DEFINES=-DFLASH_PLAIN_COPY
-DEFINES   ?=
+# DEFINES: the kernels' experiment knobs, e.g. make clean all DEFINES=-DFLASH_PLAIN_COPY.
+# CPPFLAGS: where Catch2 is, if not installed (e.g. -I.deps/include).
+NVCCFLAGS ?= -O3 -std=c++17 -arch=$(ARCH) -lineinfo -Xcompiler -Wall,-Wextra
+INCLUDES  := -I. -Ilib -Itests -Ibench
 CPPFLAGS  ?=
 LDLIBS    ?= -lcublas
+COMPILE    = $(NVCC) $(CPPFLAGS) $(INCLUDES) $(NVCCFLAGS) $(DEFINES)
+B := build
 
-# The library: the kernels of each chapter and the checks they share.
-# Chapter 1 (fp32, CUDA cores), chapter 2 (fp16/bf16, tensor cores), chapter 3 (Hopper's wgmma).
-FLASH_OBJS := flash.o flash_fp16.o flash_hopper.o checks.o
-# The tests: every test_*.cpp (test_flash.cpp, and any others it is split into).
-TEST_OBJS := $(patsubst %.cpp,%.o,$(wildcard test_*.cpp))
+# The library: each chapter's kernels and what they share (lib/: the argument checks).
+LIB_OBJS := $(B)/flash.o $(B)/flash_fp16.o $(B)/checks.o
+ifeq ($(HAVE_SM90A),1)
+LIB_OBJS += $(B)/flash_hopper.o
+endif
+TEST_OBJS := $(B)/test_flash.o $(B)/test_hardening.o $(B)/test_util.o
+DOCS_OBJS := $(B)/test_docs.o $(B)/test_util.o
+HEADERS   := flash.h reference.h $(wildcard lib/*.h tests/*.h bench/*.h)
 
-.PHONY: all test run bench plot sanitize torch clean
-SANITIZER ?= $(shell command -v compute-sanitizer 2>/dev/null || echo $(CUDA_HOME)/bin/compute-sanitizer)
+.PHONY: all test check stress run bench plot sanitize torch help clean
 all: test_flash flash_bench
 
-# Every object from its one source; every object includes flash.h (the API) and checks.h (the
-# library's inside: checks, element counts, FLASH_CUDA_CHECK), directly or through another header.
-%.o: %.cu flash.h checks.h
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
-%.o: %.cpp flash.h checks.h
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
-# The headers beyond those two that objects include.
-reference.o bench.o $(TEST_OBJS): reference.h
-flash.o flash_fp16.o flash_hopper.o: log2_units.h
+help:
+	@echo "make test      build and run the tests (about a minute; GPU tests skip, saying so, without a GPU)"
+	@echo "make run       the demo: one shape on the GPU, timed and checked against the CPU reference"
+	@echo "make check     the documentation checks: README's figures, NOTES' quotes, cited data, exercises"
+	@echo "make stress    the long determinism and size tests (run before calling a kernel change done)"
+	@echo "make sanitize  the [sanitize] tests under compute-sanitizer's four tools"
+	@echo "make bench     the FlashAttention-2 benchmark protocol (writes bench.csv); make plot draws it"
+	@echo "make torch     build the PyTorch op (pytorch/); then: pytest -rs pytorch"
+	@echo "make clean     remove what the build made"
+	@echo "Variables: ARCH (now $(ARCH)), DEFINES, CPPFLAGS (e.g. -I<dir holding catch2/>)"
+
+$(B):
+	@mkdir -p $(B)
+$(B)/%.o: %.cu $(HEADERS) | $(B)
+	$(COMPILE) -c $< -o $@
+$(B)/%.o: %.cpp $(HEADERS) | $(B)
+	$(COMPILE) -c $< -o $@
+$(B)/%.o: lib/%.cpp $(HEADERS) | $(B)
+	$(COMPILE) -c $< -o $@
+$(B)/%.o: tests/%.cpp $(HEADERS) | $(B)
+	$(COMPILE) -c $< -o $@
+$(B)/%.o: bench/%.cu $(HEADERS) | $(B)
+	$(COMPILE) -c $< -o $@
 # Chapter 3: wgmma exists only in the sm_90a target, whatever ARCH says (on another GPU its
 # launcher refuses to run, and the kernel traps if it ever did).
-flash_hopper.o: flash_hopper.cu flash.h checks.h
-	$(NVCC) $(CPPFLAGS) $(filter-out -arch=%,$(NVCCFLAGS)) -gencode=arch=compute_90a,code=sm_90a -c $< -o $@
-bench.o standard.o: standard.h
-$(TEST_OBJS): $(wildcard test_*.h)
+$(B)/flash_hopper.o: flash_hopper.cu $(HEADERS) | $(B)
+	$(NVCC) $(CPPFLAGS) $(INCLUDES) $(filter-out -arch=%,$(NVCCFLAGS)) $(DEFINES) \
+	    -gencode=arch=compute_90a,code=sm_90a -c $< -o $@
 
-test_flash: $(TEST_OBJS) $(FLASH_OBJS) reference.o
+test_flash: $(TEST_OBJS) $(LIB_OBJS) $(B)/reference.o
 	$(NVCC) $(NVCCFLAGS) $^ -o $@
-flash_bench: bench.o standard.o $(FLASH_OBJS) reference.o
+check_docs: $(DOCS_OBJS) $(LIB_OBJS) $(B)/reference.o
+	$(NVCC) $(NVCCFLAGS) $^ -o $@
+flash_bench: $(B)/bench.o $(B)/standard.o $(LIB_OBJS) $(B)/reference.o
 	$(NVCC) $(NVCCFLAGS) $^ -o $@ $(LDLIBS)
 
 test: test_flash
 	./test_flash
+check: check_docs
+	./check_docs
+stress: test_flash
+	./test_flash "[stress]"
 run: flash_bench
 	./flash_bench
 bench: flash_bench
 	./flash_bench --protocol --csv bench.csv
 plot:
-	gnuplot -e "csv='bench.csv'; out='bench.png'" plot.gp
+	gnuplot -e "csv='bench.csv'; out='bench.png'" bench/plot.gp
 sanitize: test_flash
 	@for tool in memcheck racecheck synccheck initcheck; do \
 	    echo "== compute-sanitizer --tool $$tool"; \
 	    $(SANITIZER) --tool $$tool --error-exitcode 1 ./test_flash "[sanitize]" || exit 1; \
 	done
-# Not part of all or test: the C++ half needs no Python. flash_torch.py compiles its extension on
-# first import (torch.utils.cpp_extension, cached in .torch_build/); this imports it once.
+# Not part of all or test: the C++ half needs no Python. pytorch/flash_torch.py compiles its
+# extension on first import (torch.utils.cpp_extension, cached in .torch_build/).
 torch:
-	python3 -c "import flash_torch; print('flash_torch: built in .torch_build/')"
+	cd pytorch && python3 -c "import flash_torch; print('flash_torch: built in .torch_build/')"
 clean:
-	rm -f *.o test_flash flash_bench
-	rm -rf .torch_build
+	rm -rf $(B) test_flash check_docs flash_bench .torch_build pytorch/.torch_build

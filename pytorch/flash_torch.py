@@ -30,6 +30,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)  # the repository root: flash.h and the chapters' kernels
 
 
 def _build():
@@ -48,8 +49,10 @@ def _build():
                               "capability 9.0) it must include 9.0a, chapter 3's target")
     build_dir = os.path.join(_HERE, ".torch_build")
     os.makedirs(build_dir, exist_ok=True)
-    sources = ["flash_torch.cpp", "flash.cu", "flash_fp16.cu", "flash_hopper.cu", "checks.cpp"]
-    return load(name="flash_torch_ext", sources=[os.path.join(_HERE, s) for s in sources],
+    sources = [os.path.join(_HERE, "flash_torch.cpp")] + [
+        os.path.join(_ROOT, s) for s in ("flash.cu", "flash_fp16.cu", "flash_hopper.cu", "lib/checks.cpp")]
+    return load(name="flash_torch_ext", sources=sources,
+                extra_include_paths=[_ROOT, os.path.join(_ROOT, "lib")],
                 extra_cflags=["-O3", "-std=c++17"],
                 extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
                 build_directory=build_dir, verbose=os.environ.get("FLASH_TORCH_VERBOSE") == "1")
