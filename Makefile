@@ -39,7 +39,8 @@ LIB_OBJS := $(B)/flash.o $(B)/flash_fp16.o $(B)/checks.o
 ifeq ($(HAVE_SM90A),1)
 LIB_OBJS += $(B)/flash_hopper.o
 endif
-TEST_OBJS := $(B)/test_flash.o $(B)/test_hardening.o $(B)/test_util.o
+# The tests: test_flash.cpp and every tests/test_*.cpp but the documentation checks (test_docs.cpp).
+TEST_OBJS := $(B)/test_flash.o $(patsubst tests/%.cpp,$(B)/%.o,$(filter-out tests/test_docs.cpp,$(wildcard tests/test_*.cpp)))
 DOCS_OBJS := $(B)/test_docs.o $(B)/test_util.o
 HEADERS   := flash.h reference.h $(wildcard lib/*.h tests/*.h bench/*.h)
 
