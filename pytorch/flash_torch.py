@@ -15,25 +15,110 @@ when q_len == kv_len. For q_len != kv_len the matching PyTorch mask is
 torch.nn.attention.bias.causal_lower_right(q_len, kv_len). A query row that sees no key (causal,
 q_len > kv_len) gets o = 0, lse = -inf and zero gradients (SDPA gives NaN there).
 
-Inputs that are not contiguous are copied to contiguous tensors first (a copy of the input's
-size); the outputs are contiguous. Bad input raises ValueError naming the argument and what is
-allowed (the C++ checks' own messages); a CUDA failure raises RuntimeError.
+The kernels read dense row-major tensors at 16-byte aligned addresses (flash.h). Any other q, k,
+v or gradient of o (a transposed or sliced view, an expanded tensor, a view at an odd offset) is
+copied to one first, a copy of its size; the outputs o, lse, dq, dk, dv are contiguous (autograd
+then hands each input's gradient back in that input's own layout). The backward runs once:
+differentiating it again raises RuntimeError. Bad input raises ValueError naming the argument and
+what is allowed (the C++ checks' own messages); a CUDA failure raises RuntimeError.
 
-The C++ half (flash_torch.cpp over flash.cu, flash_fp16.cu, flash_hopper.cu, checks.cpp) is
-compiled on first import with torch.utils.cpp_extension.load (nvcc and ninja; a minute or two,
-then cached in .torch_build/ beside this file), or ahead of time by `make torch`. Run the tests
-with `pytest test_torch.py`; see example_train.py for a model that uses it.
+Needs torch >= 2.3 built with CUDA, nvcc and ninja (MIN_TORCH below says why). The C++ half
+(flash_torch.cpp over the library's sources, LIBRARY_SOURCES below) is compiled on first use with
+torch.utils.cpp_extension (a minute or two, then cached in .torch_build/ beside this file), or
+ahead of time by `python3 flash_torch.py` (make torch), which names in one line whatever is
+missing. Run the tests with `pytest test_torch.py`; see example_train.py for a model that uses it.
 """
+import glob
 import os
+import re
+import sys
 
-import torch
-from torch.utils.cpp_extension import load
+# torch.utils.cpp_extension accepts the "9.0a" target (chapter 3's) from torch 2.2; the tests and
+# example_train.py choose SDPA's backend with torch.nn.attention.sdpa_kernel, new in torch 2.3.
+MIN_TORCH = (2, 3)
+NEED = f"torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} built with CUDA"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)  # the repository root: flash.h and the chapters' kernels
 
+# The library the extension links, relative to the repository root: each chapter's kernels (the
+# Makefile's LIB_OBJS) and every C++ or CUDA source in lib/ (what the chapters share). A library
+# source that lives elsewhere is added to this list, the one place that names them.
+LIBRARY_SOURCES = ["flash.cu", "flash_fp16.cu", "flash_hopper.cu"]
+INCLUDE_DIRS = [".", "lib"]
 
-def _build():
+
+def _torch_missing():
+    """One line saying why this Python's torch cannot serve (absent, too old, no CUDA), or None."""
+    try:
+        import torch
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            return f"import torch failed: {e}"
+        return f"PyTorch is not installed; the PyTorch op needs {NEED} (pip install torch)"
+    except ImportError as e:
+        return f"import torch failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    found = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
+    if not found or (int(found[1]), int(found[2])) < MIN_TORCH:
+        return f"torch {torch.__version__} is too old: the PyTorch op needs {NEED}"
+    if torch.version.cuda is None:
+        kind = "a ROCm build" if getattr(torch.version, "hip", None) else "a CPU-only build"
+        return f"torch {torch.__version__} has no CUDA ({kind}): the PyTorch op needs {NEED}"
+    return None
+
+
+_why_not = _torch_missing()
+if _why_not:
+    if __name__ == "__main__":
+        sys.exit(f"flash_torch: {_why_not}")
+    raise ImportError(f"flash_torch: {_why_not}")
+
+import torch  # noqa: E402
+from torch.autograd.function import once_differentiable  # noqa: E402
+
+
+def missing(need_gpu=False):
+    """None when this machine can build the extension (and, with need_gpu, run it); else one line
+    naming what it lacks: a CUDA GPU (or, to build for one elsewhere, TORCH_CUDA_ARCH_LIST), nvcc,
+    ninja."""
+    from torch.utils import cpp_extension
+    if not torch.cuda.is_available() and (need_gpu or not os.environ.get("TORCH_CUDA_ARCH_LIST")):
+        return ("flash_torch: no CUDA GPU visible to torch (no GPU, or no NVIDIA driver)" +
+                ("" if need_gpu else "; to build for a GPU elsewhere set TORCH_CUDA_ARCH_LIST, "
+                 "e.g. 9.0a for an H100"))
+    home = cpp_extension.CUDA_HOME
+    if home is None or not os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return ("flash_torch: nvcc not found (set CUDA_HOME, or put nvcc on PATH): install the "
+                f"CUDA toolkit of torch's CUDA major version ({torch.version.cuda})")
+    if not cpp_extension.is_ninja_available():
+        return "flash_torch: ninja not found: pip install ninja (torch.utils.cpp_extension uses it)"
+    return None
+
+
+def sources():
+    """The files compiled into the extension: the binding, then LIBRARY_SOURCES and lib/'s."""
+    named = [os.path.join(_ROOT, s) for s in LIBRARY_SOURCES]
+    absent = [s for s, path in zip(LIBRARY_SOURCES, named) if not os.path.exists(path)]
+    if absent:
+        raise FileNotFoundError(f"flash_torch: LIBRARY_SOURCES names {', '.join(absent)}, not in "
+                                f"the repository ({_ROOT}): update the list in flash_torch.py")
+    shared = sorted(glob.glob(os.path.join(_ROOT, "lib", "*.cpp")) +
+                    glob.glob(os.path.join(_ROOT, "lib", "*.cu")))
+    return [os.path.join(_HERE, "flash_torch.cpp")] + named + [s for s in shared if s not in named]
+
+
+_ext = None
+
+
+def build():
+    """The compiled extension, built (or loaded from .torch_build/) on the first call. Raises
+    ImportError naming what is missing, RuntimeError with the compiler's output if it fails."""
+    global _ext
+    if _ext is not None:
+        return _ext
+    why = missing()
+    if why:
+        raise ImportError(why)
     # One target, the GPU in this machine (TORCH_CUDA_ARCH_LIST overrides, as for any extension),
     # so the kernels are native code, not PTX compiled by the driver at start. On an H100 or H200
     # that is sm_90a ("9.0a"), the target with chapter 3's wgmma and setmaxnreg: there the forward
@@ -49,16 +134,22 @@ def _build():
                               "capability 9.0) it must include 9.0a, chapter 3's target")
     build_dir = os.path.join(_HERE, ".torch_build")
     os.makedirs(build_dir, exist_ok=True)
-    sources = [os.path.join(_HERE, "flash_torch.cpp")] + [
-        os.path.join(_ROOT, s) for s in ("flash.cu", "flash_fp16.cu", "flash_hopper.cu", "lib/checks.cpp")]
-    return load(name="flash_torch_ext", sources=sources,
-                extra_include_paths=[_ROOT, os.path.join(_ROOT, "lib")],
+    from torch.utils.cpp_extension import load
+    _ext = load(name="flash_torch_ext", sources=sources(),
+                extra_include_paths=[os.path.normpath(os.path.join(_ROOT, d)) for d in INCLUDE_DIRS],
                 extra_cflags=["-O3", "-std=c++17"],
                 extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
                 build_directory=build_dir, verbose=os.environ.get("FLASH_TORCH_VERBOSE") == "1")
+    return _ext
 
 
-_ext = _build()
+def _readable(t):
+    """t itself if the kernels can read it where it lies: contiguous (row-major, dense) and at a
+    16-byte aligned address, as flash.h requires; else a copy that is (fresh memory from PyTorch's
+    allocator is aligned). contiguous() alone would keep a contiguous view at an odd offset."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 class FlashAttention(torch.autograd.Function):
@@ -67,21 +158,26 @@ class FlashAttention(torch.autograd.Function):
     forward saves q, k, v, o and lse (fp32, one number a query row), not P: the backward
     recomputes P = exp(q k^T / sqrt(d) - lse) tile by tile, which is what keeps the memory of
     attention linear in the sequence length. Saving o lets the backward form D = rowsum(do * o).
+    What it saves are the tensors the kernels read (copies where an input had to be copied), so
+    the backward runs on exactly what the forward saw.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, causal):
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        o, lse = _ext.forward(q, k, v, bool(causal))
+        q, k, v = (_readable(t) for t in (q, k, v))
+        o, lse = build().forward(q, k, v, bool(causal))
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = bool(causal)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients are not themselves differentiable
     def backward(ctx, do, _dlse):
+        # do comes as the rest of the graph made it: often expanded (stride 0, from a sum or a
+        # mean), transposed (a transpose after attention) or a slice of a larger gradient.
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _ext.backward(q, k, v, o, do.contiguous(), lse, ctx.causal)
+        dq, dk, dv = build().backward(q, k, v, o, _readable(do), lse, ctx.causal)
         return dq, dk, dv, None
 
 
@@ -93,3 +189,25 @@ def flash_attention_with_lse(q, k, v, causal=False):
 def flash_attention(q, k, v, causal=False):
     """softmax(q k^T / sqrt(head_dim)) v, differentiable in q, k and v."""
     return FlashAttention.apply(q, k, v, causal)[0]
+
+
+def _main():
+    """`python3 flash_torch.py` (make torch): build the extension now, or say in one line what is
+    missing; exit status 0 only when it is built."""
+    why = missing()
+    if why:
+        return why
+    try:
+        build()
+    except (ImportError, FileNotFoundError) as e:  # our checks' line, or a load that failed
+        return f"flash_torch: {str(e).replace('flash_torch: ', '', 1)}"
+    except (RuntimeError, OSError) as e:  # the compiler's output, then what failed
+        return f"{e}\nflash_torch: building the extension failed (the compiler's output is above)"
+    print(f"flash_torch: built in {os.path.relpath(os.path.join(_HERE, '.torch_build'))}/ "
+          f"(torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')})")
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
