@@ -13,13 +13,21 @@ largest gap between them, and the median step time of each (CUDA events, after 2
 import argparse
 import math
 import statistics
+import sys
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+try:
+    import flash_torch  # first: it names in one line what is missing (torch, its version, CUDA)
+except ImportError as e:
+    if not str(e).startswith("flash_torch: "):
+        raise
+    sys.exit(str(e))
 
-from flash_torch import flash_attention
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from flash_torch import flash_attention  # noqa: E402
 
 VOCAB, WIDTH, HEADS, LAYERS, PERIOD = 64, 256, 4, 4, 8
 
@@ -106,6 +114,10 @@ def main():
     ap.add_argument("--csv", default="")
     ap.add_argument("--plot", default="")
     args = ap.parse_args()
+    why = flash_torch.missing(need_gpu=True)
+    if why:
+        sys.exit(why)
+    flash_torch.build()  # before the runs: compiling (the first time) is no part of either
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {LAYERS} layers, "
           f"width {WIDTH}, {HEADS} heads of {WIDTH // HEADS}, causal, seq {args.seq}, batch "

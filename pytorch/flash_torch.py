@@ -135,8 +135,8 @@ def build():
     build_dir = os.path.join(_HERE, ".torch_build")
     os.makedirs(build_dir, exist_ok=True)
     from torch.utils.cpp_extension import load
-    _ext = load(name="flash_torch_ext", sources=sources(),
-                extra_include_paths=[os.path.normpath(os.path.join(_ROOT, d)) for d in INCLUDE_DIRS],
+    includes = [os.path.normpath(os.path.join(_ROOT, d)) for d in INCLUDE_DIRS]
+    _ext = load(name="flash_torch_ext", sources=sources(), extra_include_paths=includes,
                 extra_cflags=["-O3", "-std=c++17"],
                 extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
                 build_directory=build_dir, verbose=os.environ.get("FLASH_TORCH_VERBOSE") == "1")

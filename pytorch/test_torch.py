@@ -1,21 +1,35 @@
 """test_torch.py: flash_torch.py against PyTorch, on the GPU.
 
-    pytest test_torch.py            (skips, with one line, where PyTorch or a CUDA GPU is missing)
+    pytest test_torch.py            (pytest.ini adds -rfEs: a skip prints its one-line reason)
 
 Every check compares with a float64 reference run on exactly the inputs the kernels saw (already
 rounded to their dtype), so the rounding of the inputs is no part of the error measured: the
 same method as the C++ suite. The reference is plain PyTorch attention in float64 with the
 bottom-right causal mask; a separate test shows that F.scaled_dot_product_attention agrees with
-it (is_causal=True when q_len == kv_len, causal_lower_right otherwise).
+it (is_causal=True when q_len == kv_len, causal_lower_right otherwise). Beyond contiguous
+tensors, the op is run as models call it: q, k, v as strided views (transposed, permuted, split
+from one fused projection, sliced, expanded over heads, at an odd address) and gradients of o
+that arrive expanded, transposed or sliced; forward and backward each time.
+
+Without torch (>= flash_torch.MIN_TORCH, built with CUDA), a CUDA GPU, nvcc or ninja the module
+skips, the reason in one line. A kernel or binding that does not compile is an error, not a skip.
 """
 import math
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed: the PyTorch tests skip")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU: the PyTorch tests skip", allow_module_level=True)
+try:
+    import flash_torch
+except ImportError as e:  # flash_torch's own one line: torch absent, too old or without CUDA
+    if not str(e).startswith("flash_torch: "):
+        raise
+    pytest.skip(str(e), allow_module_level=True)
+_missing = flash_torch.missing(need_gpu=True)
+if _missing:
+    pytest.skip(_missing, allow_module_level=True)
+flash_torch.build()  # once, here: a compile error fails the module (the compiler's output shown)
 
+import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from flash_torch import flash_attention, flash_attention_with_lse  # noqa: E402
@@ -34,9 +48,9 @@ def sees(q_len, kv_len, device):
     return j <= i + kv_len - q_len
 
 
-def reference(q, k, v, causal):
-    """(o, lse) in float64, differentiable; rows that see no key get o = 0 and lse = -inf."""
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+def attention64(q, k, v, causal):
+    """(o, lse) of float64 q, k, v (any strides), differentiable in them; rows that see no key get
+    o = 0 and lse = -inf."""
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         s = s.masked_fill(~sees(q.shape[-2], k.shape[-2], q.device), -math.inf)
@@ -45,7 +59,14 @@ def reference(q, k, v, causal):
     e = torch.exp(s - m)
     l = e.sum(-1, keepdim=True)
     o = (e / l.clamp_min(1e-300)) @ v
-    return o, (m + torch.log(l)).squeeze(-1), (q, k, v)
+    return o, (m + torch.log(l)).squeeze(-1)
+
+
+def reference(q, k, v, causal):
+    """(o, lse, (q, k, v)): attention64 of float64 leaves made from q, k, v."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o, lse = attention64(q, k, v, causal)
+    return o, lse, (q, k, v)
 
 
 def unit_roundoff(dtype):
@@ -99,6 +120,29 @@ def check(name, got, want, tol, label):
     assert err <= tol, f"{label}: {name} off by {err:.3g} at {at} (tolerance {tol:.3g})"
 
 
+def check_against_reference(label, dtype, q, k, v, do, o, lse, want_o, want_lse, grads):
+    """The checks of every run of the op: lse and o, then each (name, got, want) of grads, within
+    tolerances() of the float64 reference. q, k, v, do: what the kernels were given (any strides).
+    Returns (grad_rel, floor), the gradients' bound, for a test that derives another from it."""
+    q_len, kv_len, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    tol_lse, tol_o, grad_rel = tolerances(dtype, q, k, v, kv_len)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert o.shape == q.shape and lse.shape == q.shape[:3]
+    empty = torch.isinf(want_lse)  # rows that see no key: -inf in both
+    assert torch.equal(torch.isinf(lse), empty), f"{label}: lse is -inf on the wrong rows"
+    check("lse", lse[~empty], want_lse[~empty], tol_lse, label)
+    check("o", o, want_o, tol_o, label)
+    # dq, dk: dS = P (dP - D) cancels, leaving fp32 noise of about u |do| |v| a term that no
+    # relative bound covers: a floor of that noise summed over keys / queries (test_util.h).
+    u = unit_roundoff(dtype)
+    floor = 32 * u * do.abs().max().item() * v.abs().max().item() * max(
+        q.abs().max().item(), k.abs().max().item()) / math.sqrt(d) * math.sqrt(max(q_len, kv_len))
+    for name, got, want in grads:
+        assert got.dtype == dtype and got.shape == want.shape, f"{label}: {name} {got.shape}"
+        check(name, got, want, grad_rel * want.abs().max().item() + floor, label)
+    return grad_rel, floor
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -111,22 +155,9 @@ def test_forward_and_backward_match_the_float64_reference(dtype, d, shape, causa
     o.backward(do)
     want_o, want_lse, leaves = reference(q, k, v, causal)
     want_o.backward(do.double())
-    tol_lse, tol_o, grad_rel = tolerances(dtype, q, k, v, shape[3])
-    assert o.dtype == dtype and lse.dtype == torch.float32
-    assert lse.shape == shape[:3]
-    empty = torch.isinf(want_lse)  # rows that see no key: -inf in both
-    assert torch.equal(torch.isinf(lse), empty), f"{label}: lse is -inf on the wrong rows"
-    check("lse", lse[~empty], want_lse[~empty], tol_lse, label)
-    check("o", o, want_o, tol_o, label)
-    # dq, dk: dS = P (dP - D) cancels, leaving fp32 noise of about u |do| |v| a term that no
-    # relative bound covers: a floor of that noise summed over keys / queries (test_util.h).
-    u = unit_roundoff(dtype)
-    floor = 32 * u * do.abs().max().item() * v.abs().max().item() * max(
-        q.abs().max().item(), k.abs().max().item()) / math.sqrt(d) * math.sqrt(max(shape[2:]))
-    for name, got, ref in [("dq", q_.grad, leaves[0].grad), ("dk", k_.grad, leaves[1].grad),
-                           ("dv", v_.grad, leaves[2].grad)]:
-        assert got.dtype == dtype and got.shape == ref.shape
-        check(name, got, ref, grad_rel * ref.abs().max().item() + floor, label)
+    check_against_reference(label, dtype, q, k, v, do, o, lse, want_o, want_lse, [
+        ("dq", q_.grad, leaves[0].grad), ("dk", k_.grad, leaves[1].grad),
+        ("dv", v_.grad, leaves[2].grad)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
@@ -165,6 +196,228 @@ def test_non_contiguous_inputs_are_copied_and_give_the_same_result():
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, not contiguous
     assert not qt.is_contiguous()
     assert torch.equal(flash_attention(qt, k, v), flash_attention(q, k, v))
+
+
+# The op as models call it. A model's q, k, v are views of its own tensors (a projection viewed
+# (B, N, H, d) and transposed, three slices of one fused projection, ...) and the gradient of o
+# comes as the rest of the graph makes it (expanded by a sum, transposed, a slice of a larger
+# one): the op copies what its kernels cannot read, and each case runs forward and backward.
+
+def randn(g, dtype, *shape):
+    """N(0, 1) rounded to dtype, on the GPU: random, never all ones or zeros."""
+    return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+
+# name: (the tensors the model holds, made by (b, h, q_len, kv_len, d, dtype, generator); how it
+# makes q, k, v of them, views all, given (tensors, b, h, q_len, kv_len, d); whether the layout
+# needs q_len == kv_len).
+LAYOUTS = {
+    # (batch, seq, heads, head_dim), a projection's output viewed by head, then transposed.
+    "bnhd-transposed": (
+        lambda b, h, nq, nk, d, dt, g: [randn(g, dt, b, n, h, d) for n in (nq, nk, nk)],
+        lambda ts, b, h, nq, nk, d: [t.transpose(1, 2) for t in ts], False),
+    # (seq, batch, heads, head_dim), nn.MultiheadAttention's (L, N, E) order, permuted.
+    "seq-first-permuted": (
+        lambda b, h, nq, nk, d, dt, g: [randn(g, dt, n, b, h, d) for n in (nq, nk, nk)],
+        lambda ts, b, h, nq, nk, d: [t.permute(1, 2, 0, 3) for t in ts], False),
+    # One fused projection (B, N, 3 H d), viewed (B, N, 3, H, d) and permuted (3, B, H, N, d).
+    "fused-qkv-permuted": (
+        lambda b, h, nq, nk, d, dt, g: [randn(g, dt, b, nq, 3 * h * d)],
+        lambda ts, b, h, nq, nk, d: ts[0].view(b, nq, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0),
+        True),
+    # The same projection split in three along its last dim, as example_train.py's Block does.
+    "fused-qkv-split": (
+        lambda b, h, nq, nk, d, dt, g: [randn(g, dt, b, nq, 3 * h * d)],
+        lambda ts, b, h, nq, nk, d: [t.view(b, nq, h, d).transpose(1, 2)
+                                     for t in ts[0].split(h * d, dim=-1)], True),
+    # q: every other row of a longer tensor; k and v: the two halves of one (B, H, kv_len, 2 d)
+    # tensor's last dim (v starts d elements in).
+    "sliced": (
+        lambda b, h, nq, nk, d, dt, g: [randn(g, dt, b, h, 2 * nq, d),
+                                        randn(g, dt, b, h, nk, 2 * d)],
+        lambda ts, b, h, nq, nk, d: [ts[0][:, :, ::2], ts[1][..., :d], ts[1][..., d:]], False),
+    # q, k, v are themselves transposed views, and leaves: their gradients come back in that layout.
+    "strided-leaves": (
+        lambda b, h, nq, nk, d, dt, g: [randn(g, dt, b, n, h, d).transpose(1, 2)
+                                        for n in (nq, nk, nk)],
+        lambda ts, b, h, nq, nk, d: list(ts), False),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_strided_q_k_v_forward_and_backward(layout, dtype, causal):
+    """q, k, v as views of a model's tensors, which the op must copy. o, lse and the gradients
+    match the float64 reference run through the same views; each model tensor's gradient has its
+    shape and strides, and 0 where no view reads it; and everything equals, bit for bit, the op
+    on contiguous copies (flash.h: the kernels are deterministic)."""
+    make, views, same_lengths = LAYOUTS[layout]
+    b, h, nq, nk, d = (2, 3, 77, 77, 64) if same_lengths else (2, 3, 100, 37, 64)
+    label = (f"{layout} {str(dtype).split('.')[-1]} B,H,Nq,Nk=({b}, {h}, {nq}, {nk}) d={d} "
+             f"causal={causal}")
+    g = torch.Generator(device="cuda").manual_seed(100 + 2 * list(LAYOUTS).index(layout) + causal)
+    tensors = [t.requires_grad_() for t in make(b, h, nq, nk, d, dtype, g)]
+    do = randn(g, dtype, b, h, nq, d)
+    q, k, v = views(tensors, b, h, nq, nk, d)
+    assert not any(t.is_contiguous() for t in (q, k, v)), f"{label}: a premise, views to copy"
+    o, lse = flash_attention_with_lse(q, k, v, causal=causal)
+    o.backward(do)
+    for t in tensors:
+        assert t.grad.shape == t.shape and t.grad.stride() == t.stride(), (
+            f"{label}: a gradient {tuple(t.grad.shape)} strides {t.grad.stride()} for a tensor "
+            f"{tuple(t.shape)} strides {t.stride()}")
+    read = [torch.zeros(t.shape, dtype=torch.bool, device="cuda") for t in tensors]
+    for part in views(read, b, h, nq, nk, d):
+        part.fill_(True)
+    for t, r in zip(tensors, read):
+        assert (t.grad[~r] == 0).all(), f"{label}: a gradient where no view reads"
+    got = views([t.grad for t in tensors], b, h, nq, nk, d)
+
+    leaves = [t.detach().double().requires_grad_() for t in tensors]
+    want_o, want_lse = attention64(*views(leaves, b, h, nq, nk, d), causal)
+    want_o.backward(do.double())
+    want = views([t.grad for t in leaves], b, h, nq, nk, d)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    check_against_reference(label, dtype, qd, kd, vd, do, o, lse, want_o, want_lse,
+                            list(zip(("dq", "dk", "dv"), got, want)))
+
+    qc, kc, vc = (t.contiguous().requires_grad_() for t in (qd, kd, vd))
+    oc, lsec = flash_attention_with_lse(qc, kc, vc, causal=causal)
+    oc.backward(do)
+    for name, x, y in [("o", o, oc), ("lse", lse, lsec)] + list(
+            zip(("dq", "dk", "dv"), got, (qc.grad, kc.grad, vc.grad))):
+        assert torch.equal(x, y), f"{label}: {name} differs from the op's on contiguous copies"
+
+
+# name: (the shape of a random w, given (b, h, q_len, d); a backward through o that makes the
+# gradient of o out of w, given (o, w)).
+GRADIENTS = {
+    # o.backward(w expanded over the query rows): stride 0 along q_len.
+    "expanded": (lambda b, h, nq, d: (b, h, 1, d),
+                 lambda o, w: o.backward(w.expand_as(o))),
+    # A loss that sums o over the query rows: sum's backward hands w back expanded (stride 0).
+    "from-a-sum": (lambda b, h, nq, d: (b, h, d),
+                   lambda o, w: (o.sum(2) * w).sum().backward()),
+    # o.backward(a (B, N, H, d) tensor transposed).
+    "transposed": (lambda b, h, nq, d: (b, nq, h, d),
+                   lambda o, w: o.backward(w.transpose(1, 2))),
+    # A loss on o.transpose(1, 2), as a model's output projection reads o: the gradient of o
+    # arrives transposed.
+    "from-a-transpose": (lambda b, h, nq, d: (b, nq, h, d),
+                         lambda o, w: (o.transpose(1, 2) * w).sum().backward()),
+    # o.backward(the second half of a (B, H, N, 2 d) tensor's last dim): rows 2 d apart, offset.
+    "sliced": (lambda b, h, nq, d: (b, h, nq, 2 * d),
+               lambda o, w: o.backward(w[..., o.shape[-1]:])),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("gradient", list(GRADIENTS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gradient_of_o_in_any_layout(gradient, dtype, causal):
+    """The gradient of o as autograd hands it over, not contiguous (a hook sees it, so the
+    premise is checked): the gradients match the float64 reference under the same backward, and
+    equal, bit for bit, the op's with that gradient made contiguous."""
+    w_shape, backward = GRADIENTS[gradient]
+    b, h, nq, nk, d = 2, 3, 90, 130, 64
+    label = (f"do {gradient} {str(dtype).split('.')[-1]} B,H,Nq,Nk=({b}, {h}, {nq}, {nk}) "
+             f"d={d} causal={causal}")
+    seed = 200 + 2 * list(GRADIENTS).index(gradient) + causal
+    q, k, v, _ = inputs((b, h, nq, nk), d, dtype, seed=seed)
+    w = randn(torch.Generator(device="cuda").manual_seed(seed), dtype, *w_shape(b, h, nq, d))
+    q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+    o, lse = flash_attention_with_lse(q_, k_, v_, causal=causal)
+    seen = []
+    o.register_hook(seen.append)  # returns None: the gradient passes on unchanged
+    backward(o, w)
+    do = seen[0]
+    assert not do.is_contiguous(), f"{label}: a premise, do arrives {do.stride()}"
+    want_o, want_lse, leaves = reference(q, k, v, causal)
+    backward(want_o, w.double())
+    check_against_reference(label, dtype, q, k, v, do, o, lse, want_o, want_lse, [
+        ("dq", q_.grad, leaves[0].grad), ("dk", k_.grad, leaves[1].grad),
+        ("dv", v_.grad, leaves[2].grad)])
+
+    qc, kc, vc = (t.clone().requires_grad_() for t in (q, k, v))
+    flash_attention(qc, kc, vc, causal=causal).backward(do.contiguous())
+    for name, x, y in [("dq", q_.grad, qc.grad), ("dk", k_.grad, kc.grad),
+                       ("dv", v_.grad, vc.grad)]:
+        assert torch.equal(x, y), f"{label}: {name} differs from the op's with do contiguous"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_keys_and_values_shared_by_every_head_through_expand(dtype, causal):
+    """Multi-query attention written with expand: k and v are (B, 1, kv_len, d) tensors expanded
+    over the heads (stride 0). The op copies them; autograd sums the heads' dk and dv into them."""
+    b, h, nq, nk, d = 2, 4, 70, 45, 64
+    label = (f"expanded k, v {str(dtype).split('.')[-1]} B,H,Nq,Nk=({b}, {h}, {nq}, {nk}) "
+             f"causal={causal}")
+    q, k, v, do = inputs((b, h, nq, nk), d, dtype, seed=300 + causal)
+    k1, v1 = k[:, :1].clone(), v[:, :1].clone()
+    q_, k1_, v1_ = (t.clone().requires_grad_() for t in (q, k1, v1))
+    o, lse = flash_attention_with_lse(q_, k1_.expand(b, h, nk, d), v1_.expand(b, h, nk, d),
+                                      causal=causal)
+    o.backward(do)
+    kx, vx = k1.expand(b, h, nk, d), v1.expand(b, h, nk, d)
+    want_o, want_lse, leaves = reference(q, kx, vx, causal)  # leaves: one k and v per head
+    want_o.backward(do.double())
+    grad_rel, floor = check_against_reference(label, dtype, q, kx, vx, do, o, lse, want_o,
+                                              want_lse, [("dq", q_.grad, leaves[0].grad)])
+    # dk, dv: the sum over h heads of gradients each within grad_rel m + floor of its reference
+    # (m: the largest per-head entry), then h roundings in the dtype of partial sums at most h m.
+    u = unit_roundoff(dtype)
+    for name, got, per_head in [("dk", k1_.grad, leaves[1].grad), ("dv", v1_.grad, leaves[2].grad)]:
+        assert got.dtype == dtype and got.shape == (b, 1, nk, d), f"{label}: {name} {got.shape}"
+        m = per_head.abs().max().item()
+        check(name, got, per_head.sum(1, keepdim=True), h * (grad_rel * m + floor) + h * h * u * m,
+              label)
+
+
+def at_an_odd_address(t):
+    """A contiguous copy of t that starts one element into its storage: not 16-byte aligned."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = flat[1:].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+def test_contiguous_views_at_an_odd_address_are_copied(dtype):
+    """flash.h's kernels load 16 bytes at a time and refuse a pointer not 16-byte aligned; a
+    contiguous view one element into a buffer is such a pointer. The op copies it (q, k, v and
+    do): results equal, bit for bit, the op's on aligned copies, which match the reference."""
+    b, h, nq, nk, d = 1, 2, 33, 50, 64
+    label = f"odd address {str(dtype).split('.')[-1]}"
+    q, k, v, do = inputs((b, h, nq, nk), d, dtype, seed=400)
+    qm, km, vm = (at_an_odd_address(t).requires_grad_() for t in (q, k, v))
+    o, lse = flash_attention_with_lse(qm, km, vm, causal=True)
+    o.backward(at_an_odd_address(do))
+    q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+    o2, lse2 = flash_attention_with_lse(q_, k_, v_, causal=True)
+    o2.backward(do)
+    for name, x, y in [("o", o, o2), ("lse", lse, lse2), ("dq", qm.grad, q_.grad),
+                       ("dk", km.grad, k_.grad), ("dv", vm.grad, v_.grad)]:
+        assert torch.equal(x, y), f"{label}: {name} differs from the op's on aligned copies"
+    want_o, want_lse, leaves = reference(q, k, v, True)
+    want_o.backward(do.double())
+    check_against_reference(label, dtype, q, k, v, do, o2, lse2, want_o, want_lse, [
+        ("dq", q_.grad, leaves[0].grad), ("dk", k_.grad, leaves[1].grad),
+        ("dv", v_.grad, leaves[2].grad)])
+
+
+def test_a_second_derivative_raises_instead_of_being_dropped():
+    """The kernels' gradients are not differentiable. Asked for a second derivative (here of a
+    loss whose gradient of o depends on q), the op raises; it does not hand back a dq that
+    autograd treats as a constant."""
+    q, k, v, _ = inputs((1, 2, 40, 40), 64, torch.float32, seed=500)
+    q.requires_grad_()
+    o = flash_attention(q, k, v)
+    (dq,) = torch.autograd.grad((o * o).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (dq * k).sum().backward()
 
 
 def test_torch_compile_of_a_caller_gives_the_eager_result():
