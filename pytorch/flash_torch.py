@@ -79,9 +79,12 @@ from torch.autograd.function import once_differentiable  # noqa: E402
 
 def missing(need_gpu=False):
     """None when this machine can build the extension (and, with need_gpu, run it); else one line
-    naming what it lacks: a CUDA GPU (or, to build for one elsewhere, TORCH_CUDA_ARCH_LIST), nvcc,
-    ninja."""
-    from torch.utils import cpp_extension
+    naming what it lacks: setuptools (for torch.utils.cpp_extension), a CUDA GPU (or, to build
+    for one elsewhere, TORCH_CUDA_ARCH_LIST), nvcc, ninja."""
+    try:
+        from torch.utils import cpp_extension  # it imports setuptools, which a new venv may lack
+    except ImportError as e:
+        return f"flash_torch: torch.utils.cpp_extension fails ({e}): pip install setuptools"
     if not torch.cuda.is_available() and (need_gpu or not os.environ.get("TORCH_CUDA_ARCH_LIST")):
         return ("flash_torch: no CUDA GPU visible to torch (no GPU, or no NVIDIA driver)" +
                 ("" if need_gpu else "; to build for a GPU elsewhere set TORCH_CUDA_ARCH_LIST, "
