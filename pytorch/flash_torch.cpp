@@ -1,5 +1,5 @@
 // flash_torch.cpp: the PyTorch binding of flash.h, for flash_torch.py (which builds and loads it
-// on first import, with torch.utils.cpp_extension; or: make torch). Two functions, forward and
+// on first use, with torch.utils.cpp_extension; or: make torch). Two functions, forward and
 // backward, over (batch, heads, seq, head_dim) CUDA tensors in fp32, fp16 or bf16, on PyTorch's
 // current stream. Every check of flash.h's launchers runs as it does from C++; this file adds
 // the ones only a tensor can fail (device, dtype, rank, layout, matching sizes). Bad input raises
