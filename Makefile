@@ -54,7 +54,7 @@ help:
 	@echo "make stress    the long determinism and size tests (run before calling a kernel change done)"
 	@echo "make sanitize  the [sanitize] tests under compute-sanitizer's four tools"
 	@echo "make bench     the FlashAttention-2 benchmark protocol (writes bench.csv); make plot draws it"
-	@echo "make torch     build the PyTorch op (pytorch/); then: pytest -rs pytorch"
+	@echo "make torch     build the PyTorch op (pytorch/, torch >= 2.3); then: python3 -m pytest pytorch"
 	@echo "make clean     remove what the build made"
 	@echo "Variables: ARCH (now $(ARCH)), DEFINES, CPPFLAGS (e.g. -I<dir holding catch2/>)"
 
@@ -100,9 +100,10 @@ sanitize: test_flash
 	    echo "== compute-sanitizer --tool $$tool"; \
 	    $(SANITIZER) --tool $$tool --error-exitcode 1 ./test_flash "[sanitize]" || exit 1; \
 	done
-# Not part of all or test: the C++ half needs no Python. pytorch/flash_torch.py compiles its
-# extension on first import (torch.utils.cpp_extension, cached in .torch_build/).
+# Not part of all or test: the C++ half needs no Python. pytorch/flash_torch.py builds its extension
+# on first use (cached in pytorch/.torch_build/); run as a script it builds now, or says in one line
+# what is missing (torch >= 2.3 with CUDA, a GPU, nvcc, ninja).
 torch:
-	cd pytorch && python3 -c "import flash_torch; print('flash_torch: built in .torch_build/')"
+	python3 pytorch/flash_torch.py
 clean:
 	rm -rf $(B) test_flash check_docs flash_bench .torch_build pytorch/.torch_build
