@@ -6,8 +6,8 @@
 // compute (warp specialisation; setmaxnreg moves registers to the consumers); mbarriers say when
 // a stage is full and when it is free again. Each tile's softmax runs while the previous tile's
 // O_i += P~ V_j is on the tensor cores. The grid is persistent: a block an SM, each taking tile
-// after tile from a counter. Head dims 64, 128, 256, fp16 and bf16, compute capability 9.0 only.
-// Not here: FlashAttention-3's O written by TMA, its ping-pong (slower here, NOTES.md section 17),
+// after tile from a counter. Head dims: kFlashHopperHeadDims (flash.h); fp16 and bf16; compute
+// capability 9.0 only. Not here: FlashAttention-3's O written by TMA, its ping-pong (slower here, NOTES.md section 17),
 // its fp8.
 //
 // Build: wgmma exists only in the sm_90a target, so this file alone is compiled with
@@ -52,11 +52,13 @@ __host__ __device__ constexpr int handout_threads(int C) { return 32 + kWarpgrou
 // Keys a K/V tile: 128, but 48 at d = 256, where a consumer thread holds 128 floats of O_i and a
 // K/V tile of 128 keys is 128 KiB.
 __host__ __device__ constexpr int hopper_Bc(int head_dim) { return head_dim == 256 ? 48 : 128; }
-// K/V tiles in shared memory at once (227 KiB an SM): three (208 KiB with Q_i at d = 256; 64 keys
-// would allow only two, and d = 256 then ran 17-32% slower: NOTES.md section 17).
-__host__ __device__ constexpr int hopper_stages(int) { return 3; }
-// Step 5's persistent grid, one block an SM looping over the tiles: -DHOPPER_PERSISTENT=0 gives
-// every tile its own block again (step 3's grid), to measure what it buys.
+// The pipeline's stages, K/V tiles in shared memory at once (227 KiB an SM): three, the same at
+// every head dim (208 KiB with Q_i at d = 256; tiles of 64 keys there would leave room for two
+// only, and two stages ran 17-32% slower: NOTES.md section 17). A function of the head dim all
+// the same, as Br and Bc are, so that one head dim can be given its own count.
+__host__ __device__ constexpr int hopper_stages(int /* head_dim: the same at all */) { return 3; }
+// The grid: persistent, one block an SM looping over the tiles. -DHOPPER_PERSISTENT=0 gives every
+// tile its own block instead, to measure what the persistent grid buys.
 #ifndef HOPPER_PERSISTENT
 #define HOPPER_PERSISTENT 1
 #endif
@@ -180,6 +182,8 @@ __device__ __forceinline__ void wgmma_wait(float (&r)[N]) {
                "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41," \
                "%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61," \
                "%62,%63}"
+#define AB32 "{%32,%33,%34,%35}, %36"  // RS: A's 4 registers, B's descriptor
+#define AB64 "{%64,%65,%66,%67}, %68"
 #define WGMMA_SS(N, REGS, ACC, AB, TY)                                                          \
     asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", " AB    \
                  ", 1, 1, 1, 0, 0;\n" : ACC : "l"(a), "l"(b))
@@ -201,13 +205,22 @@ template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b) {
     static_assert(N == 64 || N == 128, "wgmma_rs is written for N = 64, 128");
     constexpr bool h = std::is_same<T, __half>::value;
-#define AB32 "{%32,%33,%34,%35}, %36"
-#define AB64 "{%64,%65,%66,%67}, %68"
     if constexpr (N == 64 && h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "f16"));
     if constexpr (N == 64 && !h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "bf16"));
     if constexpr (N == 128 && h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "f16"));
     if constexpr (N == 128 && !h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "bf16"));
 }
+#undef ACC8
+#undef ACC24
+#undef ACC32
+#undef ACC64
+#undef REGS24
+#undef REGS32
+#undef REGS64
+#undef AB32
+#undef AB64
+#undef WGMMA_SS
+#undef WGMMA_RS
 // Two floats as one 32-bit register of T pair, the A fragment's element pairs.
 template <typename T>
 __device__ __forceinline__ uint32_t pair_bits(float a, float b) {
@@ -407,19 +420,23 @@ static constexpr size_t flash_hopper_shared_bytes(int d) {
     return size_t(hopper_Br(d) + 2 * hopper_stages(d) * hopper_Bc(d)) * d * 2 + 1024 +
            8 * (2 * hopper_stages(d) + 3);
 }
-// The budgets, checked where they are set. Shared memory: 227 KiB a block on an H100 or H200.
-// Registers: setmaxnreg takes multiples of 8 from 24 to 256, and the block's 128 (C + 1) threads
-// share the SM's 65536.
-static_assert(flash_hopper_shared_bytes(64) <= 227 * 1024 &&
-              flash_hopper_shared_bytes(128) <= 227 * 1024 &&
-              flash_hopper_shared_bytes(256) <= 227 * 1024, "a block past 227 KiB");
+// The budgets, checked where they are set, at every head dim of kFlashHopperHeadDims. Shared
+// memory: 227 KiB a block on an H100 or H200. Registers: setmaxnreg takes multiples of 8 from 24
+// to 256, and the block's 128 (C + 1) threads share the SM's 65536.
 constexpr bool registers_fit(int C) {
     return producer_regs(C) % 8 == 0 && consumer_regs(C) % 8 == 0 && producer_regs(C) >= 24 &&
            consumer_regs(C) <= 256 &&
            kWarpgroup * (producer_regs(C) + C * consumer_regs(C)) <= 65536;
 }
-static_assert(registers_fit(hopper_C(64)) && registers_fit(hopper_C(128)) &&
-              registers_fit(hopper_C(256)), "setmaxnreg's registers past the SM's 65536");
+constexpr bool every_head_dim(bool (*fits)(int)) {
+    for (const int d : kFlashHopperHeadDims)
+        if (!fits(d)) return false;
+    return true;
+}
+static_assert(every_head_dim([](int d) { return flash_hopper_shared_bytes(d) <= 227 * 1024; }),
+              "a block past 227 KiB");
+static_assert(every_head_dim([](int d) { return registers_fit(hopper_C(d)); }),
+              "setmaxnreg's registers past the SM's 65536");
 
 // The tensor map of Q, K or V, (heads, len, D) elements of T, for boxes of rows x 64 elements in
 // the 128-byte swizzle; rows past len are read as zeros. cuTensorMapEncodeTiled is a driver call,
