@@ -50,10 +50,10 @@ __host__ __device__ constexpr int consumer_regs(int consumers) { return consumer
 // K/V tile of 128 keys is 128 KiB.
 __host__ __device__ constexpr int hopper_Bc(int head_dim) { return head_dim == 256 ? 48 : 128; }
 // The pipeline's stages, K/V tiles in shared memory at once (227 KiB an SM): three, the same at
-// every head dim (208 KiB with Q_i at d = 256; tiles of 64 keys there would leave room for two
-// only, and two stages ran 17-32% slower: NOTES.md section 17). A function of the head dim all
+// every head dim (208 KiB with Q_i at d = 256, where tiles of 64 keys would leave room for two
+// only, and two stages run 17-32% slower: NOTES.md section 17). A function of the head dim all
 // the same, as Br and Bc are, so that one head dim can be given its own count.
-__host__ __device__ constexpr int hopper_stages(int /* head_dim: the same at all */) { return 3; }
+__host__ __device__ constexpr int hopper_stages(int /* head_dim */) { return 3; }
 // The grid: persistent, one block an SM looping over the tiles. -DHOPPER_PERSISTENT=0 gives every
 // tile its own block instead, to measure what the persistent grid buys.
 #ifndef HOPPER_PERSISTENT
@@ -286,10 +286,11 @@ __device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty, i
 // tile's Q_i and first K/V tiles load while the last one's O_i is written. Consumers + 1
 // warpgroups: warpgroup 0 is the producer (its first warp fetches tile numbers, one thread, the
 // issuer, issues every TMA copy), warpgroups 1..Consumers the consumers, 64 rows of Q_i each
-// (Br = 64 Consumers). K/V tiles of Bc keys pass through a ring of Stages stages, each with two
-// mbarriers: full (the copy engine's bytes are in) and empty (the 4 Consumers consumer warps are
-// done reading it); Q_i has a pair too, a ring of one stage. A consumer thread's accumulators are
-// read through acc_at, as in chapter 2.
+// (Br = 64 Consumers). K/V tiles of Bc keys pass through a ring of Stages stages (PipelineState,
+// above), each with two mbarriers: full (the copy engine's bytes are in) and empty (all 4
+// Consumers consumer warps have read it); Q_i has a pair too, a ring of one stage whose phase
+// also picks the slot of the tile numbers. A consumer thread's accumulators are read through
+// acc_at, as in chapter 2.
 template <typename T, int D, int Bc, int Consumers>
 __global__ void __launch_bounds__(kWarpgroup * (Consumers + 1), 1)
 flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
@@ -305,7 +306,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     T* Q_i = reinterpret_cast<T*>(shared + (1024 - smem_addr(shared) % 1024) % 1024);
     T* KV = Q_i + Br * D;
     auto *full = reinterpret_cast<uint64_t*>(KV + Stages * 2 * Bc * D), *empty = full + Stages + 1;
-    int* work = reinterpret_cast<int*>(empty + Stages + 1);  // tile numbers: slot q.phase()
+    int* work = reinterpret_cast<int*>(empty + Stages + 1);  // tile numbers, at Q_i's phase
     const auto K_at = [&](int stage) { return KV + stage * 2 * Bc * D; };  // the stage's K_j,
     const auto V_at = [&](int stage) { return K_at(stage) + Bc * D; };     // and V_j after it
     // Line 3: tile -> (Q tile i, head bh) and its K/V tiles Tc, as chapter 2: heads in groups of
@@ -325,7 +326,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         const bool issuer = threadIdx.x == 0;
         PipelineState<Stages> kv;                      // the K/V tile it loads next
         int tile = blockIdx.x;
-        for (PipelineState<1> q;; q.advance()) {       // q: Q_i's ring, and the slot of work
+        for (PipelineState<1> q;; q.advance()) {       // Q_i's ring, of one stage
             if (issuer) work[q.phase()] = tile;        // the next tile (past the end: none left)
             if (tile >= tiles) break;
             const auto [i, bh, Tc] = decode(tile);
@@ -340,10 +341,10 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                 load_tile<Bc, D>(K_at(kv.stage()), K, j * Bc, bh, &full[kv.stage()]);
                 load_tile<Bc, D>(V_at(kv.stage()), V, j * Bc, bh, &full[kv.stage()]);
             }
-            if (Tc <= Stages) handout<Consumers>();  // (all of its tiles issued)
+            if (Tc <= Stages) handout<Consumers>();    // (all of its tiles issued)
             tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
         }
-        handout<Consumers>();                       // the consumers learn that none is left
+        handout<Consumers>();                          // the consumers learn that none is left
         // It leaves only once the last tiles it filled are read: a producer that returns at once
         // leaves blocks that never finish under compute-sanitizer's racecheck.
         for (PipelineState<Stages> s{max(kv.n - Stages, 0)}; s.n < kv.n; s.advance())
@@ -356,9 +357,9 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     // The warpgroup's 64 rows of Q_i: in each 64-column block, after wg times 64 rows of 64.
     const char* Q_w = reinterpret_cast<const char*>(Q_i + wg * 64 * 64);
     uint32_t P[Bc / 16][4];                            // P~ of the last tile, in T, as A
-    PipelineState<Stages> kv;                          // the first K/V tile of the Q tile
-    for (PipelineState<1> q;; q.advance()) {           // q: Q_i's ring, and the slot of work
-        handout<Consumers>();                       // the producer has written work[q.phase()]
+    PipelineState<Stages> kv;                          // where the Q tile's K/V tiles start
+    for (PipelineState<1> q;; q.advance()) {           // Q_i's ring, of one stage
+        handout<Consumers>();                          // the producer has written work[q.phase()]
         const int tile = work[q.phase()];
         if (tile >= tiles) break;
         const auto [i, bh, Tc] = decode(tile);
