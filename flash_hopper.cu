@@ -6,9 +6,9 @@
 // compute (warp specialisation; setmaxnreg moves registers to the consumers); mbarriers say when
 // a stage is full and when it is free again. Each tile's softmax runs while the previous tile's
 // O_i += P~ V_j is on the tensor cores. The grid is persistent: a block an SM, each taking tile
-// after tile from a counter. Head dims 64, 128, 256, fp16 and bf16, compute capability 9.0 only.
-// Not here: FlashAttention-3's O written by TMA, its ping-pong (slower here, NOTES.md section 17),
-// its fp8.
+// after tile from a counter. Head dims: kFlashHopperHeadDims (flash.h); fp16 and bf16; compute
+// capability 9.0 only. Not here: FlashAttention-3's O written by TMA, its ping-pong (slower here,
+// NOTES.md section 17), its fp8.
 //
 // Build: wgmma exists only in the sm_90a target, so this file alone is compiled with
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c flash_hopper.cu
@@ -39,24 +39,23 @@
 
 constexpr int kWarpgroup = 128;  // threads in a warpgroup: 4 warps, which issue a wgmma together
 constexpr int kRowBytes = 128;   // bytes of a swizzled row: 64 fp16 or bf16 elements (below)
-// Consumer warpgroups, 64 rows of Q_i each (Br = 64 C): two, but three at d = 64, where a tile's
-// products are short beside its softmax. Registers a thread, set with setmaxnreg: 65536 shared
-// by the block's 128 (C + 1) threads, the producer keeping few.
-__host__ __device__ constexpr int hopper_C(int head_dim) { return head_dim == 64 ? 3 : 2; }
-__host__ __device__ constexpr int hopper_Br(int head_dim) { return 64 * hopper_C(head_dim); }
-__host__ __device__ constexpr int producer_regs(int C) { return C == 2 ? 24 : 32; }
-__host__ __device__ constexpr int consumer_regs(int C) { return C == 2 ? 240 : 160; }
-// The threads that meet at named barrier 1 as a tile starts: the producer's first warp, which has
-// fetched the tile's number, and the consumers, which take it.
-__host__ __device__ constexpr int handout_threads(int C) { return 32 + kWarpgroup * C; }
+// Consumer warpgroups, 64 rows of Q_i each (Br = 64 consumers): two, but three at d = 64, where a
+// tile's products are short beside its softmax. Registers a thread, set with setmaxnreg: 65536
+// shared by the block's 128 (consumers + 1) threads, the producer keeping few.
+__host__ __device__ constexpr int hopper_consumers(int head_dim) { return head_dim == 64 ? 3 : 2; }
+__host__ __device__ constexpr int hopper_Br(int d) { return 64 * hopper_consumers(d); }
+__host__ __device__ constexpr int producer_regs(int consumers) { return consumers > 2 ? 32 : 24; }
+__host__ __device__ constexpr int consumer_regs(int consumers) { return consumers > 2 ? 160 : 240; }
 // Keys a K/V tile: 128, but 48 at d = 256, where a consumer thread holds 128 floats of O_i and a
 // K/V tile of 128 keys is 128 KiB.
 __host__ __device__ constexpr int hopper_Bc(int head_dim) { return head_dim == 256 ? 48 : 128; }
-// K/V tiles in shared memory at once (227 KiB an SM): three (208 KiB with Q_i at d = 256; 64 keys
-// would allow only two, and d = 256 then ran 17-32% slower: NOTES.md section 17).
-__host__ __device__ constexpr int hopper_stages(int) { return 3; }
-// Step 5's persistent grid, one block an SM looping over the tiles: -DHOPPER_PERSISTENT=0 gives
-// every tile its own block again (step 3's grid), to measure what it buys.
+// The pipeline's stages, K/V tiles in shared memory at once (227 KiB an SM): three, the same at
+// every head dim (208 KiB with Q_i at d = 256, where tiles of 64 keys would leave room for two
+// only, and two stages run 17-32% slower: NOTES.md section 17). A function of the head dim all
+// the same, as Br and Bc are, so that one head dim can be given its own count.
+__host__ __device__ constexpr int hopper_stages(int /* head_dim */) { return 3; }
+// The grid: persistent, one block an SM looping over the tiles. -DHOPPER_PERSISTENT=0 gives every
+// tile its own block instead, to measure what the persistent grid buys.
 #ifndef HOPPER_PERSISTENT
 #define HOPPER_PERSISTENT 1
 #endif
@@ -121,7 +120,7 @@ __device__ __forceinline__ void load_tile(T* to, const CUtensorMap& map, int fir
 
 // setmaxnreg (PTX ISA, "Miscellaneous Instructions: setmaxnreg"): a warpgroup gives back registers
 // (inc = false) or takes them (true) up to R a thread. The block starts with 65536 / its threads
-// (168 a thread with C = 2, 128 with C = 3) and the sums stay within 65536.
+// (168 a thread with 2 consumers, 128 with 3) and the sums stay within 65536.
 template <bool Inc, int R>
 __device__ __forceinline__ void setmaxnreg() {
     if constexpr (Inc) HOPPER_ONLY(asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)));
@@ -134,6 +133,10 @@ __device__ __forceinline__ void setmaxnreg() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// The hand-out, named barrier 1, where the producer's first warp, which has fetched a tile's
+// number, gives it to the consumer warpgroups, which take it as they start the tile.
+template <int Consumers>
+__device__ __forceinline__ void handout() { named_barrier(1, 32 + kWarpgroup * Consumers); }
 
 // A shared-memory matrix descriptor (wgmma, "Matrix Descriptor Format"): the start address, the
 // leading and stride byte offsets (each >> 4) and the swizzle mode (1: 128 bytes). sbo: from one
@@ -164,7 +167,7 @@ __device__ __forceinline__ void wgmma_wait(float (&r)[N]) {
 }
 
 // wgmma.mma_async m64nNk16 with fp32 accumulators d (N / 2 a thread, laid out as mma.m16n8's, a
-// warp's 16 rows each). SS: A and B in shared memory, both K-major (S = Q_i K_j^T). RS: A in
+// warp's 16 rows each). SS: A and B in shared memory, both K-major (S_ij = Q_i K_j^T). RS: A in
 // registers as mma.m16n8k16's A fragment (P~), B in shared memory read transposed (imm-trans-b 1:
 // V_j is stored keys x columns).
 #define ACC8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), \
@@ -180,6 +183,8 @@ __device__ __forceinline__ void wgmma_wait(float (&r)[N]) {
                "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41," \
                "%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61," \
                "%62,%63}"
+#define AB32 "{%32,%33,%34,%35}, %36"  // RS: A's 4 registers, B's descriptor
+#define AB64 "{%64,%65,%66,%67}, %68"
 #define WGMMA_SS(N, REGS, ACC, AB, TY)                                                          \
     asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", " AB    \
                  ", 1, 1, 1, 0, 0;\n" : ACC : "l"(a), "l"(b))
@@ -201,13 +206,22 @@ template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b) {
     static_assert(N == 64 || N == 128, "wgmma_rs is written for N = 64, 128");
     constexpr bool h = std::is_same<T, __half>::value;
-#define AB32 "{%32,%33,%34,%35}, %36"
-#define AB64 "{%64,%65,%66,%67}, %68"
     if constexpr (N == 64 && h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "f16"));
     if constexpr (N == 64 && !h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "bf16"));
     if constexpr (N == 128 && h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "f16"));
     if constexpr (N == 128 && !h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "bf16"));
 }
+#undef ACC8
+#undef ACC24
+#undef ACC32
+#undef ACC64
+#undef REGS24
+#undef REGS32
+#undef REGS64
+#undef AB32
+#undef AB64
+#undef WGMMA_SS
+#undef WGMMA_RS
 // Two floats as one 32-bit register of T pair, the A fragment's element pairs.
 template <typename T>
 __device__ __forceinline__ uint32_t pair_bits(float a, float b) {
@@ -222,204 +236,251 @@ __device__ __forceinline__ uint32_t pair_bits(float a, float b) {
     return bits;
 }
 
+// Chapter 2's acc_at, for a warpgroup's accumulators (one flat array a thread, laid out as
+// mma.m16n8's, a warp's 16 rows each): element (r, c) is row 16 warp + g + 8r of the warpgroup's
+// 64, r = 0, 1, and column 8 (c / 2) + 2t + c % 2 (lane = 4g + t).
+template <int N>
+__device__ __forceinline__ float& acc_at(float (&acc)[N], int r, int c) {
+    return acc[c / 2 * 4 + 2 * r + c % 2];
+}
+// Chapter 2's quad_reduce: v combined by op (fmaxf, or add) over the quad, the 4 lanes 4g .. 4g + 3
+// that hold a row, lanes 1 apart first, then 2; every lane gets the result.
+template <typename Op>
+__device__ __forceinline__ float quad_reduce(float v, Op op) {
+    v = op(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return op(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float add(float a, float b) { return a + b; }
+
+// The pipeline (CUTLASS's PipelineState, ThunderKittens' stage and phase bit): a ring of Stages
+// buffers, each with a full and an empty mbarrier, through which tiles pass in order. Tile n
+// (counted from the block's start) sits in stage n % Stages and completes phase n / Stages of that
+// stage's barriers; waiters name the phase's parity. The rules: the producer loads tile n into its
+// stage once the stage's empty barrier has completed the phase before (tile n - Stages is read;
+// the first Stages tiles find their stages free), telling full how many bytes will come; a
+// consumer reads it once full has completed its phase, then each of its warps arrives on empty.
+// PipelineState is the pair (stage, phase), kept as n, from which both follow; advance() moves it
+// on. The producer's state is the tile it loads next, a consumer's the tile it reads next.
+template <int Stages>
+struct PipelineState {
+    int n = 0;  // tiles through the ring before this one
+    __device__ int stage() const { return n % Stages; }
+    __device__ int phase() const { return n / Stages % 2; }
+    __device__ int phase_before() const { return (n / Stages - 1) % 2; }  // for n >= Stages
+    __device__ PipelineState previous() const { return {n - 1}; }
+    __device__ void advance(int tiles = 1) { n += tiles; }
+};
+// The ring's barriers, set up by one thread before any use: pairs of full (one arrival, the
+// producer's, and the bytes of its copies) and empty (one arrival from each consumer warp).
+// fence.mbarrier_init: the TMA's completions see them initialised too.
+__device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty, int pairs,
+                                              int consumer_warps) {
+    for (int s = 0; s < pairs; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], consumer_warps);
+    HOPPER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The kernel. A persistent grid, one block an SM, each block running tiles (Q tile i, batch*head)
 // one after another: its first is blockIdx.x, then whichever the counter `next` hands out as it
 // nears the end of one (dynamic, so that long causal tiles and short ones even out), and the next
-// tile's Q_i and first K/V tiles load while the last one's O_i is written. C + 1 warpgroups:
-// warpgroup 0 is the producer (its first warp fetches tile numbers, one thread issues every TMA
-// copy), warpgroups 1..C the consumers, 64 rows of Q_i each (Br = 64 C). K/V tiles of Bc keys in
-// S stages, each with two mbarriers: full (the copy engine's bytes are in) and empty (the 4 C
-// consumer warps are done reading it); Q_i has a pair too. A consumer thread's accumulator element
-// 4n + 2h + e is row 16 warp + g + 8h of its warpgroup's 64, column 8n + 2t + e (lane = 4g + t),
-// as in chapter 2.
-template <typename T, int D, int Bc, int C>
-__global__ void __launch_bounds__(kWarpgroup * (C + 1), 1)
+// tile's Q_i and first K/V tiles load while the last one's O_i is written. Consumers + 1
+// warpgroups: warpgroup 0 is the producer (its first warp fetches tile numbers, one thread, the
+// issuer, issues every TMA copy), warpgroups 1..Consumers the consumers, 64 rows of Q_i each
+// (Br = 64 Consumers). K/V tiles of Bc keys pass through a ring of Stages stages (PipelineState,
+// above), each with two mbarriers: full (the copy engine's bytes are in) and empty (all 4
+// Consumers consumer warps have read it); Q_i has a pair too, a ring of one stage whose phase
+// also picks the slot of the tile numbers. A consumer thread's accumulators are read through
+// acc_at, as in chapter 2.
+template <typename T, int D, int Bc, int Consumers>
+__global__ void __launch_bounds__(kWarpgroup * (Consumers + 1), 1)
 flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                             const __grid_constant__ CUtensorMap K,
                             const __grid_constant__ CUtensorMap V, T* __restrict__ O,
                             float* __restrict__ L, int q_len, int kv_len, bool causal, int Tr,
-                            int tiles, int HG, float scale_log2, int* next) {
-    constexpr int Br = 64 * C, S = hopper_stages(D);
+                            int tiles, int head_group, float scale_log2, int* next) {
+    constexpr int Br = 64 * Consumers, Stages = hopper_stages(D);
     extern __shared__ __align__(16) unsigned char shared[];
     // Q_i (Br rows), then the stages of K_j and V_j (Bc rows each), each as blocks of 64 columns,
-    // all 1024-byte aligned; after them the mbarriers: full[s] and empty[s] of stage s, full[S]
-    // and empty[S] for Q_i; then the tile numbers.
+    // all 1024-byte aligned; after them the mbarriers: full[s] and empty[s] of stage s,
+    // full[Stages] and empty[Stages] for Q_i; then the tile numbers, two slots.
     T* Q_i = reinterpret_cast<T*>(shared + (1024 - smem_addr(shared) % 1024) % 1024);
     T* KV = Q_i + Br * D;
-    uint64_t *full = reinterpret_cast<uint64_t*>(KV + S * 2 * Bc * D), *empty = full + S + 1;
-    int* work = reinterpret_cast<int*>(empty + S + 1);  // tile numbers, for rounds r % 2
-    // Line 3: tile b -> (Q tile i, head bh) and its K/V tiles Tc, as chapter 2: heads in groups of
-    // HG, each group's Q tiles longest (causal) first, its heads taking turns.
-    const auto tile = [&](int b) {                     // -> {i, bh, Tc}
-        const int head0 = b / (HG * Tr) * HG, heads = min(HG, tiles / Tr - head0);
-        const int i = Tr - 1 - b % (HG * Tr) / heads;
-        return int3{i, head0 + b % (HG * Tr) % heads,
+    auto *full = reinterpret_cast<uint64_t*>(KV + Stages * 2 * Bc * D), *empty = full + Stages + 1;
+    int* work = reinterpret_cast<int*>(empty + Stages + 1);  // tile numbers, at Q_i's phase
+    const auto K_at = [&](int stage) { return KV + stage * 2 * Bc * D; };  // the stage's K_j,
+    const auto V_at = [&](int stage) { return K_at(stage) + Bc * D; };     // and V_j after it
+    // Line 3: tile -> (Q tile i, head bh) and its K/V tiles Tc, as chapter 2: heads in groups of
+    // head_group, each group's Q tiles longest (causal) first, its heads taking turns.
+    const auto decode = [&](int tile) {                // -> {i, bh, Tc}
+        const int head0 = tile / (head_group * Tr) * head_group;
+        const int heads = min(head_group, tiles / Tr - head0), place = tile % (head_group * Tr);
+        const int i = Tr - 1 - place / heads;
+        return int3{i, head0 + place % heads,
                     (flash_kv_end(i * Br, Br, q_len, kv_len, causal) + Bc - 1) / Bc};
     };
-    if (threadIdx.x == 0) {
-        for (int s = 0; s <= S; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 4 * C);
-        // fence.mbarrier_init: the initialised barriers are seen by the TMA's completions too.
-        HOPPER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
-    }
+    if (threadIdx.x == 0) init_barriers(full, empty, Stages + 1, 4 * Consumers);
     __syncthreads();
     if (threadIdx.x < kWarpgroup) {                    // the producer: lines 4 and 7
-        setmaxnreg<false, producer_regs(C)>();         // it needs few registers; the math, many
+        setmaxnreg<false, producer_regs(Consumers)>();  // it needs few registers; the math, many
         if (threadIdx.x >= 32) return;                 // warp 0 runs the loop, lane 0 the copies
-        const bool one = threadIdx.x == 0;
-        int x = 0;                                     // K/V tiles loaded, over all of the block's
-        for (int r = 0, b = blockIdx.x;; r++) {
-            if (one) work[r % 2] = b;                  // tile b (past the end: none left) is next
-            if (b >= tiles) break;
-            const auto [i, bh, Tc] = tile(b);
-            if (r > 0) mbar_wait(&empty[S], (r - 1) % 2);  // the last Q_i is read
-            if (one) mbar_expect_bytes(&full[S], Br * D * sizeof(T));  // line 4: load Q_i
-            if (one) load_tile<Br, D>(Q_i, Q, i * Br, bh, &full[S]);
-            for (int j = 0; j < Tc; j++, x++) {        // line 7: K_j, V_j, once tile x - S is read
-                if (j == S) named_barrier(1, handout_threads(C));  // the consumers start tile b
-                if (x >= S) mbar_wait(&empty[x % S], (x / S - 1) % 2);
-                if (!one) continue;
-                mbar_expect_bytes(&full[x % S], 2 * Bc * D * sizeof(T));
-                load_tile<Bc, D>(KV + x % S * 2 * Bc * D, K, j * Bc, bh, &full[x % S]);
-                load_tile<Bc, D>(KV + (x % S * 2 + 1) * Bc * D, V, j * Bc, bh, &full[x % S]);
+        const bool issuer = threadIdx.x == 0;
+        PipelineState<Stages> kv;                      // the K/V tile it loads next
+        int tile = blockIdx.x;
+        for (PipelineState<1> q;; q.advance()) {       // Q_i's ring, of one stage
+            if (issuer) work[q.phase()] = tile;        // the next tile (past the end: none left)
+            if (tile >= tiles) break;
+            const auto [i, bh, Tc] = decode(tile);
+            if (q.n > 0) mbar_wait(&empty[Stages], q.phase_before());  // the last Q_i is read
+            if (issuer) mbar_expect_bytes(&full[Stages], Br * D * sizeof(T));  // line 4: load Q_i
+            if (issuer) load_tile<Br, D>(Q_i, Q, i * Br, bh, &full[Stages]);
+            for (int j = 0; j < Tc; j++, kv.advance()) {  // line 7: K_j, V_j, in a free stage
+                if (j == Stages) handout<Consumers>();  // the consumers start this tile
+                if (kv.n >= Stages) mbar_wait(&empty[kv.stage()], kv.phase_before());
+                if (!issuer) continue;
+                mbar_expect_bytes(&full[kv.stage()], 2 * Bc * D * sizeof(T));
+                load_tile<Bc, D>(K_at(kv.stage()), K, j * Bc, bh, &full[kv.stage()]);
+                load_tile<Bc, D>(V_at(kv.stage()), V, j * Bc, bh, &full[kv.stage()]);
             }
-            if (Tc <= S) named_barrier(1, handout_threads(C));  // (all of its tiles issued)
-            b = __shfl_sync(0xffffffffu, one ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
+            if (Tc <= Stages) handout<Consumers>();    // (all of its tiles issued)
+            tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
         }
-        named_barrier(1, handout_threads(C));         // the consumers learn that none is left
-        // It leaves once the last tiles it filled are read (a producer that returned at once left
-        // blocks that never finished under compute-sanitizer's racecheck).
-        for (int y = max(x - S, 0); y < x; y++) mbar_wait(&empty[y % S], y / S % 2);
+        handout<Consumers>();                          // the consumers learn that none is left
+        // It leaves only once the last tiles it filled are read: a producer that returns at once
+        // leaves blocks that never finish under compute-sanitizer's racecheck.
+        for (PipelineState<Stages> s{max(kv.n - Stages, 0)}; s.n < kv.n; s.advance())
+            mbar_wait(&empty[s.stage()], s.phase());
         return;
     }
-    setmaxnreg<true, consumer_regs(C)>();
-    const int wg = threadIdx.x / kWarpgroup - 1;       // which consumer, 0 .. C - 1
+    setmaxnreg<true, consumer_regs(Consumers)>();
+    const int wg = threadIdx.x / kWarpgroup - 1;       // which consumer, 0 .. Consumers - 1
     const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     // The warpgroup's 64 rows of Q_i: in each 64-column block, after wg times 64 rows of 64.
     const char* Q_w = reinterpret_cast<const char*>(Q_i + wg * 64 * 64);
     uint32_t P[Bc / 16][4];                            // P~ of the last tile, in T, as A
-    const auto K_of = [&](int x) {                     // K/V tile x's stage: K, then V
-        return reinterpret_cast<const char*>(KV + x % S * 2 * Bc * D);
-    };
-    int x0 = 0;                                        // K/V tiles read before this Q tile's
-    for (int r = 0;; r++) {
-        named_barrier(1, handout_threads(C));          // the producer has written work[r % 2]
-        const int b = work[r % 2];
-        if (b >= tiles) break;
-        const auto [i, bh, Tc] = tile(b);
-        mbar_wait(&full[S], r % 2);                    // Q_i is in
-        const int query = i * Br + 64 * wg + 16 * warp + g;  // this thread's rows: query + 8h
+    PipelineState<Stages> kv;                          // where the Q tile's K/V tiles start
+    for (PipelineState<1> q;; q.advance()) {           // Q_i's ring, of one stage
+        handout<Consumers>();                          // the producer has written work[q.phase()]
+        const int tile = work[q.phase()];
+        if (tile >= tiles) break;
+        const auto [i, bh, Tc] = decode(tile);
+        mbar_wait(&full[Stages], q.phase());           // Q_i is in
+        const int query = i * Br + 64 * wg + 16 * warp + g;  // this thread's rows: query + 8r
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
-        const auto add_PV = [&](int x) {               // line 10's product: O_i += P~ V_j
-            const char* V_j = K_of(x) + Bc * D * sizeof(T);
+        const auto add_PV = [&](int stage) {           // line 10's product: O_i += P~ V_j
+            const char* V_j = reinterpret_cast<const char*>(V_at(stage));
             constexpr int N = D < 128 ? D : 128;       // columns a wgmma (d = 256: two halves)
 #pragma unroll
             for (int k = 0; k < Bc / 16; k++)
 #pragma unroll
-                for (int c = 0; c < D / N; c++)
-                    wgmma_rs<T, N>(O_i + c * N / 2, P[k],
-                                   smem_desc(V_j + (c * N / 64 * Bc + k * 16) * kRowBytes,
+                for (int half = 0; half < D / N; half++)
+                    wgmma_rs<T, N>(O_i + half * N / 2, P[k],
+                                   smem_desc(V_j + (half * N / 64 * Bc + k * 16) * kRowBytes,
                                              Bc * kRowBytes));
             wgmma_commit();
         };
-        for (int j = 0, x = x0; j < Tc; j++, x++) {   // line 6: for each K_j, V_j (x: its stage)
-            mbar_wait(&full[x % S], x / S % 2);        // tile j is in
+        PipelineState<Stages> read = kv;               // the K/V tile it reads next
+        for (int j = 0; j < Tc; j++, read.advance()) {  // line 6: for each K_j, V_j
+            mbar_wait(&full[read.stage()], read.phase());  // K_j and V_j are in
+            const char* K_j = reinterpret_cast<const char*>(K_at(read.stage()));
             float S_ij[Bc / 2] = {}, alpha[2];         // line 8: S_ij = Q_i K_j^T, 16 of d a step
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < D / 16; k++)
                 wgmma_ss<T, Bc>(S_ij, smem_desc(Q_w + k / 4 * Br * kRowBytes + k % 4 * 32, 0),
-                                smem_desc(K_of(x) + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
+                                smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
             wgmma_commit();
             // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
-            if (j > 0) add_PV(x - 1);
+            if (j > 0) add_PV(read.previous().stage());
             j > 0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);  // S_ij done (P~ V_{j-1} may not be)
 #pragma unroll
-            for (int h = 0; h < 2; h++) {              // line 9 for row query + 8h
-                const int last = causal ? flash_last_key(query + 8 * h, q_len, kv_len) : kv_len - 1;
-                // Element n / 2 * 4 + 2h + n % 2 is key j Bc + 2t + 8 (n / 2) + n % 2: masked
-                // past min(last, kv_len - 1), only in a tile that reaches past it (a branch, not
-                // a select on every element: NOTES.md section 17). Bc - 7 = 8 (Bc / 8 - 1) + 1 is
+            for (int r = 0; r < 2; r++) {              // line 9 for row query + 8r
+                const int last = causal ? flash_last_key(query + 8 * r, q_len, kv_len) : kv_len - 1;
+                // acc_at(S_ij, r, c) is key j Bc + 2t + 8 (c / 2) + c % 2: masked past
+                // min(last, kv_len - 1), only in a tile that reaches past it (a branch, not a
+                // select on every element: NOTES.md section 17). Bc - 7 = 8 (Bc / 8 - 1) + 1 is
                 // this thread's last key offset in the tile.
                 const int lim = min(last, kv_len - 1) - j * Bc - 2 * t;
                 if (lim < Bc - 7)
 #pragma unroll
-                    for (int n = 0; n < Bc / 4; n++)
-                        if (8 * (n / 2) + n % 2 > lim) S_ij[n / 2 * 4 + 2 * h + n % 2] = -INFINITY;
-                float m_new = m[h];
+                    for (int c = 0; c < Bc / 4; c++)
+                        if (8 * (c / 2) + c % 2 > lim) acc_at(S_ij, r, c) = -INFINITY;
+                float m_new = m[r];
 #pragma unroll
-                for (int n = 0; n < Bc / 4; n++)       // the row's max, over its keys here
-                    m_new = fmaxf(m_new, S_ij[n / 2 * 4 + 2 * h + n % 2]);
-                m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));  // over the quad
-                m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
+                for (int c = 0; c < Bc / 4; c++)       // the row's max, over its keys here
+                    m_new = fmaxf(m_new, acc_at(S_ij, r, c));
+                m_new = quad_reduce(m_new, fmaxf);     // the max over the row's 4 threads
                 const float m_log2 = m_new == -INFINITY ? 0.f : m_new * scale_log2;  // no key yet
-                alpha[h] = exp2_ftz(m[h] * scale_log2 - m_log2);
-                m[h] = m_new;
+                alpha[r] = exp2_ftz(m[r] * scale_log2 - m_log2);
+                m[r] = m_new;
                 float sum = 0.f;
 #pragma unroll
-                for (int n = 0; n < Bc / 4; n++) {     // P~_ij = exp(S_ij - m), in S's registers
-                    float& s = S_ij[n / 2 * 4 + 2 * h + n % 2];
+                for (int c = 0; c < Bc / 4; c++) {     // P~_ij = exp(S_ij - m), in S's registers
+                    float& s = acc_at(S_ij, r, c);
                     s = exp2_ftz(fmaf(s, scale_log2, -m_log2));
                     sum += s;
                 }
-                l[h] = l[h] * alpha[h] + sum;
+                l[r] = l[r] * alpha[r] + sum;
             }
             wgmma_wait<0>(O_i);                        // O_i += P~ V_{j-1} is done
-            if (j > 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[(x - 1) % S]);  // V_{j-1} read
+            if (j > 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
 #pragma unroll
-            for (int n = 0; n < D / 2; n++) O_i[n] *= alpha[n % 4 / 2];  // n's row: 8 (n % 4 / 2)
+            for (int n = 0; n < D / 2; n++) O_i[n] *= alpha[n % 4 / 2];  // element n: row n % 4 / 2
 #pragma unroll
             for (int k = 0; k < Bc / 16; k++)          // line 10's P~, in T as A, for next time
 #pragma unroll
-                for (int y = 0; y < 4; y++)
-                    P[k][y] = pair_bits<T>(S_ij[8 * k + 2 * y], S_ij[8 * k + 2 * y + 1]);
+                for (int a = 0; a < 4; a++)            // A's register a: S_ij's 8k + 2a, + 1
+                    P[k][a] = pair_bits<T>(S_ij[8 * k + 2 * a], S_ij[8 * k + 2 * a + 1]);
         }
-        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[S]);  // Q_i read: the next one may load
-        x0 += Tc;
+        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[Stages]);  // Q_i read: the next one may load
+        kv.advance(Tc);
         if (Tc > 0) {                                  // line 10 of the last tile
             wgmma_fence();
-            add_PV(x0 - 1);
+            add_PV(kv.previous().stage());
             wgmma_wait<0>(O_i);
-            if (threadIdx.x % 32 == 0) mbar_arrive(&empty[(x0 - 1) % S]);
+            if (threadIdx.x % 32 == 0) mbar_arrive(&empty[kv.previous().stage()]);
         }
 #pragma unroll
-        for (int h = 0; h < 2; h++) {                  // lines 12-13: O_i / l, L = m + log l
-            const int row = query + 8 * h;
-            float l_row = l[h] + __shfl_xor_sync(0xffffffffu, l[h], 1);
-            l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
+        for (int r = 0; r < 2; r++) {                  // lines 12-13: O_i / l, L = m + log l
+            const int row = query + 8 * r;
+            const float l_row = quad_reduce(l[r], add);  // the sum over the row's 4 threads
             if (row >= q_len) continue;
             const float inv = l_row > 0.f ? 1.f / l_row : 0.f;  // a row that sees no key: O = 0
 #pragma unroll
             for (int n = 0; n < D / 8; n++)
                 *reinterpret_cast<uint32_t*>(O + (size_t(bh) * q_len + row) * D + 8 * n + 2 * t) =
-                    pair_bits<T>(O_i[4 * n + 2 * h] * inv, O_i[4 * n + 2 * h + 1] * inv);
-            const float L_row = l_row > 0.f ? (m[h] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
+                    pair_bits<T>(acc_at(O_i, r, 2 * n) * inv, acc_at(O_i, r, 2 * n + 1) * inv);
+            const float L_row = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
             if (t == 0) L[size_t(bh) * q_len + row] = L_row;
         }
     }
 }
+#undef HOPPER_ONLY
 
 // ---------------------------------------------------------------------------------------------
 // The launcher: chapter 2's checks, then compute capability 9.0.
-// Q_i, the stages of K_j and V_j (2 bytes an element), alignment, 2 (S + 1) mbarriers and two
+// Q_i, the stages of K_j and V_j (2 bytes an element), alignment, 2 (stages + 1) mbarriers and two
 // tile numbers.
 static constexpr size_t flash_hopper_shared_bytes(int d) {
     return size_t(hopper_Br(d) + 2 * hopper_stages(d) * hopper_Bc(d)) * d * 2 + 1024 +
            8 * (2 * hopper_stages(d) + 3);
 }
-// The budgets, checked where they are set. Shared memory: 227 KiB a block on an H100 or H200.
-// Registers: setmaxnreg takes multiples of 8 from 24 to 256, and the block's 128 (C + 1) threads
-// share the SM's 65536.
-static_assert(flash_hopper_shared_bytes(64) <= 227 * 1024 &&
-              flash_hopper_shared_bytes(128) <= 227 * 1024 &&
-              flash_hopper_shared_bytes(256) <= 227 * 1024, "a block past 227 KiB");
-constexpr bool registers_fit(int C) {
-    return producer_regs(C) % 8 == 0 && consumer_regs(C) % 8 == 0 && producer_regs(C) >= 24 &&
-           consumer_regs(C) <= 256 &&
-           kWarpgroup * (producer_regs(C) + C * consumer_regs(C)) <= 65536;
+// The budgets, checked where they are set, at every head dim of kFlashHopperHeadDims. Shared
+// memory: 227 KiB a block on an H100 or H200. Registers: setmaxnreg takes multiples of 8 from 24
+// to 256, and the block's 128 (consumers + 1) threads share the SM's 65536.
+constexpr bool registers_fit(int consumers) {
+    const int producer = producer_regs(consumers), consumer = consumer_regs(consumers);
+    return producer % 8 == 0 && consumer % 8 == 0 && producer >= 24 && consumer <= 256 &&
+           kWarpgroup * (producer + consumers * consumer) <= 65536;
 }
-static_assert(registers_fit(hopper_C(64)) && registers_fit(hopper_C(128)) &&
-              registers_fit(hopper_C(256)), "setmaxnreg's registers past the SM's 65536");
+constexpr bool every_head_dim(bool (*fits)(int)) {
+    for (const int d : kFlashHopperHeadDims)
+        if (!fits(d)) return false;
+    return true;
+}
+static_assert(every_head_dim([](int d) { return flash_hopper_shared_bytes(d) <= 227 * 1024; }),
+              "a block past 227 KiB");
+static_assert(every_head_dim([](int d) { return registers_fit(hopper_consumers(d)); }),
+              "setmaxnreg's registers past the SM's 65536");
 
 // The tensor map of Q, K or V, (heads, len, D) elements of T, for boxes of rows x 64 elements in
 // the 128-byte swizzle; rows past len are read as zeros. cuTensorMapEncodeTiled is a driver call,
@@ -458,7 +519,7 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
         constexpr int D = decltype(dim)::value, Br = hopper_Br(D), Bc = hopper_Bc(D);
         constexpr size_t bytes = flash_hopper_shared_bytes(D);
         const int tiles = grid_blocks(s, s.q_len, Br, "q_len");  // Q tiles of all heads
-        const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_C(D)>;
+        const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_consumers(D)>;
         allow_shared(kernel, bytes);
         const size_t heads = size_t(s.batch) * s.heads;
         const CUtensorMap Qm = tensor_map(Q, heads, s.q_len, D, Br),
@@ -469,7 +530,7 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
         with_scratch(sizeof(int), stream, [&](void* next) {  // the next tile to hand out
             cudaError_t err = cudaMemsetAsync(next, 0, sizeof(int), stream);  // the int 0
             if (err != cudaSuccess) return err;
-            kernel<<<blocks, kWarpgroup * (hopper_C(D) + 1), bytes, stream>>>(
+            kernel<<<blocks, kWarpgroup * (hopper_consumers(D) + 1), bytes, stream>>>(
                 Qm, Km, Vm, O, L, s.q_len, s.kv_len, s.causal, (s.q_len + Br - 1) / Br, tiles,
                 kHopperHeadGroup, scale_log2_for(D), static_cast<int*>(next));
             return cudaGetLastError();
