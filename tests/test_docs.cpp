@@ -1,20 +1,29 @@
-// test_docs.cpp: the figures README.md quotes, each against the file it comes from (Catch2 v2).
+// test_docs.cpp: the documentation checks, built as their own binary (make check runs ./check_docs;
+// make test does not: a student who changes a kernel should see the test that catches the change,
+// not a stale quote). Catch2 v2.
 //
-//   [readme]  every measured figure in README.md is what its data file says, rounded as quoted
+//   [readme]     every measured figure in README.md is what its data file says, rounded as quoted
+//   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
+//   [data]       every file in lab/data/ and lab/patches/ is cited by its path, and every such
+//                citation names a file that exists (lab/uncited-data.sh lists the uncited ones)
+//   [exercises]  every exercise patch in lab/exercises/ has its log, current with the sources,
+//                and NOTES.md states the outcome the log shows
+//
+// They read the files relative to the working directory: run ./check_docs from the root.
 //
 // How README.md names its sources. Above each paragraph or table that quotes figures stands an
 // HTML comment (GitHub does not show it) saying where each figure comes from:
 //
 //   <!-- figures:
-//   "the forward ran at # TFLOP/s": data/demo-default.log "flash forward ... # TFLOP/s"
-//   "bf16 runs at #–#× fp16": data/bench-e22bf88-bf16.csv seq<=8192 flash_fwd_tflops
-//       over data/bench-e22bf88-fp16.csv flash_fwd_tflops on dim,seq,causal
+//   "the forward ran at # TFLOP/s": lab/data/demo-default.log "flash forward ... # TFLOP/s"
+//   "bf16 runs at #–#× fp16": lab/data/bench-e22bf88-bf16.csv seq<=8192 flash_fwd_tflops
+//       over lab/data/bench-e22bf88-fp16.csv flash_fwd_tflops on dim,seq,causal
 //   -->
 //
 // The comment's first line starts with "<!-- figures" (the rest of it is free text), its last
 // ends with "-->". Each quoted text is a piece of the paragraph below it (to its first blank line),
 // with # where a figure stands and ... for any text; #–# is a range. After the colon comes a
-// lookup (it may go on over further lines): a file, then what to read in it.
+// lookup (it may go on over further lines): a file (its path from the root), then what to read in it.
 //   .csv (lines starting with # are comments; the first other line names the columns):
 //     key=value  key=a|b  key<=value  key>=value    the rows to read
 //     column  column/1024  |column-column|           a row's value (1024: MiB to GiB)
@@ -35,8 +44,8 @@
 // place in the cell's terms added. A cells: line under a row's lookup is that row's own:
 //   columns: dim=64 seq=2048, dim=128 seq=2048
 //   cells: causal=0, causal=1                        "26.1 (24.0)": no mask, then causal
-//   "fp32 flash forward": bench_h100.csv dtype=fp32 flash_fwd_tflops
-//   "fp16 standard attention": bench_h100.csv dtype=fp16 causal=0
+//   "fp32 flash forward": lab/data/bench_h100.csv dtype=fp32 flash_fwd_tflops
+//   "fp16 standard attention": lab/data/bench_h100.csv dtype=fp16 causal=0
 //     cells: std_fwd_tflops, std_bwd_tflops          "44 / 111": forward, then backward
 //
 // So a re-measurement is one edit of the data file and one of the README; this test names every
@@ -573,13 +582,13 @@ TEST_CASE("Every figure README.md quotes is what its data file says", "[cpu][rea
 }
 
 // The check itself must be able to fail: a figure one digit off, a source-less figure, a missing
-// pattern. bench_h100.csv's fp32 forward takes no extra memory at any shape, so this stays true
-// when the data is re-measured.
+// pattern. lab/data/bench_h100.csv's fp32 forward takes no extra memory at any shape, so this
+// stays true when the data is re-measured.
 TEST_CASE("A figure that disagrees with its data file fails the README check", "[cpu][readme]") {
     const auto doc = [](const std::string& figure) {
         return std::vector<std::string>{
             "<!-- figures:",
-            "\"the forward takes # MiB\": bench_h100.csv dtype=fp32 dim=64 seq=2048 causal=1",
+            "\"the forward takes # MiB\": lab/data/bench_h100.csv dtype=fp32 dim=64 seq=2048 causal=1",
             "flash_fwd_extra_mib",
             "-->",
             "At N = 2048 the forward takes " + figure + " MiB beyond its inputs.",
