@@ -1,4 +1,4 @@
-// .ci/device-fill.cuh: the helpers the .ci timing drivers share (fp16-forward-variants.cu,
+// lab/device-fill.cuh: the helpers the lab's timing drivers share (fp16-forward-variants.cu,
 // hopper-steps.cu, hopper-ab.cu, backward-pool.cu): random inputs made on the GPU, the largest
 // difference of two outputs, and the median time of a call. Include checks.h first
 // (FLASH_CUDA_CHECK).

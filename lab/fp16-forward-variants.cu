@@ -1,16 +1,16 @@
-// .ci/fp16-forward-variants.cu: NOTES.md section 12's steps 5-8, the second-edition forward's
+// lab/fp16-forward-variants.cu: NOTES.md section 12's steps 5-8, the second-edition forward's
 // tile and order, timed side by side. It includes flash_fp16.cu whole and launches
 // flash_forward_fp16_kernel<__half, D, Bc, M> directly, so one binary holds every variant
 // (M = rows of 16 a warp owns, Bc = keys a tile, HG = heads' Q tiles taken together).
 // Build and run from the repository root on a GPU of compute capability 8.0 or newer:
-//   nvcc -O3 -std=c++17 -arch=native -I. .ci/fp16-forward-variants.cu checks.cpp -o fwd_variants
+//   nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/fp16-forward-variants.cu lib/checks.cpp -o fwd_variants
 //   ./fwd_variants tiles      (M 1/2 x Bc at d = 64 and 128, N = 1024 and 4096: steps 5-7)
 //   ./fwd_variants order      (HG = 1, 4, 8, 16, all at N = 1024 .. 16384: step 8)
 // Shapes follow the FA2 protocol (batch * N = 16384, heads * d = 2048); each row is the median of
 // 20 CUDA-event-timed launches after 3 warm-ups, forward TFLOP/s = 4 B H (visible pairs) d / t,
 // and the largest |O - O(M = 1, Bc = 32)|, which must stay at fp16's rounding (about 1e-3).
 #include "../flash_fp16.cu"
-#include "../checks.h"  // FLASH_CUDA_CHECK, q_elems (flash_fp16.cu includes it as well)
+#include "../lib/checks.h"  // FLASH_CUDA_CHECK, q_elems (flash_fp16.cu includes it as well)
 
 #include <cstdio>
 #include <string>

@@ -1,9 +1,9 @@
-// .ci/hopper-ab.cu: variants of chapter 3's kernel timed side by side in one process, each round
+// lab/hopper-ab.cu: variants of chapter 3's kernel timed side by side in one process, each round
 // running every variant in turn (so that clock and temperature drift fall on all of them alike):
-// NOTES.md section 17's step 5 (data/hopper-step5-*.txt).
+// NOTES.md section 17's step 5 (lab/data/hopper-step5-ab-h100.txt).
 // Each variant is flash_hopper.cu as some commit or edit has it, compiled with its exported names
-// suffixed by .ci/hopper-ab.sh, which also links this file against them:
-//   .ci/hopper-ab.sh NAME=SOURCE [NAME=SOURCE ...]       (the first variant is the baseline)
+// suffixed by lab/hopper-ab.sh, which also links this file against them:
+//   lab/hopper-ab.sh NAME=SOURCE [NAME=SOURCE ...]       (the first variant is the baseline)
 //   ./hopper_ab [ROUNDS [D [N]]]                         (default 3 rounds, d = 64 128 256, all N)
 // Shapes follow the FA2 protocol (batch * N = 16384, heads * d = 2048), fp16; a figure is the
 // median over the rounds of each round's median of 10 CUDA-event-timed calls (after 2 warm-ups),
@@ -25,7 +25,7 @@ using Fn = void (*)(const __half*, const __half*, const __half*, __half*, float*
 #define DECL(v)                                                                            \
     void flash_forward_fp16_hopper_##v(const __half*, const __half*, const __half*, __half*, \
                                        float*, const AttentionShape&, cudaStream_t);
-#include "hopper-ab-variants.h"  // written by .ci/hopper-ab.sh: DECL(name)..., VARIANT_LIST
+#include "hopper-ab-variants.h"  // written by lab/hopper-ab.sh: DECL(name)..., VARIANT_LIST
 struct V { const char* name; Fn fn; };
 static std::vector<V> variants = { VARIANT_LIST };
 

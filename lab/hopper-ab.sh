@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# .ci/hopper-ab.sh NAME=SOURCE [NAME=SOURCE ...]: builds ./hopper_ab (.ci/hopper-ab.cu) with one
+# lab/hopper-ab.sh NAME=SOURCE [NAME=SOURCE ...]: builds ./hopper_ab (lab/hopper-ab.cu) with one
 # variant of chapter 3 per argument, SOURCE a version of flash_hopper.cu (e.g. from
 # `git show COMMIT:flash_hopper.cu > old.cu`), compiled for sm_90a with its exported names
 # suffixed by NAME so that all of them link into one binary. Run from the repository root after
-# `make checks.o ARCH=sm_90`. Extra nvcc flags for every variant: HOPPER_AB_FLAGS.
+# `make build/checks.o ARCH=sm_90`. Extra nvcc flags for every variant: HOPPER_AB_FLAGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 objs=()
@@ -17,7 +17,7 @@ objs=()
         sep=', '
     done
     echo
-} > .ci/hopper-ab-variants.h
+} > lab/hopper-ab-variants.h
 for arg in "$@"; do
     n=${arg%%=*} src=${arg#*=}
     names=(flash_forward_fp16_hopper flash_forward_bf16_hopper flash_forward_hopper_launch
@@ -25,9 +25,9 @@ for arg in "$@"; do
            consumer_regs registers_fit handout_threads)
     defs=()
     for s in "${names[@]}"; do defs+=("-D$s=${s}_$n"); done
-    nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I. "${defs[@]}" \
+    nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I. -Ilib "${defs[@]}" \
         ${HOPPER_AB_FLAGS:-} -c "$src" -o "hopper_ab_$n.o"
     objs+=("hopper_ab_$n.o")
 done
-nvcc -O3 -std=c++17 -arch=sm_90 -I. -I.ci .ci/hopper-ab.cu "${objs[@]}" checks.o -o hopper_ab
-rm -f .ci/hopper-ab-variants.h
+nvcc -O3 -std=c++17 -arch=sm_90 -I. -Ilib -Ilab lab/hopper-ab.cu "${objs[@]}" build/checks.o -o hopper_ab
+rm -f lab/hopper-ab-variants.h

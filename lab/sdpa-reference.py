@@ -3,7 +3,7 @@
 (or bf16): the yardstick NOTES.md chapter 2 compares the fp16 and bf16 kernels against.
 
 Run on a GPU machine with PyTorch:
-    python3 .ci/sdpa-reference.py [--csv FILE] [--seqs 1024,2048] [--dims 64,128,256] [--backward]
+    python3 lab/sdpa-reference.py [--csv FILE] [--seqs 1024,2048] [--dims 64,128,256] [--backward]
         [--backends flash,cudnn] [--dtype fp16|bf16]
 Counts FLOPs as flash_bench does: forward 4 * batch * heads * (visible query-key pairs) *
 head_dim; backward 2.5 times that. Times: median of 10 timed calls after 3 warm-up calls, CUDA

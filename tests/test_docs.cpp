@@ -1,20 +1,29 @@
-// test_docs.cpp: the figures README.md quotes, each against the file it comes from (Catch2 v2).
+// test_docs.cpp: the documentation checks, built as their own binary (make check runs ./check_docs;
+// make test does not: a student who changes a kernel should see the test that catches the change,
+// not a stale quote). Catch2 v2.
 //
-//   [readme]  every measured figure in README.md is what its data file says, rounded as quoted
+//   [readme]     every measured figure in README.md is what its data file says, rounded as quoted
+//   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
+//   [data]       every file in lab/data/ and lab/patches/ is cited by its path, and every such
+//                citation names a file that exists (lab/uncited-data.sh lists the uncited ones)
+//   [exercises]  every exercise patch in lab/exercises/ has its log, current with the sources,
+//                and NOTES.md states the outcome the log shows
+//
+// They read the files relative to the working directory: run ./check_docs from the root.
 //
 // How README.md names its sources. Above each paragraph or table that quotes figures stands an
 // HTML comment (GitHub does not show it) saying where each figure comes from:
 //
 //   <!-- figures:
-//   "the forward ran at # TFLOP/s": data/demo-default.log "flash forward ... # TFLOP/s"
-//   "bf16 runs at #–#× fp16": data/bench-e22bf88-bf16.csv seq<=8192 flash_fwd_tflops
-//       over data/bench-e22bf88-fp16.csv flash_fwd_tflops on dim,seq,causal
+//   "the forward ran at # TFLOP/s": lab/data/demo-default.log "flash forward ... # TFLOP/s"
+//   "bf16 runs at #–#× fp16": lab/data/bench-e22bf88-bf16.csv seq<=8192 flash_fwd_tflops
+//       over lab/data/bench-e22bf88-fp16.csv flash_fwd_tflops on dim,seq,causal
 //   -->
 //
 // The comment's first line starts with "<!-- figures" (the rest of it is free text), its last
 // ends with "-->". Each quoted text is a piece of the paragraph below it (to its first blank line),
 // with # where a figure stands and ... for any text; #–# is a range. After the colon comes a
-// lookup (it may go on over further lines): a file, then what to read in it.
+// lookup (it may go on over further lines): a file (its path from the root), then what to read in it.
 //   .csv (lines starting with # are comments; the first other line names the columns):
 //     key=value  key=a|b  key<=value  key>=value    the rows to read
 //     column  column/1024  |column-column|           a row's value (1024: MiB to GiB)
@@ -35,8 +44,8 @@
 // place in the cell's terms added. A cells: line under a row's lookup is that row's own:
 //   columns: dim=64 seq=2048, dim=128 seq=2048
 //   cells: causal=0, causal=1                        "26.1 (24.0)": no mask, then causal
-//   "fp32 flash forward": bench_h100.csv dtype=fp32 flash_fwd_tflops
-//   "fp16 standard attention": bench_h100.csv dtype=fp16 causal=0
+//   "fp32 flash forward": lab/data/bench_h100.csv dtype=fp32 flash_fwd_tflops
+//   "fp16 standard attention": lab/data/bench_h100.csv dtype=fp16 causal=0
 //     cells: std_fwd_tflops, std_bwd_tflops          "44 / 111": forward, then backward
 //
 // So a re-measurement is one edit of the data file and one of the README; this test names every
@@ -46,6 +55,10 @@
 
 #include "test_util.h"
 
+#include <unistd.h>  // getpid
+
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <regex>
@@ -569,13 +582,13 @@ TEST_CASE("Every figure README.md quotes is what its data file says", "[cpu][rea
 }
 
 // The check itself must be able to fail: a figure one digit off, a source-less figure, a missing
-// pattern. bench_h100.csv's fp32 forward takes no extra memory at any shape, so this stays true
-// when the data is re-measured.
+// pattern. lab/data/bench_h100.csv's fp32 forward takes no extra memory at any shape, so this
+// stays true when the data is re-measured.
 TEST_CASE("A figure that disagrees with its data file fails the README check", "[cpu][readme]") {
     const auto doc = [](const std::string& figure) {
         return std::vector<std::string>{
             "<!-- figures:",
-            "\"the forward takes # MiB\": bench_h100.csv dtype=fp32 dim=64 seq=2048 causal=1",
+            "\"the forward takes # MiB\": lab/data/bench_h100.csv dtype=fp32 dim=64 seq=2048 causal=1",
             "flash_fwd_extra_mib",
             "-->",
             "At N = 2048 the forward takes " + figure + " MiB beyond its inputs.",
@@ -598,4 +611,498 @@ TEST_CASE("A figure that disagrees with its data file fails the README check", "
     const Report missing = check_document(gone, "X.md");
     REQUIRE(missing.problems.size() == 2);
     CHECK_THAT(missing.problems[0], Catch::Contains("X.md:2") && Catch::Contains("not in the"));
+}
+
+// =============================================================================================
+// [notes] NOTES.md must stay true to the code: every line it quotes from flash.cu (the fenced
+// blocks that follow a `<!-- quoted from flash.cu -->` line) must still be a line of flash.cu.
+
+TEST_CASE("Every line NOTES.md quotes from flash.cu is still in flash.cu", "[cpu][notes]") {
+    const std::vector<std::string> notes = source_lines("NOTES.md");
+    const std::vector<std::string> code = source_lines("flash.cu");
+    int quoted = 0;
+    for (size_t n = 0; n < notes.size(); ++n) {
+        if (notes[n] != "<!-- quoted from flash.cu -->") continue;
+        REQUIRE(n + 1 < notes.size());
+        REQUIRE(notes[n + 1].rfind("```", 0) == 0);  // the fence must follow at once
+        for (size_t k = n + 2; k < notes.size() && notes[k].rfind("```", 0) != 0; ++k) {
+            if (notes[k].empty()) continue;
+            ++quoted;
+            INFO("NOTES.md:" << k + 1 << " quotes a line flash.cu no longer has:\n  " << notes[k]);
+            CHECK(std::find(code.begin(), code.end(), notes[k]) != code.end());
+        }
+    }
+    INFO("NOTES.md should quote the forward kernel");
+    CHECK(quoted >= 30);
+}
+
+// =============================================================================================
+// Files of the tree, read as they are (source_lines trims its lines; a hash must not)
+
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string file_text(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw std::runtime_error("cannot read " + path);
+    std::ostringstream all;
+    all << in.rdbuf();
+    return all.str();
+}
+
+std::vector<std::string> text_lines(const std::string& text) {
+    std::vector<std::string> lines = split(text, '\n');
+    for (std::string& l : lines)
+        if (!l.empty() && l.back() == '\r') l.pop_back();
+    return lines;
+}
+
+// The regular files under dir (a path relative to the root), recursively, as relative paths,
+// sorted; folders whose names start with '.' (build caches) or are __pycache__ are left out.
+std::vector<std::string> files_under(const std::string& dir) {
+    std::vector<std::string> out;
+    if (!fs::is_directory(dir)) return out;
+    for (auto it = fs::recursive_directory_iterator(dir); it != fs::recursive_directory_iterator();
+         ++it) {
+        const std::string name = it->path().filename().string();
+        if (it->is_directory() && (name[0] == '.' || name == "__pycache__")) {
+            it.disable_recursion_pending();
+            continue;
+        }
+        if (it->is_regular_file()) out.push_back(it->path().generic_string());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// [data] Every file in lab/data/ and lab/patches/ is cited, and every citation names a file.
+//
+// A citation is the file's path from the root, written out: lab/data/NAME or lab/patches/NAME
+// (a name of letters, digits and . _ + -, not ending in a dot, so that a sentence may end after
+// it). No globs, no bare data/NAME: a reader must be able to open what is named. The citing
+// files: the documents at the root and every file under lab/ (but lab/data/ and lab/patches/
+// themselves), bench/, .ci/ and pytorch/.
+
+const std::regex kCitation("lab/(?:data|patches)/[A-Za-z0-9_.+-]*[A-Za-z0-9_+-]");
+const std::vector<std::string> kCitedFolders = {"lab/data", "lab/patches"};
+
+std::vector<std::string> citing_files() {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(".")) {
+        const std::string name = e.path().filename().string();
+        if (e.is_regular_file() &&
+            (ends_with(name, ".md") || ends_with(name, ".cu") || ends_with(name, ".cpp") ||
+             ends_with(name, ".h") || name == "Makefile"))
+            out.push_back(name);
+    }
+    for (const std::string dir : {"lab", "bench", ".ci", "pytorch"})
+        for (const std::string& f : files_under(dir))
+            if (f.rfind("lab/data/", 0) != 0 && f.rfind("lab/patches/", 0) != 0) out.push_back(f);
+    std::sort(out.begin(), out.end());
+    return out;
+}
+
+struct Citations {
+    std::map<std::string, std::string> cited;  // path -> the first "file:line" citing it
+    std::vector<std::string> uncited;          // files nobody cites
+    std::vector<std::string> missing;          // "file:line: path" cited but not there
+};
+
+// What the given files cite, against what the folders hold.
+Citations citations(const std::vector<std::string>& citing,
+                    const std::vector<std::string>& folders) {
+    Citations c;
+    for (const std::string& f : citing) {
+        const std::vector<std::string> lines = text_lines(file_text(f));
+        for (size_t n = 0; n < lines.size(); ++n)
+            for (auto it = std::sregex_iterator(lines[n].begin(), lines[n].end(), kCitation);
+                 it != std::sregex_iterator(); ++it)
+                c.cited.emplace(it->str(), f + ":" + std::to_string(n + 1));
+    }
+    for (const auto& [path, where] : c.cited)
+        if (!fs::is_regular_file(path)) c.missing.push_back(where + ": " + path);
+    for (const std::string& dir : folders)
+        for (const std::string& f : files_under(dir))
+            if (!c.cited.count(f)) c.uncited.push_back(f);
+    return c;
+}
+
+}  // namespace
+
+TEST_CASE("Every data file is cited, and every citation names a file that exists", "[cpu][data]") {
+    const Citations c = citations(citing_files(), kCitedFolders);
+    for (const std::string& m : c.missing) FAIL_CHECK(m << " is cited but does not exist");
+    std::string list;
+    for (const std::string& f : c.uncited) list += "\n  " + f;
+    INFO(c.uncited.size() << " files that no document or script cites (lab/uncited-data.sh lists "
+                             "them; git rm them, or cite them):" << list);
+    CHECK(c.uncited.empty());
+    CHECK(c.cited.size() > 0);
+}
+
+// =============================================================================================
+// [exercises] Every breakage exercise's outcome, as NOTES.md states it, is what its log says, and
+// every log is current.
+//
+// lab/exercises/C.N.patch is the exercise's edit; lab/exercises/run.sh applies it to a copy of
+// the tree on a GPU, runs the command its header names and writes lab/exercises/C.N.log: '# '
+// lines (the exercise, the patch, the command, the GPU, the sha1 of the sources it depends on),
+// then the command's output. NOTES.md states the outcome in one line under the exercise:
+//   Outcome on a GPU (`lab/exercises/C.N.log`): F of T test cases fail, first "TEST CASE NAME".
+// (with F = 0: `... 0 of T test cases fail.`), optionally followed by a ``` block of lines from
+// the log. F and T are the log's Catch2 summary; the name, the first test case the log shows
+// failing; every non-blank line of the block, trimmed, is text of the log.
+
+namespace {
+
+// SHA-1 (FIPS 180-4), to recompute the sources sha1 that lab/exercises/run.sh writes with sha1sum.
+std::string sha1_hex(const std::string& data) {
+    uint32_t h[5] = {0x67452301u, 0xEFCDAB89u, 0x98BADCFEu, 0x10325476u, 0xC3D2E1F0u};
+    std::string m = data;
+    const uint64_t bits = uint64_t(data.size()) * 8;
+    m += char(0x80);
+    while (m.size() % 64 != 56) m += char(0);
+    for (int k = 7; k >= 0; --k) m += char((bits >> (8 * k)) & 0xff);
+    const auto rotl = [](uint32_t x, int s) { return (x << s) | (x >> (32 - s)); };
+    for (size_t block = 0; block < m.size(); block += 64) {
+        uint32_t w[80];
+        for (int t = 0; t < 16; ++t)
+            w[t] = uint32_t(uint8_t(m[block + 4 * t])) << 24 |
+                   uint32_t(uint8_t(m[block + 4 * t + 1])) << 16 |
+                   uint32_t(uint8_t(m[block + 4 * t + 2])) << 8 | uint8_t(m[block + 4 * t + 3]);
+        for (int t = 16; t < 80; ++t) w[t] = rotl(w[t - 3] ^ w[t - 8] ^ w[t - 14] ^ w[t - 16], 1);
+        uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4];
+        for (int t = 0; t < 80; ++t) {
+            const uint32_t f = t < 20 ? (b & c) | (~b & d)
+                               : t < 40 ? b ^ c ^ d
+                               : t < 60 ? (b & c) | (b & d) | (c & d)
+                                        : b ^ c ^ d;
+            const uint32_t k = t < 20 ? 0x5A827999u : t < 40 ? 0x6ED9EBA1u
+                               : t < 60 ? 0x8F1BBCDCu : 0xCA62C1D6u;
+            const uint32_t next = rotl(a, 5) + f + e + k + w[t];
+            e = d, d = c, c = rotl(b, 30), b = a, a = next;
+        }
+        h[0] += a, h[1] += b, h[2] += c, h[3] += d, h[4] += e;
+    }
+    std::ostringstream hex;
+    for (uint32_t x : h) hex << std::hex << std::setw(8) << std::setfill('0') << x;
+    return hex.str();
+}
+
+// The files exercise `id`'s log depends on, as lab/exercises/run.sh lists them (sorted bytewise):
+// its patch, the files the patch edits, and the tests but the documentation checks.
+std::vector<std::string> exercise_sources(const std::string& id) {
+    const std::string patch = "lab/exercises/" + id + ".patch";
+    std::set<std::string> files = {patch, "test_flash.cpp"};
+    const std::regex edited("^diff --git a/(\\S+) b/");
+    for (const std::string& line : text_lines(file_text(patch))) {
+        std::smatch m;
+        if (std::regex_search(line, m, edited)) files.insert(m[1]);
+    }
+    for (const std::string& f : files_under("tests"))
+        if ((ends_with(f, ".cpp") || ends_with(f, ".h")) && f.find('/', 6) == std::string::npos &&
+            f != "tests/test_docs.cpp")
+            files.insert(f);
+    return {files.begin(), files.end()};  // std::set orders std::string bytewise
+}
+
+// The sha1 of `sha1sum FILE...`'s output over exercise_sources(id), and the lines themselves.
+std::string sources_sha1(const std::string& id, std::vector<std::string>* each = nullptr) {
+    std::string listing;
+    for (const std::string& f : exercise_sources(id)) {
+        const std::string line = sha1_hex(file_text(f)) + "  " + f;
+        if (each) each->push_back(line);
+        listing += line + "\n";
+    }
+    return sha1_hex(listing);
+}
+
+// What a log says: its header, its Catch2 summary and its first failing test case.
+struct LogFacts {
+    std::map<std::string, std::string> header;  // "# name: value" lines; "source" lines apart
+    std::vector<std::string> sources;           // "# source: HASH  PATH" lines
+    std::string text;                           // the whole log
+    int total = -1, failed = -1;                // the last Catch2 summary's test cases
+    std::string first_failure;                  // the test case header (name and sections),
+                                                // its lines joined by single spaces
+};
+
+std::string squeezed(const std::string& s) {  // runs of whitespace to one space, trimmed
+    std::string out;
+    for (char c : s) {
+        if (std::isspace(static_cast<unsigned char>(c))) {
+            if (!out.empty() && out.back() != ' ') out += ' ';
+        } else {
+            out += c;
+        }
+    }
+    if (!out.empty() && out.back() == ' ') out.pop_back();
+    return out;
+}
+
+bool is_rule(const std::string& line, char c) {  // Catch2's lines of 79 '-' (or '.')
+    return line.size() >= 70 && line.find_first_not_of(c) == std::string::npos;
+}
+
+LogFacts read_log(const std::string& text) {
+    LogFacts f;
+    f.text = text;
+    const std::vector<std::string> lines = text_lines(text);
+    size_t n = 0;
+    for (; n < lines.size() && lines[n].rfind("# ", 0) == 0; ++n) {
+        const size_t colon = lines[n].find(": ");
+        if (colon == std::string::npos) continue;
+        const std::string name = lines[n].substr(2, colon - 2), value = lines[n].substr(colon + 2);
+        if (name == "source") f.sources.push_back(value);
+        else f.header.emplace(name, value);
+    }
+    const std::regex all_passed("^All tests passed \\(\\d+ assertions? in (\\d+) test cases?\\)");
+    for (size_t k = n; k < lines.size(); ++k) {
+        std::smatch m;
+        if (std::regex_search(lines[k], m, all_passed)) {
+            f.total = std::stoi(m[1]), f.failed = 0;
+        } else if (lines[k].rfind("test cases:", 0) == 0) {
+            // "test cases: 25 | 21 passed | 4 failed": Catch2 leaves out a column that is 0
+            const std::vector<std::string> cols = split(lines[k].substr(11), '|');
+            f.total = std::atoi(trimmed(cols[0]).c_str()), f.failed = 0;
+            for (size_t c = 1; c < cols.size(); ++c) {
+                const std::string col = trimmed(cols[c]);
+                if (ends_with(col, " failed")) f.failed = std::atoi(col.c_str());
+            }
+        }
+    }
+    // A test case's header: a rule of '-', its name (and sections), a rule; it failed if a
+    // "FAILED:" comes before the next header.
+    for (size_t k = n; k + 1 < lines.size() && f.first_failure.empty(); ++k) {
+        if (!is_rule(lines[k], '-')) continue;
+        size_t end = k + 1;
+        while (end < lines.size() && !is_rule(lines[end], '-')) ++end;
+        if (end >= lines.size()) break;
+        std::string name;
+        for (size_t h = k + 1; h < end; ++h) name += lines[h] + " ";
+        size_t next = end + 1;
+        while (next < lines.size() && !is_rule(lines[next], '-')) {
+            if (lines[next].find("FAILED:") != std::string::npos) {
+                f.first_failure = squeezed(name);
+                break;
+            }
+            ++next;
+        }
+        k = next - 1;
+    }
+    return f;
+}
+
+struct Outcome {
+    std::string id;
+    int failed = 0, total = 0;
+    std::string first;           // "" when failed == 0
+    std::vector<std::string> quoted;
+    std::string where;           // NOTES.md:LINE
+};
+
+const std::regex kOutcome(
+    "^Outcome on a GPU \\(`lab/exercises/([0-9]+\\.[0-9]+)\\.log`\\): ([0-9]+) of ([0-9]+) test "
+    "cases? fails?(?:, first \"(.+)\")?\\.$");
+
+// The outcome lines of a document (its lines as they are); a line that starts like one but does
+// not parse is a problem.
+std::vector<Outcome> outcomes(const std::vector<std::string>& lines, const std::string& doc,
+                              std::vector<std::string>* problems) {
+    std::vector<Outcome> out;
+    for (size_t n = 0; n < lines.size(); ++n) {
+        const std::string line = trimmed(lines[n]);
+        if (line.rfind("Outcome on a GPU", 0) != 0) continue;
+        std::smatch m;
+        if (!std::regex_match(line, m, kOutcome)) {
+            problems->push_back(doc + ":" + std::to_string(n + 1) + ": not of the form "
+                                "Outcome on a GPU (`lab/exercises/C.N.log`): F of T test cases "
+                                "fail, first \"NAME\".");
+            continue;
+        }
+        Outcome o{m[1], std::stoi(m[2]), std::stoi(m[3]), m[4], {},
+                  doc + ":" + std::to_string(n + 1)};
+        size_t k = n + 1;
+        while (k < lines.size() && trimmed(lines[k]).empty()) ++k;
+        if (k < lines.size() && trimmed(lines[k]).rfind("```", 0) == 0)
+            for (++k; k < lines.size() && trimmed(lines[k]).rfind("```", 0) != 0; ++k)
+                if (!trimmed(lines[k]).empty()) o.quoted.push_back(trimmed(lines[k]));
+        out.push_back(o);
+    }
+    return out;
+}
+
+// What is wrong with one outcome against its log's facts.
+std::vector<std::string> outcome_problems(const Outcome& o, const LogFacts& log) {
+    std::vector<std::string> p;
+    const std::string at = o.where + ": exercise " + o.id + ": ";
+    if (log.total < 0) {
+        p.push_back(at + "its log has no Catch2 summary (\"test cases: ...\" or \"All tests "
+                    "passed\"): the run did not finish; see the log's exit status");
+        return p;
+    }
+    if (o.failed != log.failed || o.total != log.total)
+        p.push_back(at + "says " + std::to_string(o.failed) + " of " + std::to_string(o.total) +
+                    " test cases fail; the log: " + std::to_string(log.failed) + " of " +
+                    std::to_string(log.total));
+    const std::string first = squeezed(o.first);
+    const std::string& got = log.first_failure;
+    if (o.failed > 0 && (got.compare(0, first.size(), first) != 0 ||
+                         (got.size() > first.size() && got[first.size()] != ' ')))
+        p.push_back(at + "says the first failing test case is \"" + o.first + "\"; the log: \"" +
+                    (got.empty() ? "(none)" : got) + "\"");
+    for (const std::string& q : o.quoted)
+        if (log.text.find(q) == std::string::npos)
+            p.push_back(at + "quotes a line its log does not have: " + q);
+    return p;
+}
+
+std::string exercise_id(const std::string& path) {  // lab/exercises/1.10.log -> 1.10
+    const std::string name = fs::path(path).filename().string();
+    return name.substr(0, name.rfind('.'));
+}
+
+}  // namespace
+
+TEST_CASE("Every exercise has a current log, and NOTES.md states what the log shows",
+          "[cpu][exercises]") {
+    std::vector<std::string> problems;
+    std::set<std::string> patches, logs;
+    for (const std::string& f : files_under("lab/exercises")) {
+        if (ends_with(f, ".patch")) patches.insert(exercise_id(f));
+        if (ends_with(f, ".log")) logs.insert(exercise_id(f));
+    }
+    REQUIRE(!patches.empty());
+    const std::vector<Outcome> stated =
+        outcomes(text_lines(file_text("NOTES.md")), "NOTES.md", &problems);
+    std::set<std::string> in_notes;
+    for (const Outcome& o : stated) {
+        in_notes.insert(o.id);
+        if (!logs.count(o.id)) {
+            problems.push_back(o.where + ": lab/exercises/" + o.id + ".log does not exist");
+            continue;
+        }
+        const LogFacts log = read_log(file_text("lab/exercises/" + o.id + ".log"));
+        for (const std::string& p : outcome_problems(o, log)) problems.push_back(p);
+    }
+    std::string missing;
+    for (const std::string& id : patches) {
+        if (!logs.count(id)) missing += " " + id;
+    }
+    if (!missing.empty())
+        problems.push_back("no log for exercise" + missing + ": run lab/exercises/run.sh on a GPU "
+                           "(from the root: CPPFLAGS=-I<Catch2's include dir> lab/exercises/run.sh)");
+    for (const std::string& id : logs) {
+        const std::string log_path = "lab/exercises/" + id + ".log";
+        if (!patches.count(id)) problems.push_back(log_path + " has no patch (lab/exercises/" + id +
+                                                   ".patch)");
+        if (!in_notes.count(id))
+            problems.push_back(log_path + ": NOTES.md has no line \"Outcome on a GPU (`" +
+                               log_path + "`): ...\"");
+        if (!patches.count(id)) continue;
+        const LogFacts log = read_log(file_text(log_path));
+        std::vector<std::string> now;
+        const std::string sum = sources_sha1(id, &now);
+        const auto written = log.header.find("sources sha1");
+        if (written != log.header.end() && written->second == sum) continue;
+        std::string changed;
+        for (const std::string& line : now)
+            if (std::find(log.sources.begin(), log.sources.end(), line) == log.sources.end())
+                changed += " " + line.substr(line.find("  ") + 2);
+        problems.push_back(log_path + " is older than its sources (changed since:" +
+                           (changed.empty() ? std::string(" the list of files") : changed) +
+                           "): run lab/exercises/run.sh " + id + " on a GPU");
+    }
+    for (const std::string& p : problems) FAIL_CHECK(p);
+}
+
+// The checks above must be able to fail: a log and outcome lines made up here, each wrong in one
+// way, and SHA-1 against FIPS 180-4's own examples.
+TEST_CASE("The exercise check reads Catch2's output and finds each disagreement",
+          "[cpu][exercises]") {
+    CHECK(sha1_hex("abc") == "a9993e364706816aba3e25717850c26c9cd0d89d");
+    CHECK(sha1_hex("") == "da39a3ee5e6b4b0d3255bfef95601890afd80709");
+    CHECK(sha1_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq") ==
+          "84983e441c3bd26ebaae4aa1f95129e5e54670f1");
+    const std::string rule(79, '-'), dots(79, '.');
+    const std::string text =
+        "# exercise 9.9: a made-up one\n# sources sha1: 0123\n# source: ab  flash.cu\n"
+        "CUDA device 0: a GPU\n" + rule + "\nA test that warns\n" + rule + "\nx.cpp:1\n" + dots +
+        "\n\nx.cpp:2: warning:\n  careful\n\n" + rule + "\nThe forward matches the reference\n"
+        "  over a grid of shapes - fp16\n" + rule + "\nx.cpp:3\n" + dots + "\n\nx.cpp:4: FAILED:\n"
+        "  CHECK( nans == 0 )\nwith expansion:\n  3 == 0\n\n" + std::string(79, '=') +
+        "\ntest cases: 25 | 21 passed | 4 failed\nassertions: 90 | 80 passed | 10 failed\n";
+    const LogFacts log = read_log(text);
+    CHECK(log.header.at("sources sha1") == "0123");
+    CHECK(log.sources == std::vector<std::string>{"ab  flash.cu"});
+    CHECK(log.total == 25);
+    CHECK(log.failed == 4);
+    CHECK(log.first_failure == "The forward matches the reference over a grid of shapes - fp16");
+
+    const auto lines_of = [](const std::string& outcome, const std::string& quote) {
+        return std::vector<std::string>{"1. **An exercise.** Edit a line.", "   " + outcome, "",
+                                        "   ```", "   " + quote, "   ```"};
+    };
+    const std::string good = "Outcome on a GPU (`lab/exercises/9.9.log`): 4 of 25 test cases "
+                             "fail, first \"The forward matches the reference over a grid of "
+                             "shapes\".";
+    std::vector<std::string> problems;
+    std::vector<Outcome> o = outcomes(lines_of(good, "CHECK( nans == 0 )"), "X.md", &problems);
+    REQUIRE(o.size() == 1);
+    CHECK(problems.empty());
+    CHECK(outcome_problems(o[0], log).empty());
+
+    std::string wrong_count = good;
+    wrong_count.replace(wrong_count.find("4 of"), 4, "5 of");
+    o = outcomes(lines_of(wrong_count, "3 == 0"), "X.md", &problems);
+    REQUIRE(o.size() == 1);
+    REQUIRE(outcome_problems(o[0], log).size() == 1);
+    CHECK_THAT(outcome_problems(o[0], log)[0], Catch::Contains("X.md:2") &&
+                                                   Catch::Contains("the log: 4 of 25"));
+
+    std::string wrong_first = good;
+    wrong_first.replace(wrong_first.find("forward"), 7, "backward");
+    o = outcomes(lines_of(wrong_first, "CHECK( nans == 1 )"), "X.md", &problems);
+    REQUIRE(o.size() == 1);
+    CHECK(outcome_problems(o[0], log).size() == 2);  // the name, and the quote
+
+    std::string prefix_only = good;  // "The forward" is a name's start, not a word of it
+    prefix_only.replace(prefix_only.find(" matches the reference over a grid of shapes"), 44, "");
+    o = outcomes(lines_of(prefix_only.replace(prefix_only.find("forward"), 7, "forw"), "3 == 0"),
+                 "X.md", &problems);
+    REQUIRE(o.size() == 1);
+    CHECK(outcome_problems(o[0], log).size() == 1);
+
+    o = outcomes({"Outcome on a GPU (lab/exercises/9.9.log): four fail."}, "X.md", &problems);
+    CHECK(o.empty());
+    REQUIRE(problems.size() == 1);
+    CHECK_THAT(problems[0], Catch::Contains("X.md:1: not of the form"));
+
+    const LogFacts unfinished = read_log("# exit status: 124\n" + rule + "\nA test\n" + rule +
+                                         "\nx.cpp:1\n");
+    Outcome zero{"9.9", 0, 1, "", {}, "X.md:1"};
+    REQUIRE(outcome_problems(zero, unfinished).size() == 1);
+    CHECK_THAT(outcome_problems(zero, unfinished)[0], Catch::Contains("no Catch2 summary"));
+    CHECK(outcome_problems(zero, read_log("All tests passed (3 assertions in 1 test case)\n"))
+              .empty());
+}
+
+// The citation check on a folder of its own: a cited file, an uncited one, a citation of a file
+// that is not there, a sentence's full stop after a citation.
+TEST_CASE("The data check finds uncited files and citations of missing ones", "[cpu][data]") {
+    const fs::path dir = fs::temp_directory_path() / ("check_docs_" + std::to_string(::getpid()));
+    fs::create_directories(dir / "lab/data");
+    const fs::path before = fs::current_path();
+    fs::current_path(dir);
+    std::ofstream("lab/data/kept.csv") << "a,b\n";
+    std::ofstream("lab/data/stray.txt") << "x\n";
+    std::ofstream("doc.md") << "See lab/data/kept.csv.\nAnd lab/data/gone.txt, once.\n";
+    const Citations c = citations({"doc.md"}, {"lab/data"});
+    fs::current_path(before);
+    fs::remove_all(dir);
+    CHECK(c.cited.count("lab/data/kept.csv") == 1);
+    CHECK(c.uncited == std::vector<std::string>{"lab/data/stray.txt"});
+    CHECK(c.missing == std::vector<std::string>{"doc.md:2: lab/data/gone.txt"});
 }
