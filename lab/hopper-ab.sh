@@ -21,8 +21,8 @@ objs=()
 for arg in "$@"; do
     n=${arg%%=*} src=${arg#*=}
     names=(flash_forward_fp16_hopper flash_forward_bf16_hopper flash_forward_hopper_launch
-           flash_forward_hopper_kernel hopper_C hopper_Br hopper_Bc hopper_stages producer_regs
-           consumer_regs registers_fit handout_threads)
+           flash_forward_hopper_kernel hopper_consumers hopper_Br hopper_Bc hopper_stages producer_regs
+           consumer_regs registers_fit)
     defs=()
     for s in "${names[@]}"; do defs+=("-D$s=${s}_$n"); done
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I. -Ilib "${defs[@]}" \
