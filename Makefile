@@ -25,14 +25,16 @@ NVCC_RELEASE := $(shell $(NVCC) --version 2>/dev/null | sed -n 's/.*release \([0
 ifeq ($(origin HAVE_SM90A),undefined)
 HAVE_SM90A := $(shell [ "0$(firstword $(subst ., ,$(NVCC_RELEASE)))" -ge 12 ] && \
                       $(NVCC) --list-gpu-code 2>/dev/null | grep -qx sm_90 && echo 1)
-NO_HOPPER_WHY := $(if $(NVCC_RELEASE),nvcc $(NVCC_RELEASE) has no sm_90a target (CUDA 12.0 and newer have it),no nvcc found ($(NVCC)))
+NVCC_WHY := nvcc $(NVCC_RELEASE) has no sm_90a target (CUDA 12.0 and newer have it)
+NO_HOPPER_WHY := $(if $(NVCC_RELEASE),$(NVCC_WHY),no nvcc found ($(NVCC)))
 else
 NO_HOPPER_WHY := HAVE_SM90A=$(HAVE_SM90A) was given (HAVE_SM90A=1 builds it)
 endif
 ifneq ($(HAVE_SM90A),1)
 LIB_DEFINES := -DFLASH_NO_HOPPER
 ifneq ($(filter-out help clean plot,$(or $(MAKECMDGOALS),all)),)
-$(info make: chapter 3 (flash_hopper.cu) is left out: $(NO_HOPPER_WHY); chapters 1 and 2 build and run on every GPU)
+$(info make: chapter 3 (flash_hopper.cu) is left out: $(NO_HOPPER_WHY); chapters 1 and 2 \
+    build and run on every GPU)
 endif
 endif
 
@@ -61,24 +63,24 @@ HEADERS   := flash.h reference.h $(wildcard lib/*.h tests/*.h bench/*.h)
 all: test_flash flash_bench
 
 help:
-	@echo "Start with make test, then make run. Without an NVIDIA GPU make test runs the CPU tests (the"
-	@echo "GPU tests skip, saying so) and make run says that it needs a GPU."
+	@echo "Start with make test, then make run. Without an NVIDIA GPU, make test runs the CPU tests"
+	@echo "(the GPU tests skip, saying so) and make run says that it needs a GPU."
 	@echo ""
 	@echo "  make test      build and run the tests, CPU and GPU (about a minute)"
 	@echo "  make run       the demo: one shape on the GPU, timed and checked against the CPU reference"
 	@echo "  make all       build test_flash and flash_bench, run nothing"
-	@echo "  make check     the documentation checks: README's figures, NOTES' quotes, cited data, exercises"
-	@echo "  make stress    the long determinism and size tests (run before calling a kernel change done)"
+	@echo "  make check     the documentation checks: README's figures, NOTES' quotes, cited data"
+	@echo "  make stress    the long determinism and size tests (run them before a kernel change is done)"
 	@echo "  make sanitize  the [sanitize] tests under compute-sanitizer's four tools"
-	@echo "  make bench     the FlashAttention-2 benchmark protocol (writes bench.csv); make plot draws it"
+	@echo "  make bench     the FlashAttention-2 benchmark protocol, into bench.csv; make plot draws it"
 	@echo "  make torch     build the PyTorch op (pytorch/); then: pytest -rs pytorch"
 	@echo "  make clean     remove what the build made"
 	@echo ""
 	@echo "Variables (now):"
-	@echo "  ARCH=$(ARCH)  the GPU to build for: native where nvidia-smi sees one, else sm_80"
-	@echo "  HAVE_SM90A=$(HAVE_SM90A)  1: chapter 3 (flash_hopper.cu, sm_90a, CUDA 12.0+) is built; HAVE_SM90A= leaves it out"
-	@echo "  DEFINES=$(DEFINES)  the kernels' experiment knobs, e.g. DEFINES=-DFLASH_FP16_PAD=0"
-	@echo "  CPPFLAGS=$(CPPFLAGS)  e.g. -I<dir holding catch2/> where Catch2 is not installed"
+	@echo "  ARCH=$(ARCH): the GPU to build for (native where nvidia-smi sees one, else sm_80)"
+	@echo "  HAVE_SM90A=$(HAVE_SM90A): 1 builds chapter 3 (sm_90a: CUDA 12.0+); HAVE_SM90A= leaves it out"
+	@echo "  DEFINES=$(DEFINES): the kernels' experiment knobs, e.g. DEFINES=-DFLASH_FP16_PAD=0"
+	@echo "  CPPFLAGS=$(CPPFLAGS): e.g. -I<dir holding catch2/> where Catch2 is not installed"
 
 $(B):
 	@mkdir -p $(B)

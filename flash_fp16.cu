@@ -603,7 +603,7 @@ FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Launchers (host): every check (checks.cpp) before anything is launched. T: __half or
+// Launchers (host): every check (lib/checks.cpp) before anything is launched. T: __half or
 // __nv_bfloat16; fn: the public function's name, for messages.
 
 // The order of the blocks: 16 heads' Q tiles at a time, longest first (the kernel's line 3). Under
@@ -626,7 +626,7 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
 }
 
 // The launch once the arguments are checked (shape, pointers): the device's checks, the tile, the
-// kernel. Bc: keys per K/V tile given by the caller (checked), or none for the device-derived choice.
+// kernel. Bc: keys per K/V tile given by the caller (checked), or none for the device's choice.
 template <typename T>
 static void forward_fp16_launch(const char* fn, const cudaDeviceProp& prop, const T* Q, const T* K,
                                 const T* V, T* O, float* L, const AttentionShape& s,
@@ -658,7 +658,7 @@ static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T
     forward_fp16_launch(fn, flash_device_props(), Q, K, V, O, L, s, Bc, stream);
 }
 
-// For the API layer (lib/dispatch.cpp), which has checked the arguments: checks.h.
+// For the API layer (lib/dispatch.cpp), which has checked the arguments (lib/checks.h).
 void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
                                  const __half* K, const __half* V, __half* O, float* L,
                                  const AttentionShape& s, cudaStream_t stream) {

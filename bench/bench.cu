@@ -16,7 +16,7 @@
 //                 (--tile forces keys per tile Bc; --dtype bf16 takes none)
 //   the protocol: ./flash_bench --protocol --csv bench.csv   (make bench: FlashAttention-2's,
 //                 fp32, fp16 then bf16; --dtype runs one alone), then its plot (make plot):
-//                 gnuplot -e "csv='bench.csv'; out='bench.png'" plot.gp
+//                 gnuplot -e "csv='bench.csv'; out='bench.png'" bench/plot.gp
 //   every flag:   ./flash_bench --help
 //
 // In order: the element types (a row each of kDtypes; the code after it is one for all three),
@@ -232,7 +232,7 @@ static void usage(FILE* f) {
     fprintf(f, "usage: flash_bench [options]\n"
                "  Times flash attention against standard attention (cuBLAS + softmax kernels)\n"
                "  in fp32, fp16 or bf16. Default: one shape, timed, checked against the CPU\n"
-               "  reference; exit 1 on FAIL.\n");
+               "  reference; exit 1 on FAIL, or where no GPU is found.\n");
     for (const Flag& flag : flags()) {
         const std::string name = flag.name + (flag.value ? std::string(" ") + flag.value : "");
         fprintf(f, "  %-15s %s\n", name.c_str(), flag.help.c_str());
@@ -1067,11 +1067,13 @@ static std::string what_would_run(const Options& opt) {
         return std::string("the FlashAttention-2 benchmark protocol (") +
                (opt.dtype ? opt.dtype->name : "fp32, fp16 and bf16") + ")";
     char shape[200];
-    snprintf(shape, sizeof shape, "%s flash attention %s, %s%d heads, seq %d, kv_seq %d, "
-             "head_dim %d, causal %d", (opt.dtype ? opt.dtype : kDtypes)->name,
+    snprintf(shape, sizeof shape, "%s flash attention %s, %s%d heads, seq %d%s, head_dim %d, "
+             "causal %d", (opt.dtype ? opt.dtype : kDtypes)->name,
              opt.backward ? "forward and backward" : "forward",
              opt.batch ? ("batch " + std::to_string(opt.batch) + ", ").c_str() : "", opt.heads,
-             opt.seq, opt.kv_seq, opt.dim, int(opt.causal));
+             opt.seq,
+             opt.kv_seq != opt.seq ? (", kv_seq " + std::to_string(opt.kv_seq)).c_str() : "",
+             opt.dim, int(opt.causal));
     return std::string("the demo (") + shape + ", timed" +
            (opt.standard ? " against standard attention" : "") +
            " and checked against the CPU reference)";

@@ -19,7 +19,7 @@ Inputs that are not contiguous are copied to contiguous tensors first (a copy of
 size); the outputs are contiguous. Bad input raises ValueError naming the argument and what is
 allowed (the C++ checks' own messages); a CUDA failure raises RuntimeError.
 
-The C++ half (flash_torch.cpp over flash.cu, flash_fp16.cu, flash_hopper.cu, checks.cpp) is
+The C++ half (flash_torch.cpp over flash.cu, flash_fp16.cu, flash_hopper.cu, lib/) is
 compiled on first import with torch.utils.cpp_extension.load (nvcc and ninja; a minute or two,
 then cached in .torch_build/ beside this file), or ahead of time by `make torch`. Run the tests
 with `pytest test_torch.py`; see example_train.py for a model that uses it.
@@ -50,7 +50,8 @@ def _build():
     build_dir = os.path.join(_HERE, ".torch_build")
     os.makedirs(build_dir, exist_ok=True)
     sources = [os.path.join(_HERE, "flash_torch.cpp")] + [
-        os.path.join(_ROOT, s) for s in ("flash.cu", "flash_fp16.cu", "flash_hopper.cu", "lib/checks.cpp")]
+        os.path.join(_ROOT, s) for s in ("flash.cu", "flash_fp16.cu", "flash_hopper.cu", "lib/checks.cpp",
+                                         "lib/dispatch.cpp")]
     return load(name="flash_torch_ext", sources=sources,
                 extra_include_paths=[_ROOT, os.path.join(_ROOT, "lib")],
                 extra_cflags=["-O3", "-std=c++17"],
