@@ -16,12 +16,26 @@ else
 ARCH ?= sm_80
 endif
 
-# Chapter 3 needs the sm_90a target (wgmma, setmaxnreg), which CUDA 12.0 and newer have. With an
-# older toolkit it is left out: flash_forward_fp16/_bf16 then run chapter 2 on every GPU, and
-# chapter 3's own calls throw std::runtime_error saying it was not built.
-HAVE_SM90A := $(shell $(NVCC) --list-gpu-code 2>/dev/null | grep -qx 'sm_90a\|sm_90' && echo 1)
+# Chapter 3 needs nvcc's sm_90a target (wgmma, setmaxnreg), which CUDA 12.0 and newer have (11.8
+# has sm_90 but not sm_90a, and no nvcc lists the "a" targets, hence the version test). Without
+# it, flash_hopper.cu is left out and FLASH_NO_HOPPER tells the API layer (lib/dispatch.cpp):
+# flash_forward_fp16 / _bf16 then run chapter 2 on every GPU, and chapter 3's own calls throw
+# std::runtime_error saying it was not built. `make HAVE_SM90A=` leaves it out on any toolkit.
+NVCC_RELEASE := $(shell $(NVCC) --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
+ifeq ($(origin HAVE_SM90A),undefined)
+HAVE_SM90A := $(shell [ "0$(firstword $(subst ., ,$(NVCC_RELEASE)))" -ge 12 ] && \
+                      $(NVCC) --list-gpu-code 2>/dev/null | grep -qx sm_90 && echo 1)
+NVCC_WHY := nvcc $(NVCC_RELEASE) has no sm_90a target (CUDA 12.0 and newer have it)
+NO_HOPPER_WHY := $(if $(NVCC_RELEASE),$(NVCC_WHY),no nvcc found ($(NVCC)))
+else
+NO_HOPPER_WHY := HAVE_SM90A=$(HAVE_SM90A) was given (HAVE_SM90A=1 builds it)
+endif
 ifneq ($(HAVE_SM90A),1)
-DEFINES += -DFLASH_NO_HOPPER
+LIB_DEFINES := -DFLASH_NO_HOPPER
+ifneq ($(filter-out help clean plot,$(or $(MAKECMDGOALS),all)),)
+$(info make: chapter 3 (flash_hopper.cu) is left out: $(NO_HOPPER_WHY); chapters 1 and 2 \
+    build and run on every GPU)
+endif
 endif
 
 # -lineinfo lets compute-sanitizer and Nsight Compute point at source lines; it costs no speed.
@@ -31,11 +45,12 @@ NVCCFLAGS ?= -O3 -std=c++17 -arch=$(ARCH) -lineinfo -Xcompiler -Wall,-Wextra
 INCLUDES  := -I. -Ilib -Itests -Ibench
 CPPFLAGS  ?=
 LDLIBS    ?= -lcublas
-COMPILE    = $(NVCC) $(CPPFLAGS) $(INCLUDES) $(NVCCFLAGS) $(DEFINES)
+COMPILE    = $(NVCC) $(CPPFLAGS) $(INCLUDES) $(NVCCFLAGS) $(DEFINES) $(LIB_DEFINES)
 B := build
 
-# The library: each chapter's kernels and what they share (lib/: the argument checks).
-LIB_OBJS := $(B)/flash.o $(B)/flash_fp16.o $(B)/checks.o
+# The library: each chapter's kernels, what they share (lib/checks.cpp) and the API layer that
+# picks a chapter (lib/dispatch.cpp).
+LIB_OBJS := $(B)/flash.o $(B)/flash_fp16.o $(B)/checks.o $(B)/dispatch.o
 ifeq ($(HAVE_SM90A),1)
 LIB_OBJS += $(B)/flash_hopper.o
 endif
@@ -48,31 +63,45 @@ HEADERS   := flash.h reference.h $(wildcard lib/*.h tests/*.h bench/*.h)
 all: test_flash flash_bench
 
 help:
-	@echo "make test      build and run the tests (about a minute; GPU tests skip, saying so, without a GPU)"
-	@echo "make run       the demo: one shape on the GPU, timed and checked against the CPU reference"
-	@echo "make check     the documentation checks: README's figures, NOTES' quotes, cited data, exercises"
-	@echo "make stress    the long determinism and size tests (run before calling a kernel change done)"
-	@echo "make sanitize  the [sanitize] tests under compute-sanitizer's four tools"
-	@echo "make bench     the FlashAttention-2 benchmark protocol (writes bench.csv); make plot draws it"
-	@echo "make torch     build the PyTorch op (pytorch/, torch >= 2.3); then: python3 -m pytest pytorch"
-	@echo "make clean     remove what the build made"
-	@echo "Variables: ARCH (now $(ARCH)), DEFINES, CPPFLAGS (e.g. -I<dir holding catch2/>)"
+	@echo "Start with make test, then make run. Without an NVIDIA GPU, make test runs the CPU tests"
+	@echo "(the GPU tests skip, saying so) and make run says that it needs a GPU."
+	@echo ""
+	@echo "  make test      build and run the tests, CPU and GPU (about a minute)"
+	@echo "  make run       the demo: one shape on the GPU, timed and checked against the CPU reference"
+	@echo "  make all       build test_flash and flash_bench, run nothing"
+	@echo "  make check     the documentation checks: README's figures, NOTES' quotes, cited data, exercises"
+	@echo "  make stress    the long determinism and size tests (run them before a kernel change is done)"
+	@echo "  make sanitize  the [sanitize] tests under compute-sanitizer's four tools"
+	@echo "  make bench     the FlashAttention-2 benchmark protocol, into bench.csv; make plot draws it"
+	@echo "  make torch     build the PyTorch op (pytorch/, torch >= 2.3); then: python3 -m pytest pytorch"
+	@echo "  make clean     remove what the build made"
+	@echo ""
+	@echo "Variables (now):"
+	@echo "  ARCH=$(ARCH): the GPU to build for (native where nvidia-smi sees one, else sm_80)"
+	@echo "  HAVE_SM90A=$(HAVE_SM90A): 1 builds chapter 3 (sm_90a: CUDA 12.0+); HAVE_SM90A= leaves it out"
+	@echo "  DEFINES=$(DEFINES): the kernels' experiment knobs, e.g. DEFINES=-DFLASH_FP16_PAD=0"
+	@echo "  CPPFLAGS=$(CPPFLAGS): e.g. -I<dir holding catch2/> where Catch2 is not installed"
 
 $(B):
 	@mkdir -p $(B)
-$(B)/%.o: %.cu $(HEADERS) | $(B)
+# The command the objects are compiled with, kept in build/flags: when it changes (another ARCH,
+# DEFINES or HAVE_SM90A) every object is rebuilt, so that none of another build is linked in.
+$(B)/flags: FORCE | $(B)
+	@printf '%s\n' '$(COMPILE)' | cmp -s - $@ || printf '%s\n' '$(COMPILE)' >$@
+FORCE:
+$(B)/%.o: %.cu $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
-$(B)/%.o: %.cpp $(HEADERS) | $(B)
+$(B)/%.o: %.cpp $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
-$(B)/%.o: lib/%.cpp $(HEADERS) | $(B)
+$(B)/%.o: lib/%.cpp $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
-$(B)/%.o: tests/%.cpp $(HEADERS) | $(B)
+$(B)/%.o: tests/%.cpp $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
-$(B)/%.o: bench/%.cu $(HEADERS) | $(B)
+$(B)/%.o: bench/%.cu $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
 # Chapter 3: wgmma exists only in the sm_90a target, whatever ARCH says (on another GPU its
 # launcher refuses to run, and the kernel traps if it ever did).
-$(B)/flash_hopper.o: flash_hopper.cu $(HEADERS) | $(B)
+$(B)/flash_hopper.o: flash_hopper.cu $(HEADERS) $(B)/flags | $(B)
 	$(NVCC) $(CPPFLAGS) $(INCLUDES) $(filter-out -arch=%,$(NVCCFLAGS)) $(DEFINES) \
 	    -gencode=arch=compute_90a,code=sm_90a -c $< -o $@
 

@@ -6,7 +6,7 @@
 // Demo:             make run         (one shape, timed and checked against the CPU reference)
 //
 // In order: the constants and helpers the kernels use, the forward kernel, the two backward
-// kernels, the tile rule, the launchers. The argument checks are in checks.cpp. The names are the
+// kernels, the tile rule, the launchers. The argument checks: lib/checks.cpp. The names are the
 // papers' (Q_i, K_j, S_ij, m, l, Br, Bc, ...), and chapter 2's: NOTES.md's glossary lists them.
 // Layouts: Q, O, dQ, dO (B, H, q_len, d); K, V, dK, dV (B, H, kv_len, d); L (B, H, q_len).
 #include "checks.h"
@@ -343,7 +343,7 @@ FlashTile flash_choose_tile_backward(const cudaDeviceProp& prop, int head_dim) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Launchers (host). Each checks every argument (checks.cpp) before anything is launched.
+// Launchers (host). Each checks every argument (lib/checks.cpp) before anything is launched.
 
 static const float4* f4(const float* p) { return reinterpret_cast<const float4*>(p); }
 static float4* f4(float* p) { return reinterpret_cast<float4*>(p); }

@@ -2,9 +2,11 @@
 // CUDA cores (flash.cu), chapter 2 in fp16 and bf16 on the tensor cores (flash_fp16.cu), chapter 3
 // the fp16 and bf16 forward on Hopper's own instructions (flash_hopper.cu).
 //
-// Only what a user calls is here. The library's inside (argument checks, element counts, launch
-// helpers, FLASH_CUDA_CHECK): checks.h, checks.cpp. The CPU reference the tests and the demo
-// check against: reference.h, reference.cpp. Tests: test_*.cpp.
+// Only what a user calls is here. Which chapter a call runs is decided in one place, the API layer
+// lib/dispatch.cpp (flash_forward_fp16 / _bf16 are the only calls with a choice); every other call
+// is one chapter's own. The library's inside (argument checks, element counts, launch helpers,
+// FLASH_CUDA_CHECK): lib/checks.h, lib/checks.cpp. The CPU reference the tests and the demo check
+// against: reference.h, reference.cpp. Tests: test_flash.cpp, tests/.
 // Every call throws std::invalid_argument for bad input (before anything is launched) and
 // std::runtime_error for a CUDA failure (with cudaGetErrorString and file:line).
 #pragma once
@@ -24,10 +26,10 @@ struct AttentionShape {
 
 // The causal rule, bottom-right aligned (as FlashAttention-2 >= 2.1): query i sees key j iff
 // j <= flash_last_key(i, q_len, kv_len). With q_len == kv_len that is j <= i. In the API because
-// it is the contract's rule as code, for a caller to mask with (standard.h does). The one statement
-// of the rule in the GPU code: every kernel and its tile-skipping bounds (checks.h) use it (the CPU
-// reference states it again on its own, on purpose: the ground truth shares no code with what it
-// checks). (i - q_len) < 0 comes first, so the sum never overflows.
+// it is the contract's rule as code, for a caller to mask with (bench/standard.h does). The one
+// statement of the rule in the GPU code: every kernel and its tile-skipping bounds (lib/checks.h)
+// use it (the CPU reference states it again on its own, on purpose: the ground truth shares no
+// code with what it checks). (i - q_len) < 0 comes first, so the sum never overflows.
 __host__ __device__ inline int flash_last_key(int i, int q_len, int kv_len) {
     return i - q_len + kv_len;
 }
@@ -57,7 +59,8 @@ void flash_backward(const float* Q, const float* K, const float* V, const float*
 // contract as flash_forward. Needs a GPU of compute capability 8.0 or newer (A100, RTX 30/40,
 // H100): on an older one it throws std::runtime_error. On compute capability 9.0 (H100, H200),
 // at the head dims chapter 3 has (kFlashHopperHeadDims), it runs chapter 3's kernel
-// (flash_forward_fp16_hopper, below); everywhere else chapter 2's (flash_forward_fp16_ampere).
+// (flash_forward_fp16_hopper, below); everywhere else, and on every GPU in a library built without
+// chapter 3 (below), chapter 2's (flash_forward_fp16_ampere).
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
                         const AttentionShape& shape, cudaStream_t stream = 0);
 // The fp16 backward: given dO, fills dQ, dK, dV (fp16, shaped as Q, K, V) from the forward's O
@@ -99,7 +102,10 @@ void flash_forward_bf16_ampere(const __nv_bfloat16* Q, const __nv_bfloat16* K,
 // (NOTES.md section 17). Same contract, element types and L as flash_forward_fp16 / _bf16;
 // head_dim in kFlashHopperHeadDims (std::invalid_argument otherwise); a GPU of compute capability
 // 9.0 (H100, H200), else std::runtime_error. flash_forward_fp16 / _bf16 run it there. Extra
-// memory: a 4-byte tile counter, scratch for the call (flash_release_scratch, below).
+// memory: a 4-byte tile counter, scratch for the call (flash_release_scratch, below). It needs
+// nvcc's sm_90a target (CUDA 12.0 or newer); a library built without it (FLASH_NO_HOPPER: the
+// Makefile sets it for an older nvcc, saying so) leaves chapter 3 out, and these two then check
+// their arguments as above and throw std::runtime_error saying chapter 3 was not built.
 void flash_forward_fp16_hopper(const __half* Q, const __half* K, const __half* V, __half* O,
                                float* L, const AttentionShape& shape, cudaStream_t stream = 0);
 void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,

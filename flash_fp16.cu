@@ -5,6 +5,8 @@
 // Build and test:   make test        Demo:   ./flash_bench --dtype fp16   (or --dtype bf16)
 // Sections, in order: constants, fragment helpers, the forward kernel, the backward (its order of
 // adds, warp tiles, helpers, kernel, and the two small passes around it), the tiles, the launchers.
+// flash_forward_fp16 / _bf16 themselves are the API layer's (lib/dispatch.cpp): it runs this
+// chapter's forward, or chapter 3's where that has a kernel; this file needs no other chapter.
 //
 // What changes from chapter 1: the two matrix products of Algorithm 1, S = Q_i K_j^T (line 8) and
 // O_i += P~ V_j (line 10), run as mma.sync.m16n8k16 instructions, each a 16x8x16 product by one
@@ -601,7 +603,7 @@ FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Launchers (host): every check (checks.cpp) before anything is launched. T: __half or
+// Launchers (host): every check (lib/checks.cpp) before anything is launched. T: __half or
 // __nv_bfloat16; fn: the public function's name, for messages.
 
 // The order of the blocks: 16 heads' Q tiles at a time, longest first (the kernel's line 3). Under
@@ -623,22 +625,13 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
     FLASH_CUDA_CHECK(cudaGetLastError());
 }
 
-// Bc: keys per K/V tile given by the caller (32, 64, or 128 up to head_dim 64), or none for the
-// device-derived choice. hopper: may run chapter 3 instead (compute capability 9.0, its head dims).
+// The launch once the arguments are checked (shape, pointers): the device's checks, the tile, the
+// kernel. Bc: keys per K/V tile given by the caller (checked), or none for the device's choice.
 template <typename T>
-static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T* V, T* O,
-                                 float* L, const AttentionShape& s, std::optional<int> Bc,
-                                 cudaStream_t stream, bool hopper = false) {
-    validate_shape(s, kFlashFp16HeadDims, sizeof(T));
-    if (Bc)
-        require(*Bc == 32 || *Bc == 64 || (*Bc == 128 && s.head_dim <= 64),
-                "Bc = " + std::to_string(*Bc) + " is invalid; allowed values: 32, 64, 128 (128 up "
-                "to head_dim 64)");
-    validate_forward_pointers(fn, Q, K, V, O, L, s);
-    const cudaDeviceProp prop = flash_device_props();
+static void forward_fp16_launch(const char* fn, const cudaDeviceProp& prop, const T* Q, const T* K,
+                                const T* V, T* O, float* L, const AttentionShape& s,
+                                std::optional<int> Bc, cudaStream_t stream) {
     require_sm80(prop, fn);
-    if (hopper && flash_forward_runs_hopper(prop, s.head_dim))
-        return flash_forward_hopper_launch(Q, K, V, O, L, s, stream);  // checked above
     FlashTile tile = flash_choose_tile_fp16(prop, s.head_dim);
     if (Bc) tile = fp16_tile(prop, s.head_dim, *Bc);
     dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
@@ -651,15 +644,31 @@ static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T
     });
 }
 
-void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
-                        const AttentionShape& shape, cudaStream_t stream) {
-    forward_fp16_checked("flash_forward_fp16", Q, K, V, O, L, shape, std::nullopt, stream, true);
+// Every check, then the launch. Bc: as above (32, 64, or 128 up to head_dim 64).
+template <typename T>
+static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T* V, T* O,
+                                 float* L, const AttentionShape& s, std::optional<int> Bc,
+                                 cudaStream_t stream) {
+    validate_shape(s, kFlashFp16HeadDims, sizeof(T));
+    if (Bc)
+        require(*Bc == 32 || *Bc == 64 || (*Bc == 128 && s.head_dim <= 64),
+                "Bc = " + std::to_string(*Bc) + " is invalid; allowed values: 32, 64, 128 (128 up "
+                "to head_dim 64)");
+    validate_forward_pointers(fn, Q, K, V, O, L, s);
+    forward_fp16_launch(fn, flash_device_props(), Q, K, V, O, L, s, Bc, stream);
 }
 
-void flash_forward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
-                        __nv_bfloat16* O, float* L, const AttentionShape& shape,
-                        cudaStream_t stream) {
-    forward_fp16_checked("flash_forward_bf16", Q, K, V, O, L, shape, std::nullopt, stream, true);
+// For the API layer (lib/dispatch.cpp), which has checked the arguments (lib/checks.h).
+void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
+                                 const __half* K, const __half* V, __half* O, float* L,
+                                 const AttentionShape& s, cudaStream_t stream) {
+    forward_fp16_launch(fn, prop, Q, K, V, O, L, s, std::nullopt, stream);
+}
+void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
+                                 const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                 const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
+                                 const AttentionShape& s, cudaStream_t stream) {
+    forward_fp16_launch(fn, prop, Q, K, V, O, L, s, std::nullopt, stream);
 }
 
 void flash_forward_fp16_ampere(const __half* Q, const __half* K, const __half* V, __half* O,

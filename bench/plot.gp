@@ -1,7 +1,7 @@
 # plot.gp: the FlashAttention-2 protocol's results (bench.csv, written by flash_bench) as a PNG.
 #
 # make bench && make plot
-# (by hand: gnuplot -e "csv='bench.csv'; out='bench.png'" plot.gp)
+# (by hand: gnuplot -e "csv='bench.csv'; out='bench.png'" bench/plot.gp)
 #
 # Panels, left to right (a panel whose dtype has no rows in the file is left out):
 # - fp32 forward time against sequence length, flash against standard attention, for each

@@ -1,6 +1,6 @@
 // checks.cpp: the host-side argument checks and launch helpers of checks.h, shared by every
-// chapter, and flash.h's head-dim queries. No kernels here: the GPU code is in flash.cu and
-// flash_fp16.cu.
+// chapter, and flash.h's head-dim queries. No kernels here: the GPU code is in flash.cu,
+// flash_fp16.cu and flash_hopper.cu; which of them a public call runs is dispatch.cpp's.
 #include "checks.h"
 
 #include <climits>
@@ -17,6 +17,19 @@ void require(bool ok, const std::string& what) {
 void throw_failed_call(const char* call, const char* file, int line, const char* why) {
     throw std::runtime_error(std::string(call) + " failed at " + file + ":" +
                              std::to_string(line) + ": " + why);
+}
+
+void throw_cuda_failed(cudaError_t err, const char* call, const char* file, int line) {
+    std::string why = cudaGetErrorString(err);
+    if (flash_no_gpu(err)) why += " (no CUDA GPU or driver was found on this machine)";
+    throw_failed_call(call, file, line, why.c_str());
+}
+
+bool flash_no_gpu(cudaError_t err) {
+    int driver = 0;  // cudaDriverGetVersion's 0: no driver installed
+    return err == cudaErrorNoDevice ||
+           (err == cudaErrorInsufficientDriver && cudaDriverGetVersion(&driver) == cudaSuccess &&
+            driver == 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -150,10 +163,6 @@ cudaMemPool_t flash_kept_pool() {
         FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
         return pool;
     });
-}
-
-bool flash_forward_runs_hopper(const cudaDeviceProp& prop, int head_dim) {
-    return prop.major == 9 && head_dim_in(head_dim, kFlashHopperHeadDims);
 }
 
 void flash_release_scratch() {

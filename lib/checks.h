@@ -1,9 +1,10 @@
 // checks.h: the library's inside that every chapter shares (chapter 1: flash.cu, fp32; chapter 2:
 // flash_fp16.cu, fp16 and bf16; chapter 3: flash_hopper.cu): argument checks, element counts, the
-// causal rule's tile bounds, launch helpers and FLASH_CUDA_CHECK. Not the API (that is flash.h);
-// the tests, the benchmark and the CPU reference include it too. The checks run before any launch,
-// so bad input never reaches the GPU and never touches an output; they throw
-// std::invalid_argument naming the field and the allowed values.
+// causal rule's tile bounds, launch helpers, FLASH_CUDA_CHECK, and each chapter's forward as the
+// API layer (dispatch.cpp) calls it. Not the API (that is flash.h); the tests, the benchmark and
+// the CPU reference include it too. The checks run before any launch, so bad input never reaches
+// the GPU and never touches an output; they throw std::invalid_argument naming the field and the
+// allowed values.
 #pragma once
 
 #include "flash.h"
@@ -24,10 +25,16 @@ void require(bool ok, const std::string& what);
 [[noreturn]] void throw_failed_call(const char* call, const char* file, int line, const char* why);
 // Check a CUDA call: on failure throw std::runtime_error("<call> failed at file:line: <error>").
 // For the launchers, the tests and the benchmark; not an API call.
+// On a machine with no GPU or no driver, <error> ends with a sentence saying so (flash_no_gpu).
 #define FLASH_CUDA_CHECK(call) flash_cuda_check((call), #call, __FILE__, __LINE__)
+[[noreturn]] void throw_cuda_failed(cudaError_t err, const char* call, const char* file, int line);
 inline void flash_cuda_check(cudaError_t err, const char* call, const char* file, int line) {
-    if (err != cudaSuccess) throw_failed_call(call, file, line, cudaGetErrorString(err));
+    if (err != cudaSuccess) throw_cuda_failed(err, call, file, line);
 }
+// Whether err means that this machine has no CUDA GPU, or no driver at all: cudaErrorNoDevice, or
+// cudaErrorInsufficientDriver with no driver installed (what the runtime answers then, which reads
+// as if a driver were there but too old).
+bool flash_no_gpu(cudaError_t err);
 
 // ---------------------------------------------------------------------------------------------
 // The causal rule (flash.h's flash_last_key) as the kernels' tile loops need it.
@@ -50,7 +57,8 @@ __host__ __device__ inline int flash_kv_end(int first_row, int rows, int q_len, 
 
 // ---------------------------------------------------------------------------------------------
 // Head dims. Each chapter lists the head dims it has kernels for in a constexpr int array
-// (flash.h: kFlashHeadDims, kFlashFp16HeadDims) and hands that list to what follows.
+// (flash.h: kFlashHeadDims, kFlashFp16HeadDims, kFlashHopperHeadDims) and hands that list to what
+// follows.
 struct HeadDims {
     const int* dims;
     size_t count;
@@ -177,23 +185,42 @@ void with_row_scratch(const AttentionShape& s, cudaStream_t stream, Launch launc
                  [&](void* scratch) { return launch(static_cast<float*>(scratch)); });
 }
 
-// Whether flash_forward_fp16 / _bf16 run chapter 3 on this device at this head dim (compute
-// capability 9.0, a head dim in kFlashHopperHeadDims) rather than chapter 2: the one statement of
-// the dispatch rule (the tests state it again on their own, to check it).
-bool flash_forward_runs_hopper(const cudaDeviceProp& prop, int head_dim);
-
-// Chapter 3's forward (flash_hopper.cu) without its checks, for flash_forward_fp16 / _bf16 on
-// compute capability 9.0, which have run them all (shape, pointers, head dim in
-// kFlashHopperHeadDims): checking twice would cost a cudaPointerGetAttributes per tensor again.
-void flash_forward_hopper_launch(const __half* Q, const __half* K, const __half* V, __half* O,
-                                 float* L, const AttentionShape& s, cudaStream_t stream);
-void flash_forward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
-                                 const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
-                                 const AttentionShape& s, cudaStream_t stream);
-
 // Lets `kernel` use `bytes` of dynamic shared memory (above 48 KiB needs the opt-in).
 template <typename Kernel>
 void allow_shared(Kernel kernel, size_t bytes) {
     FLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           int(bytes)));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Between the API layer (dispatch.cpp: flash_forward_fp16 / _bf16, which pick a chapter) and the
+// chapters. Each chapter's forward without its argument checks, for the API layer, which has run
+// them all (shape with kFlashFp16HeadDims, pointers): checking twice would cost a
+// cudaPointerGetAttributes per tensor again.
+
+// Whether flash_forward_fp16 / _bf16 run chapter 3 on this device at this head dim rather than
+// chapter 2: chapter 3 built (flash_hopper_built), compute capability 9.0 and a head dim in
+// kFlashHopperHeadDims. The one statement of the dispatch rule (dispatch.cpp; the tests state it
+// again on their own, to check it).
+bool flash_forward_runs_hopper(const cudaDeviceProp& prop, int head_dim);
+// False when the library was built with FLASH_NO_HOPPER (the Makefile sets it when nvcc has no
+// sm_90a target, before CUDA 12.0): flash_hopper.cu is then left out, flash_forward_fp16 / _bf16
+// run chapter 2 on every GPU and flash_forward_fp16_hopper / _bf16_hopper throw
+// std::runtime_error saying chapter 3 was not built.
+bool flash_hopper_built();
+
+// Chapter 2 (flash_fp16.cu): checks the device (compute capability 8.0, shared memory for the
+// tile; fn names the public call in the refusal), takes the device's tile and launches.
+void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
+                                 const __half* K, const __half* V, __half* O, float* L,
+                                 const AttentionShape& s, cudaStream_t stream);
+void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
+                                 const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                 const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
+                                 const AttentionShape& s, cudaStream_t stream);
+// Chapter 3 (flash_hopper.cu), for a device where flash_forward_runs_hopper is true.
+void flash_forward_hopper_launch(const __half* Q, const __half* K, const __half* V, __half* O,
+                                 float* L, const AttentionShape& s, cudaStream_t stream);
+void flash_forward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                 const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
+                                 const AttentionShape& s, cudaStream_t stream);

@@ -1,0 +1,91 @@
+// dispatch.cpp: the API layer's one decision, which chapter a public call runs. flash_forward_fp16
+// and flash_forward_bf16 (flash.h) check their arguments, then run chapter 3's forward
+// (flash_hopper.cu) where flash_forward_runs_hopper says so and chapter 2's (flash_fp16.cu)
+// everywhere else. Every other public call is one chapter's own and lives in it: chapter 1's in
+// flash.cu, chapter 2's (_ampere, _bc, the backwards) in flash_fp16.cu, chapter 3's (_hopper) in
+// flash_hopper.cu; no chapter calls another.
+//
+// Built with FLASH_NO_HOPPER (the Makefile sets it when nvcc has no sm_90a target, CUDA before
+// 12.0, and then leaves flash_hopper.cu out), chapter 2 runs on every GPU and chapter 3's own
+// calls, defined here instead, check their arguments and throw std::runtime_error saying chapter 3
+// was not built.
+#include "checks.h"
+#include "flash.h"
+
+#include <string>
+
+// Whatever chapter 3 runs, chapter 2 has a kernel for too: the API checks a shape against
+// kFlashFp16HeadDims before it picks a chapter.
+static constexpr bool hopper_dims_in_fp16_dims() {
+    for (int d : kFlashHopperHeadDims) {
+        bool found = false;
+        for (int e : kFlashFp16HeadDims) found = found || d == e;
+        if (!found) return false;
+    }
+    return true;
+}
+static_assert(hopper_dims_in_fp16_dims(), "a head dim of chapter 3 that chapter 2 lacks");
+
+bool flash_hopper_built() {
+#ifdef FLASH_NO_HOPPER
+    return false;
+#else
+    return true;
+#endif
+}
+
+bool flash_forward_runs_hopper(const cudaDeviceProp& prop, int head_dim) {
+    return flash_hopper_built() && prop.major == 9 && head_dim_in(head_dim, kFlashHopperHeadDims);
+}
+
+// Every check of the arguments (std::invalid_argument before anything touches the GPU but the
+// pointer queries), then one chapter's launch. fn: the public call's name, for messages.
+template <typename T>
+static void forward_fp16_dispatch(const char* fn, const T* Q, const T* K, const T* V, T* O,
+                                  float* L, const AttentionShape& s, cudaStream_t stream) {
+    validate_shape(s, kFlashFp16HeadDims, sizeof(T));
+    validate_forward_pointers(fn, Q, K, V, O, L, s);
+    const cudaDeviceProp prop = flash_device_props();
+#ifndef FLASH_NO_HOPPER
+    if (flash_forward_runs_hopper(prop, s.head_dim))
+        return flash_forward_hopper_launch(Q, K, V, O, L, s, stream);
+#endif
+    flash_forward_ampere_launch(fn, prop, Q, K, V, O, L, s, stream);
+}
+
+void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
+                        const AttentionShape& shape, cudaStream_t stream) {
+    forward_fp16_dispatch("flash_forward_fp16", Q, K, V, O, L, shape, stream);
+}
+
+void flash_forward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
+                        __nv_bfloat16* O, float* L, const AttentionShape& shape,
+                        cudaStream_t stream) {
+    forward_fp16_dispatch("flash_forward_bf16", Q, K, V, O, L, shape, stream);
+}
+
+#ifdef FLASH_NO_HOPPER
+// Chapter 3's own calls in a library without it: the same refusals of bad arguments as
+// flash_hopper.cu's (std::invalid_argument first), then std::runtime_error.
+template <typename T>
+[[noreturn]] static void hopper_not_built(const char* fn, const T* Q, const T* K, const T* V, T* O,
+                                          float* L, const AttentionShape& s) {
+    validate_shape(s, kFlashHopperHeadDims, sizeof(T));
+    validate_forward_pointers(fn, Q, K, V, O, L, s);
+    throw std::runtime_error(std::string(fn) + ": chapter 3 (flash_hopper.cu) was not built: the " +
+                             "library was built with FLASH_NO_HOPPER, which the Makefile sets " +
+                             "when nvcc has no sm_90a target (CUDA 12.0 or newer has it); " +
+                             "flash_forward_fp16 / _bf16 run chapter 2 instead");
+}
+
+void flash_forward_fp16_hopper(const __half* Q, const __half* K, const __half* V, __half* O,
+                               float* L, const AttentionShape& shape, cudaStream_t) {
+    hopper_not_built("flash_forward_fp16_hopper", Q, K, V, O, L, shape);
+}
+
+void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                               const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
+                               const AttentionShape& shape, cudaStream_t) {
+    hopper_not_built("flash_forward_bf16_hopper", Q, K, V, O, L, shape);
+}
+#endif
