@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # lab/uncited-data.sh: the files in lab/data/ and lab/patches/ that no document or script cites,
 # one a line, as make check's [data] test (tests/test_docs.cpp) finds them: a citation is the
-# file's path from the root written out (lab/data/NAME, lab/patches/NAME), in a document at the
+# file's path from the root written out (lab/data/ or lab/patches/ and the name), in a document at the
 # root (*.md, *.cu, *.cpp, *.h, Makefile) or in any file under lab/ (but lab/data/ and
 # lab/patches/), bench/, .ci/ or pytorch/ (folders named .* or __pycache__ left out).
 #   lab/uncited-data.sh              list them
