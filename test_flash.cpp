@@ -393,18 +393,13 @@ TEST_CASE("The fp16 backward tile chooser takes the first tile of its list whose
 // against the reference run in double on the exact rounded inputs, within tolerances16 and
 // backward_tolerances16 (derived in test_util.h from the type's rounding).
 
-TEST_CASE("The forward matches the reference over a grid of shapes", "[gpu][forward]") {
-    const AttentionShape s = GENERATE(from_range(forward_grid(kHeadDims)));
-    check_forward_on_gpu<float>(s, 100);
-}
-
-TEMPLATE_TEST_CASE("The tensor-core forward matches the reference over a grid of shapes",
-                   "[gpu][forward][fp16][bf16]", fp16, bf16) {
-    // The same grid as the fp32 forward's (odd lengths, q_len != kv_len both ways, causal and
-    // not, batched heads), over chapter 2's head dims, on chapter 2's kernel whatever the GPU
-    // (kAmpereKernel); the reference runs in double on the inputs as rounded to TestType.
-    const AttentionShape s = GENERATE(from_range(forward_grid(kFp16HeadDims)));
-    check_forward_on_gpu<TestType>(s, 1100, kAmpereKernel);
+TEMPLATE_TEST_CASE("The forward matches the reference over a grid of shapes",
+                   "[gpu][forward][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    // Odd lengths, q_len != kv_len both ways, causal and not, batched heads, every head dim of the
+    // type's chapter, on that chapter's kernel whatever the GPU (own_chapter: chapter 1 for fp32,
+    // chapter 2 for fp16 and bf16); the reference runs on the inputs as rounded to TestType.
+    const AttentionShape s = GENERATE(from_range(forward_grid(head_dims_of<TestType>())));
+    check_forward_on_gpu<TestType>(s, per_type<TestType>(100u, 1100u), own_chapter<TestType>());
 }
 
 TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shapes",
@@ -414,7 +409,7 @@ TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shap
     // the same reference and the same tolerances. Only a GPU of compute capability 9.0 runs it.
     if (!hopper_or_warn()) return;
     const AttentionShape s = GENERATE(from_range(forward_grid({64, 128, 256})));
-    check_forward_on_gpu<TestType>(s, 1100, kHopperKernel);
+    check_forward_on_gpu<TestType>(s, 1100, Kernel::chapter3());
 }
 
 TEMPLATE_TEST_CASE("flash_forward_fp16 and _bf16 run chapter 3 on compute capability 9.0 at its "
@@ -429,112 +424,71 @@ TEMPLATE_TEST_CASE("flash_forward_fp16 and _bf16 run chapter 3 on compute capabi
     INFO(describe(s) << ", expecting chapter " << (hopper ? 3 : 2));
     const auto p = rounded_problem<TestType>(s, 1450);
     GpuAttention<TestType> gpu(p);
-    gpu.forward();
+    gpu.forward(Kernel::public_call());
     const Outputs<float> chosen = gpu.outputs(false);
-    gpu.forward(hopper ? kHopperKernel : kAmpereKernel);
+    gpu.forward(hopper ? Kernel::chapter3() : Kernel::chapter2());
     check_bitwise(chosen, gpu.outputs(false), s);
     if (hopper) {  // and the test can tell the chapters apart: chapter 2's bits differ
-        gpu.forward(kAmpereKernel);
+        gpu.forward(Kernel::chapter2());
         CHECK_FALSE(bitwise_equal(chosen, gpu.outputs(false)));
     }
 }
 
-TEST_CASE("The backward matches the reference over a grid of shapes", "[gpu][backward]") {
-    const AttentionShape s = GENERATE(from_range(backward_grid(kHeadDims)));
-    check_backward_on_gpu<float>(s, 200);
-}
-
-TEMPLATE_TEST_CASE("The tensor-core backward matches the reference over a grid of shapes",
-                   "[gpu][backward][fp16][bf16]", fp16, bf16) {
-    // The fp32 backward's grid (odd lengths, q_len != kv_len both ways, causal and not, batched
-    // heads) over chapter 2's head dims. Q, K, V and a random dO are rounded to TestType; the
-    // kernels run the forward for their own O and L, then the backward; the reference runs in
-    // double on the same rounded values and computes its own O and L.
-    const AttentionShape s = GENERATE(from_range(backward_grid(kFp16HeadDims)));
-    check_backward_on_gpu<TestType>(s, 2100);
+TEMPLATE_TEST_CASE("The backward matches the reference over a grid of shapes",
+                   "[gpu][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    // The same kinds of shape, fewer (the reference's backward costs three times its forward).
+    // Q, K, V and a random dO are rounded to TestType; the kernels run the forward for their own
+    // O and L, then the backward; the reference computes its own O and L.
+    const AttentionShape s = GENERATE(from_range(backward_grid(head_dims_of<TestType>())));
+    check_backward_on_gpu<TestType>(s, per_type<TestType>(200u, 2100u));
 }
 
 // The subset `make sanitize` runs under compute-sanitizer (which slows kernels 10-100x): small
 // shapes that still cover odd and unequal lengths, a partial last tile, causal on and off,
-// batched heads and every head dim, forward and backward (sanitizer_shapes).
-TEST_CASE("Small shapes for the sanitizer: forward and backward match the reference",
-          "[gpu][sanitize][forward][backward]") {
-    const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kHeadDims, 100)));
-    check_backward_on_gpu<float>(s, 300);
+// batched heads and every head dim, forward and backward (sanitizer_shapes). In fp16 and bf16 the
+// long pair is 150 for fp32's 100, so that a head has two or three Q tiles (of 64 rows; 128 at
+// d = 64 on an H100; the last partial) and two K/V tiles (128 keys; three of 64 at d = 16 and
+// 256), whose blocks add into each dQ_i in turn: the ordered add runs under the sanitizer.
+TEMPLATE_TEST_CASE("Small shapes for the sanitizer: forward and backward match the reference",
+                   "[gpu][sanitize][forward][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    const int n = per_type<TestType>(100, 150);
+    const AttentionShape s = GENERATE_COPY(from_range(sanitizer_shapes(head_dims_of<TestType>(), n)));
+    check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2300u));
 }
 
 // Chapter 2's forward's share of the sanitizer's subset, in fp16 and bf16: the same small shapes,
-// forward only.
+// forward only, on chapter 2's kernel whatever the GPU (the test above runs the public call).
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core forward matches the reference",
                    "[gpu][sanitize][forward][fp16][bf16]", fp16, bf16) {
     const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kFp16HeadDims, 100)));
-    check_forward_on_gpu<TestType>(s, 1300, kAmpereKernel);
+    check_forward_on_gpu<TestType>(s, 1300, Kernel::chapter2());
 }
 
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the Hopper forward matches the reference",
                    "[gpu][sanitize][forward][hopper][fp16][bf16]", fp16, bf16) {
     if (!hopper_or_warn()) return;
     const AttentionShape s = GENERATE(from_range(sanitizer_shapes({64, 128, 256}, 150)));
-    check_forward_on_gpu<TestType>(s, 1350, kHopperKernel);
-}
-
-// Chapter 2's backward's share: the same small shapes, forward then backward, but 150 for 100, so
-// that a head has two or three Q tiles (of 64 rows; 128 at d = 64 on an H100; the last partial)
-// and two K/V tiles (128 keys; three of 64 at d = 16 and 256), whose blocks add into each dQ_i in
-// turn: the ordered add runs under the sanitizer.
-TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core backward matches the reference",
-                   "[gpu][sanitize][backward][fp16][bf16]", fp16, bf16) {
-    const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kFp16HeadDims, 150)));
-    check_backward_on_gpu<TestType>(s, 2300);
+    check_forward_on_gpu<TestType>(s, 1350, Kernel::chapter3());
 }
 
 // The masking tests check every output against the reference, masked rows included (dK and dV
 // get nothing from the masked rows: the reference's contributions are exactly zero there), then
 // that the masked rows hold exactly O = 0, L = -inf and dQ = 0.
-TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU",
-          "[gpu][masking][forward][backward][hardening]") {
-    const AttentionShape s = GENERATE(from_range(masking_shapes(kHeadDims)));
+TEMPLATE_TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU",
+                   "[gpu][masking][forward][backward][hardening][fp32][fp16][bf16]", fp32, fp16,
+                   bf16) {
+    const AttentionShape s = GENERATE(from_range(masking_shapes(head_dims_of<TestType>())));
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    check_masked_rows(check_backward_on_gpu<float>(s, 300), s);
+    check_masked_rows(check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2400u)), s);
 }
 
 TEMPLATE_TEST_CASE("Rows that see no key get O = 0 and L = -inf from the tensor-core forward",
                    "[gpu][masking][forward][hardening][fp16][bf16]", fp16, bf16) {
     // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
-    const int kernel = GENERATE(values({kAmpereKernel, 0}));
+    const Kernel kernel = GENERATE(Kernel::chapter2(), Kernel::public_call());
     const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims)));
-    if (kernel == 0 && !public_forward_runs_hopper(s.head_dim)) return;  // chapter 2 again
+    if (kernel == Kernel::public_call() && !public_forward_runs_hopper(s.head_dim))
+        return;  // chapter 2 again
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
     check_masked_rows(check_forward_on_gpu<TestType>(s, 1400, kernel), s);
 }
-
-TEMPLATE_TEST_CASE("Rows that see no key get zero gradients from the tensor-core backward",
-                   "[gpu][masking][backward][hardening][fp16][bf16]", fp16, bf16) {
-    const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims)));
-    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    check_masked_rows(check_backward_on_gpu<TestType>(s, 2400), s);
-}
-
-// =============================================================================================
-// NOTES.md must stay true to the code: every line it quotes from flash.cu (the fenced blocks that
-// follow a `<!-- quoted from flash.cu -->` line) must still be a line of flash.cu.
-
-TEST_CASE("Every line NOTES.md quotes from flash.cu is still in flash.cu", "[cpu][notes]") {
-    const std::vector<std::string> notes = source_lines("NOTES.md");
-    const std::vector<std::string> code = source_lines("flash.cu");
-    int quoted = 0;
-    for (size_t n = 0; n < notes.size(); ++n) {
-        if (notes[n] != "<!-- quoted from flash.cu -->") continue;
-        REQUIRE(n + 1 < notes.size());
-        REQUIRE(notes[n + 1].rfind("```", 0) == 0);  // the fence must follow at once
-        for (size_t k = n + 2; k < notes.size() && notes[k].rfind("```", 0) != 0; ++k) {
-            if (notes[k].empty()) continue;
-            ++quoted;
-            INFO("NOTES.md:" << k + 1 << " quotes a line flash.cu no longer has:\n  " << notes[k]);
-            CHECK(std::find(code.begin(), code.end(), notes[k]) != code.end());
-        }
-    }
-    INFO("NOTES.md should quote the forward kernel");
-    CHECK(quoted >= 30);
-}
-
