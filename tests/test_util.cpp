@@ -430,6 +430,20 @@ void print_summary_line() {
 }
 }  // namespace
 
+void end_run_on_deadline(const std::string& line) {
+    // Fail the test where Catch shows it (its name, the INFO context: the shape), say so on
+    // stderr too, print the summary line and end the process: a hung kernel cannot be cancelled,
+    // and any later CUDA call (even the runtime's own at exit) would wait for it.
+    FAIL_CHECK(line);
+    std::cout.flush();
+    std::cerr << line << std::endl;
+    g_totals.failed += 1;  // this test case, which never ends
+    print_summary_line();
+    std::cout.flush();
+    std::cerr.flush();
+    std::_Exit(3);
+}
+
 void wait_for_gpu(cudaStream_t stream, const GpuCall& call) {
     cudaEvent_t done = nullptr;
     FLASH_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
@@ -443,21 +457,9 @@ void wait_for_gpu(cudaStream_t stream, const GpuCall& call) {
                             [] { std::this_thread::sleep_for(std::chrono::microseconds(50)); },
                             seconds);
     }
-    if (status == cudaErrorNotReady) {
-        // The kernel never finished: fail the test where Catch shows it (its name, the INFO
-        // context: the shape), say so on stderr too, print the summary line and end the process
-        // (a hung kernel cannot be cancelled: a later CUDA call would wait for it too).
-        const std::string line =
-            deadline_message(Catch::getResultCapture().getCurrentTestName(), call, seconds);
-        FAIL_CHECK(line);
-        std::cout.flush();
-        std::cerr << line << std::endl;
-        g_totals.failed += 1;  // this test case, which never ends
-        print_summary_line();
-        std::cout.flush();
-        std::cerr.flush();
-        std::_Exit(3);
-    }
+    if (status == cudaErrorNotReady)  // never finished: the run ends here
+        end_run_on_deadline(
+            deadline_message(Catch::getResultCapture().getCurrentTestName(), call, seconds));
     cudaEventDestroy(done);
     FLASH_CUDA_CHECK(status);
 }

@@ -759,6 +759,11 @@ cudaError_t poll_until(Poll&& poll, Now&& now, Pause&& pause, double seconds) {
     }
 }
 
+// How a run ends when a deadline passes: `line` as a failure of the current test case (Catch
+// prints it with the test's name and INFO context) and on stderr, then the summary line (this test
+// case counted as failed), then std::_Exit(3), running no destructor (they would call CUDA).
+[[noreturn]] void end_run_on_deadline(const std::string& line);
+
 // Waits for everything queued so far on `stream` (and on the legacy default stream, which a
 // blocking stream waits for), within deadline_seconds(call): a CUDA error fails the test as
 // FLASH_CUDA_CHECK does (std::runtime_error); the deadline passing ends the process, as above.
