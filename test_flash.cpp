@@ -43,6 +43,7 @@
 #include "test_util.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -213,6 +214,29 @@ TEST_CASE("The float and double references agree", "[cpu][reference]") {
     check("dQ", rf.dQ, rd.dQ, q_layout(s));
     check("dK", rf.dK, rd.dK, kv_layout(s));
     check("dV", rf.dV, rd.dV, kv_layout(s));
+}
+
+TEST_CASE("The reference gives the same bits on any number of threads", "[cpu][reference]") {
+    // It shares its rows (and keys) out over the cores: each row's sums run in their own order
+    // whatever the threads do, so 1 thread and 7 must agree in every bit, forward and backward.
+    const AttentionShape s = GENERATE(AttentionShape{2, 3, 100, 77, 64, true},
+                                      AttentionShape{1, 1, 300, 257, 128, false},
+                                      AttentionShape{1, 2, 257, 33, 16, true});
+    INFO(describe(s));
+    const auto p = random_problem<double>(s, 9);
+    attention_reference_threads(1);
+    const auto one = reference_backward(p);
+    attention_reference_threads(7);
+    const auto seven = reference_backward(p);
+    attention_reference_threads(0);
+    for (const auto& [name, a, b] :
+         {std::tuple{"O", &one.O, &seven.O}, std::tuple{"L", &one.L, &seven.L},
+          std::tuple{"dQ", &one.dQ, &seven.dQ}, std::tuple{"dK", &one.dK, &seven.dK},
+          std::tuple{"dV", &one.dV, &seven.dV}}) {
+        INFO(name);
+        REQUIRE(a->size() == b->size());
+        CHECK(std::memcmp(a->data(), b->data(), a->size() * sizeof(double)) == 0);
+    }
 }
 
 TEST_CASE("The reference's gradients match central finite differences of its forward",
