@@ -7,38 +7,36 @@
 //                unequal lengths, causal on and off, batched heads, every head dim); [sanitize]
 //                is the small subset `make sanitize` runs under compute-sanitizer
 //   [masking]    rows that see no key: O = 0, L = -inf, zero gradients
-//   [fp16]       the tensor-core forward and backward, next to each fp32 twin: their tile
-//                choosers, the forward and backward grids, the sanitizer subset and the rows that
-//                see no key (against the reference run in double on the exact rounded inputs,
-//                within tolerances16 and backward_tolerances16). Chapter 2's kernels everywhere
-//                (kAmpereKernel); on compute capability 9.0, where the public forward runs chapter
-//                3, the forward's tests run that too, and the backward's take their O and L from it
-//   [bf16]       the same tests in bf16: each of chapter 2's tests is one body run in each type,
-//                a TEMPLATE_TEST_CASE tagged [fp16][bf16] whose instances end in " - fp16" and
-//                " - bf16" (so [fp16] and [bf16] both select both types' runs, and a name's ending
-//                selects one type's), but for the tile choosers' and the backward's extra memory
-//                (one tile, one count serve both types) and those that pass a Bc (fp16 only:
-//                flash_forward_fp16_bc, flash_backward_fp16_bc)
+//   [fp32], [fp16], [bf16]  the element types: a test whose body is the same in every type is
+//                one TEMPLATE_TEST_CASE over (fp32, fp16, bf16), its instances named "<name> - fp32",
+//                "<name> - fp16" and "<name> - bf16" (so a name's ending selects one type's run;
+//                the tags select all three); chapter 2's own tests are over (fp16, bf16). fp32
+//                runs chapter 1's kernels, fp16 and bf16 chapter 2's (Kernel::chapter2(), whatever
+//                the GPU) against the reference run in double on the exact rounded inputs, within
+//                tolerances16 and backward_tolerances16; on compute capability 9.0, where the
+//                public forward runs chapter 3, the backward's O and L come from it
 //   [hopper]     chapter 3's forward (flash_forward_fp16_hopper, _bf16_hopper) on chapter 2's
 //                forward grid, sanitizer shapes, 100 identical calls, >65535 heads, >2^31
-//                elements (with chapter 2's [big] tests), its validation, and which chapter the
-//                public forward runs; on a GPU other than compute capability 9.0 each says SKIPPED
-//   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
-//   [readme]     README.md's figures against the data files they come from: in test_docs.cpp
+//                elements (with the [big] tests), its validation, and which chapter the public
+//                forward runs; on a GPU other than compute capability 9.0 each says SKIPPED
 // Everything else (argument validation, determinism, the caller-chosen Bc, extreme inputs, tensors
-// past 65535 heads and 2^31 elements, the [.timing] test) is in test_hardening.cpp; the helpers
-// are in test_util.h, main() in test_util.cpp.
+// past 65535 heads and 2^31 elements, the [.stress] and [.timing] tests) is in
+// tests/test_hardening.cpp; the deadline every GPU wait runs under in tests/test_deadline.cpp; the
+// helpers in tests/test_util.h, main() in tests/test_util.cpp; the documentation checks in
+// tests/test_docs.cpp (make check).
 //
-// `make test` builds the one binary, test_flash, from all test_*.cpp files and runs it. [cpu]
-// tests run everywhere; [gpu] tests need a CUDA device, and without one they are left out (one
-// line says so) unless a test spec is given on the command line. The last line printed is always
+// `make test` builds the one binary, test_flash, from these files and runs it. [cpu] tests run
+// everywhere; [gpu] tests need a CUDA device, and without one they are left out (one line says
+// so) unless a test spec is given on the command line. Every GPU call waits under a deadline: a
+// kernel that hangs fails its test, naming the shape and what likely waits forever, and ends the
+// run. [.stress] tests are hidden: `make stress` runs them. The last line printed is always
 //   flash tests: N passed, M failed, K skipped
 // Examples: ./test_flash "[cpu]"     ./test_flash "[reference]"     ./test_flash "[gpu]~[big]"
 //           ./test_flash -s "[tile]"     ./test_flash --list-tests     ./test_flash "[fp16]"
 //           ./test_flash "[fp16]~[big]"  (the tensor-core tests; "[fp16][cpu]" without a GPU)
-//           ./test_flash "[fp16][backward]"  (chapter 2's backward's tests, both files)
-//           ./test_flash "[bf16]"        (chapter 2's tests that run in both types, in both)
-//           ./test_flash "* - bf16"      (their bf16 runs alone, by name; "* - fp16": fp16's)
+//           ./test_flash "[fp16][backward]"  (the backward's tests that run in fp16, both files)
+//           ./test_flash "* - bf16"      (the bf16 runs alone, by name; "* - fp16", "* - fp32")
+//           ./test_flash "[stress]"      (the long runs: make stress)
 
 #include "test_util.h"
 
@@ -412,8 +410,8 @@ TEST_CASE("The fp16 backward tile chooser takes the first tile of its list whose
 }
 
 // =============================================================================================
-// GPU: the kernels against the reference. Chapter 2's tests run one body in each of its element
-// types (TEMPLATE_TEST_CASE over fp16 and bf16: instances "<name> - fp16" and "<name> - bf16"),
+// GPU: the kernels against the reference. One body for every element type (TEMPLATE_TEST_CASE
+// over fp32, fp16, bf16): fp32 against the reference in float within tolerances(); fp16 and bf16
 // against the reference run in double on the exact rounded inputs, within tolerances16 and
 // backward_tolerances16 (derived in test_util.h from the type's rounding).
 

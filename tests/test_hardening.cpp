@@ -3,26 +3,28 @@
 //
 //   [validation]   bad arguments are refused with std::invalid_argument naming what is wrong,
 //                  before any CUDA call (so the [cpu] ones need no GPU), and outputs stay untouched
-//   [determinism]  identical calls give bitwise identical results, on any stream, 100 times over
+//   [determinism]  identical calls give bitwise identical results, on any stream, 100 times over;
+//                  dQ's adds in their fixed order (shares that cancel exactly leave no trace)
 //   [tile]         flash_forward_bc: a caller-chosen Bc that does not divide the length, or does
 //                  not fit in shared memory
 //   [hardening]    extreme inputs: huge, tiny, equal and one-hot scores
 //   [big]          more than 65535 batch*heads, and tensors of more than 2^31 elements (8.6 GB
 //                  each, 4.3 GB in fp16 or bf16: skipped, with a warning, where the GPU has too
 //                  little memory)
-//   [fp16]         chapter 2's forward (flash_forward_fp16_ampere, _bc) and backward
-//                  (flash_backward_fp16, _bc), and on compute capability 9.0 the public forward's
-//                  chapter 3: each test above that applies to them has a tensor-core twin next to
-//                  it, tagged [fp16] too (and [backward] for the backward's)
-//   [bf16]         the same twins in bf16 (flash_forward_bf16, flash_backward_bf16): every twin
-//                  but those of the tile choosers (one tile serves both types) and those that pass
-//                  a Bc (fp16 only) is one TEMPLATE_TEST_CASE body over fp16 and bf16, tagged
-//                  [fp16][bf16], its instances named "<name> - fp16" and "<name> - bf16"
+//   [fp32], [fp16], [bf16]  a test whose body is the same in every element type is one
+//                  TEMPLATE_TEST_CASE over (fp32, fp16, bf16): chapter 1's calls in fp32, chapter
+//                  2's (and on compute capability 9.0 the public forward's chapter 3) in fp16 and
+//                  bf16; tests of one chapter's own calls (its tile chooser, its Bc, its pool)
+//                  stay its own
+//   [.stress]      hidden: the long runs (100 calls of the backward on grids of many more blocks
+//                  than the GPU holds, chapter 3's persistent grid over 20 calls and in many
+//                  rounds, tensors of more than 2^31 elements); `make stress` runs them, and a
+//                  short version of each but the last stays in the default run
 //   [.timing]      hidden: how long the CPU reference takes over the GPU grids
 // They are built into the same binary, test_flash. Examples: ./test_flash "[validation]"
-//   ./test_flash "[gpu]~[big]"     ./test_flash "[big]"     ./test_flash "[.timing]"
-//   ./test_flash "[fp16]"          ./test_flash "[fp16][cpu]"  (without a GPU)
-//   ./test_flash "[fp16][backward]"     ./test_flash "[bf16]"     ./test_flash "[bf16][cpu]"
+//   ./test_flash "[gpu]~[big]"     ./test_flash "[big]"     ./test_flash "[stress]"
+//   ./test_flash "[.timing]"       ./test_flash "[fp16][cpu]"  (without a GPU)
+//   ./test_flash "[determinism]"   ./test_flash "* - bf16"  (the bf16 runs, by name)
 
 #include "test_util.h"
 

@@ -344,7 +344,7 @@ void launch_backward(const T* Q, const T* K, const T* V, const T* O, const T* dO
 template <typename T>
 Outputs<float> check_forward_on_gpu(const AttentionShape& s, uint32_t salt, Kernel kernel) {
     INFO(describe(s) << ", " << type_name<T>() << " forward, " << kernel.name());
-    const auto p = rounded_problem<T>(s, salt);
+    const auto p = rounded_problem<T>(s, salt, false);  // no dO
     GpuAttention<T> gpu(p);
     gpu.forward(kernel);
     const Outputs<float> got = gpu.outputs(false);

@@ -1,5 +1,6 @@
 // test_util.h: what the test files share (Catch2 v2). Nothing here is a test: the tests are in
-// test_flash.cpp (the classroom core), test_hardening.cpp and test_docs.cpp (README.md's figures);
+// test_flash.cpp (the classroom core), test_hardening.cpp, test_deadline.cpp (the GPU waits' deadline)
+// and test_docs.cpp (README.md's figures);
 // main() is in test_util.cpp.
 //
 //   Element types      float (chapter 1's tensors), __half and __nv_bfloat16 (chapter 2's, named
@@ -156,15 +157,16 @@ struct Problem {
     std::vector<T> Q, K, V, dO;
 };
 
-// The problem of shape s for this salt: the same inputs on every run.
+// The problem of shape s for this salt: the same inputs on every run. with_dO = false leaves dO
+// empty (a forward's test: drawn last, so Q, K and V are the same either way).
 template <typename T = float>
-Problem<T> random_problem(const AttentionShape& s, uint32_t salt) {
+Problem<T> random_problem(const AttentionShape& s, uint32_t salt, bool with_dO = true) {
     std::mt19937 rng(seed_of(s, salt));
     Problem<T> p{s, {}, {}, {}, {}};
     p.Q = normal_values<T>(q_elems(s), rng);
     p.K = normal_values<T>(kv_elems(s), rng);
     p.V = normal_values<T>(kv_elems(s), rng);
-    p.dO = normal_values<T>(q_elems(s), rng);
+    if (with_dO) p.dO = normal_values<T>(q_elems(s), rng);
     return p;
 }
 
@@ -188,8 +190,8 @@ Problem<To> converted(const Problem<From>& p) {
 // runs on these very values (converted<double>, exact), so the rounding of the inputs is no part
 // of the error chapter 2's tests measure.
 template <typename T>
-Problem<T> rounded_problem(const AttentionShape& s, uint32_t salt) {
-    return converted<T>(random_problem(s, salt));
+Problem<T> rounded_problem(const AttentionShape& s, uint32_t salt, bool with_dO = true) {
+    return converted<T>(random_problem(s, salt, with_dO));
 }
 
 // A problem's outputs on the host: the reference's (in float or double), or the GPU's (as float).
