@@ -16,3 +16,6 @@ void attention_reference_backward(const float* Q, const float* K, const float* V
 void attention_reference_backward(const double* Q, const double* K, const double* V,
                                   const double* O, const double* dO, const double* L, double* dQ,
                                   double* dK, double* dV, const AttentionShape& shape);
+// How many threads the reference shares its rows out over: 0 (the default) for
+// std::thread::hardware_concurrency(). The results are the same, bit for bit, for any number.
+void attention_reference_threads(unsigned threads);

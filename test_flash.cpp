@@ -7,42 +7,41 @@
 //                unequal lengths, causal on and off, batched heads, every head dim); [sanitize]
 //                is the small subset `make sanitize` runs under compute-sanitizer
 //   [masking]    rows that see no key: O = 0, L = -inf, zero gradients
-//   [fp16]       the tensor-core forward and backward, next to each fp32 twin: their tile
-//                choosers, the forward and backward grids, the sanitizer subset and the rows that
-//                see no key (against the reference run in double on the exact rounded inputs,
-//                within tolerances16 and backward_tolerances16). Chapter 2's kernels everywhere
-//                (kAmpereKernel); on compute capability 9.0, where the public forward runs chapter
-//                3, the forward's tests run that too, and the backward's take their O and L from it
-//   [bf16]       the same tests in bf16: each of chapter 2's tests is one body run in each type,
-//                a TEMPLATE_TEST_CASE tagged [fp16][bf16] whose instances end in " - fp16" and
-//                " - bf16" (so [fp16] and [bf16] both select both types' runs, and a name's ending
-//                selects one type's), but for the tile choosers' and the backward's extra memory
-//                (one tile, one count serve both types) and those that pass a Bc (fp16 only:
-//                flash_forward_fp16_bc, flash_backward_fp16_bc)
+//   [fp32], [fp16], [bf16]  the element types: a test whose body is the same in every type is
+//                one TEMPLATE_TEST_CASE over (fp32, fp16, bf16), its instances named "<name> - fp32",
+//                "<name> - fp16" and "<name> - bf16" (so a name's ending selects one type's run;
+//                the tags select all three); chapter 2's own tests are over (fp16, bf16). fp32
+//                runs chapter 1's kernels, fp16 and bf16 chapter 2's (Kernel::chapter2(), whatever
+//                the GPU) against the reference run in double on the exact rounded inputs, within
+//                tolerances16 and backward_tolerances16; on compute capability 9.0, where the
+//                public forward runs chapter 3, the backward's O and L come from it
 //   [hopper]     chapter 3's forward (flash_forward_fp16_hopper, _bf16_hopper) on chapter 2's
 //                forward grid, sanitizer shapes, 100 identical calls, >65535 heads, >2^31
-//                elements (with chapter 2's [big] tests), its validation, and which chapter the
-//                public forward runs; on a GPU other than compute capability 9.0 each says SKIPPED
-//   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
-//   [readme]     README.md's figures against the data files they come from: in test_docs.cpp
+//                elements (with the [big] tests), its validation, and which chapter the public
+//                forward runs; on a GPU other than compute capability 9.0 each says SKIPPED
 // Everything else (argument validation, determinism, the caller-chosen Bc, extreme inputs, tensors
-// past 65535 heads and 2^31 elements, the [.timing] test) is in test_hardening.cpp; the helpers
-// are in test_util.h, main() in test_util.cpp.
+// past 65535 heads and 2^31 elements, the [.stress] and [.timing] tests) is in
+// tests/test_hardening.cpp; the deadline every GPU wait runs under in tests/test_deadline.cpp; the
+// helpers in tests/test_util.h, main() in tests/test_util.cpp; the documentation checks in
+// tests/test_docs.cpp (make check).
 //
-// `make test` builds the one binary, test_flash, from all test_*.cpp files and runs it. [cpu]
-// tests run everywhere; [gpu] tests need a CUDA device, and without one they are left out (one
-// line says so) unless a test spec is given on the command line. The last line printed is always
+// `make test` builds the one binary, test_flash, from these files and runs it. [cpu] tests run
+// everywhere; [gpu] tests need a CUDA device, and without one they are left out (one line says
+// so) unless a test spec is given on the command line. Every GPU call waits under a deadline: a
+// kernel that hangs fails its test, naming the shape and what likely waits forever, and ends the
+// run. [.stress] tests are hidden: `make stress` runs them. The last line printed is always
 //   flash tests: N passed, M failed, K skipped
 // Examples: ./test_flash "[cpu]"     ./test_flash "[reference]"     ./test_flash "[gpu]~[big]"
 //           ./test_flash -s "[tile]"     ./test_flash --list-tests     ./test_flash "[fp16]"
 //           ./test_flash "[fp16]~[big]"  (the tensor-core tests; "[fp16][cpu]" without a GPU)
-//           ./test_flash "[fp16][backward]"  (chapter 2's backward's tests, both files)
-//           ./test_flash "[bf16]"        (chapter 2's tests that run in both types, in both)
-//           ./test_flash "* - bf16"      (their bf16 runs alone, by name; "* - fp16": fp16's)
+//           ./test_flash "[fp16][backward]"  (the backward's tests that run in fp16, both files)
+//           ./test_flash "* - bf16"      (the bf16 runs alone, by name; "* - fp16", "* - fp32")
+//           ./test_flash "[stress]"      (the long runs: make stress)
 
 #include "test_util.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -213,6 +212,29 @@ TEST_CASE("The float and double references agree", "[cpu][reference]") {
     check("dQ", rf.dQ, rd.dQ, q_layout(s));
     check("dK", rf.dK, rd.dK, kv_layout(s));
     check("dV", rf.dV, rd.dV, kv_layout(s));
+}
+
+TEST_CASE("The reference gives the same bits on any number of threads", "[cpu][reference]") {
+    // It shares its rows (and keys) out over the cores: each row's sums run in their own order
+    // whatever the threads do, so 1 thread and 7 must agree in every bit, forward and backward.
+    const AttentionShape s = GENERATE(AttentionShape{2, 3, 100, 77, 64, true},
+                                      AttentionShape{1, 1, 300, 257, 128, false},
+                                      AttentionShape{1, 2, 257, 33, 16, true});
+    INFO(describe(s));
+    const auto p = random_problem<double>(s, 9);
+    attention_reference_threads(1);
+    const auto one = reference_backward(p);
+    attention_reference_threads(7);
+    const auto seven = reference_backward(p);
+    attention_reference_threads(0);
+    for (const auto& [name, a, b] :
+         {std::tuple{"O", &one.O, &seven.O}, std::tuple{"L", &one.L, &seven.L},
+          std::tuple{"dQ", &one.dQ, &seven.dQ}, std::tuple{"dK", &one.dK, &seven.dK},
+          std::tuple{"dV", &one.dV, &seven.dV}}) {
+        INFO(name);
+        REQUIRE(a->size() == b->size());
+        CHECK(std::memcmp(a->data(), b->data(), a->size() * sizeof(double)) == 0);
+    }
 }
 
 TEST_CASE("The reference's gradients match central finite differences of its forward",
@@ -388,23 +410,18 @@ TEST_CASE("The fp16 backward tile chooser takes the first tile of its list whose
 }
 
 // =============================================================================================
-// GPU: the kernels against the reference. Chapter 2's tests run one body in each of its element
-// types (TEMPLATE_TEST_CASE over fp16 and bf16: instances "<name> - fp16" and "<name> - bf16"),
+// GPU: the kernels against the reference. One body for every element type (TEMPLATE_TEST_CASE
+// over fp32, fp16, bf16): fp32 against the reference in float within tolerances(); fp16 and bf16
 // against the reference run in double on the exact rounded inputs, within tolerances16 and
 // backward_tolerances16 (derived in test_util.h from the type's rounding).
 
-TEST_CASE("The forward matches the reference over a grid of shapes", "[gpu][forward]") {
-    const AttentionShape s = GENERATE(from_range(forward_grid(kHeadDims)));
-    check_forward_on_gpu<float>(s, 100);
-}
-
-TEMPLATE_TEST_CASE("The tensor-core forward matches the reference over a grid of shapes",
-                   "[gpu][forward][fp16][bf16]", fp16, bf16) {
-    // The same grid as the fp32 forward's (odd lengths, q_len != kv_len both ways, causal and
-    // not, batched heads), over chapter 2's head dims, on chapter 2's kernel whatever the GPU
-    // (kAmpereKernel); the reference runs in double on the inputs as rounded to TestType.
-    const AttentionShape s = GENERATE(from_range(forward_grid(kFp16HeadDims)));
-    check_forward_on_gpu<TestType>(s, 1100, kAmpereKernel);
+TEMPLATE_TEST_CASE("The forward matches the reference over a grid of shapes",
+                   "[gpu][forward][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    // Odd lengths, q_len != kv_len both ways, causal and not, batched heads, every head dim of the
+    // type's chapter, on that chapter's kernel whatever the GPU (own_chapter: chapter 1 for fp32,
+    // chapter 2 for fp16 and bf16); the reference runs on the inputs as rounded to TestType.
+    const AttentionShape s = GENERATE(from_range(forward_grid(head_dims_of<TestType>())));
+    check_forward_on_gpu<TestType>(s, per_type<TestType>(100u, 1100u), own_chapter<TestType>());
 }
 
 TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shapes",
@@ -414,7 +431,7 @@ TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shap
     // the same reference and the same tolerances. Only a GPU of compute capability 9.0 runs it.
     if (!hopper_or_warn()) return;
     const AttentionShape s = GENERATE(from_range(forward_grid({64, 128, 256})));
-    check_forward_on_gpu<TestType>(s, 1100, kHopperKernel);
+    check_forward_on_gpu<TestType>(s, 1100, Kernel::chapter3());
 }
 
 TEMPLATE_TEST_CASE("flash_forward_fp16 and _bf16 run chapter 3 on compute capability 9.0 at its "
@@ -429,112 +446,71 @@ TEMPLATE_TEST_CASE("flash_forward_fp16 and _bf16 run chapter 3 on compute capabi
     INFO(describe(s) << ", expecting chapter " << (hopper ? 3 : 2));
     const auto p = rounded_problem<TestType>(s, 1450);
     GpuAttention<TestType> gpu(p);
-    gpu.forward();
+    gpu.forward(Kernel::public_call());
     const Outputs<float> chosen = gpu.outputs(false);
-    gpu.forward(hopper ? kHopperKernel : kAmpereKernel);
+    gpu.forward(hopper ? Kernel::chapter3() : Kernel::chapter2());
     check_bitwise(chosen, gpu.outputs(false), s);
     if (hopper) {  // and the test can tell the chapters apart: chapter 2's bits differ
-        gpu.forward(kAmpereKernel);
+        gpu.forward(Kernel::chapter2());
         CHECK_FALSE(bitwise_equal(chosen, gpu.outputs(false)));
     }
 }
 
-TEST_CASE("The backward matches the reference over a grid of shapes", "[gpu][backward]") {
-    const AttentionShape s = GENERATE(from_range(backward_grid(kHeadDims)));
-    check_backward_on_gpu<float>(s, 200);
-}
-
-TEMPLATE_TEST_CASE("The tensor-core backward matches the reference over a grid of shapes",
-                   "[gpu][backward][fp16][bf16]", fp16, bf16) {
-    // The fp32 backward's grid (odd lengths, q_len != kv_len both ways, causal and not, batched
-    // heads) over chapter 2's head dims. Q, K, V and a random dO are rounded to TestType; the
-    // kernels run the forward for their own O and L, then the backward; the reference runs in
-    // double on the same rounded values and computes its own O and L.
-    const AttentionShape s = GENERATE(from_range(backward_grid(kFp16HeadDims)));
-    check_backward_on_gpu<TestType>(s, 2100);
+TEMPLATE_TEST_CASE("The backward matches the reference over a grid of shapes",
+                   "[gpu][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    // The same kinds of shape, fewer (the reference's backward costs three times its forward).
+    // Q, K, V and a random dO are rounded to TestType; the kernels run the forward for their own
+    // O and L, then the backward; the reference computes its own O and L.
+    const AttentionShape s = GENERATE(from_range(backward_grid(head_dims_of<TestType>())));
+    check_backward_on_gpu<TestType>(s, per_type<TestType>(200u, 2100u));
 }
 
 // The subset `make sanitize` runs under compute-sanitizer (which slows kernels 10-100x): small
 // shapes that still cover odd and unequal lengths, a partial last tile, causal on and off,
-// batched heads and every head dim, forward and backward (sanitizer_shapes).
-TEST_CASE("Small shapes for the sanitizer: forward and backward match the reference",
-          "[gpu][sanitize][forward][backward]") {
-    const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kHeadDims, 100)));
-    check_backward_on_gpu<float>(s, 300);
+// batched heads and every head dim, forward and backward (sanitizer_shapes). In fp16 and bf16 the
+// long pair is 150 for fp32's 100, so that a head has two or three Q tiles (of 64 rows; 128 at
+// d = 64 on an H100; the last partial) and two K/V tiles (128 keys; three of 64 at d = 16 and
+// 256), whose blocks add into each dQ_i in turn: the ordered add runs under the sanitizer.
+TEMPLATE_TEST_CASE("Small shapes for the sanitizer: forward and backward match the reference",
+                   "[gpu][sanitize][forward][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    const int n = per_type<TestType>(100, 150);
+    const AttentionShape s = GENERATE_COPY(from_range(sanitizer_shapes(head_dims_of<TestType>(), n)));
+    check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2300u));
 }
 
 // Chapter 2's forward's share of the sanitizer's subset, in fp16 and bf16: the same small shapes,
-// forward only.
+// forward only, on chapter 2's kernel whatever the GPU (the test above runs the public call).
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core forward matches the reference",
                    "[gpu][sanitize][forward][fp16][bf16]", fp16, bf16) {
     const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kFp16HeadDims, 100)));
-    check_forward_on_gpu<TestType>(s, 1300, kAmpereKernel);
+    check_forward_on_gpu<TestType>(s, 1300, Kernel::chapter2());
 }
 
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the Hopper forward matches the reference",
                    "[gpu][sanitize][forward][hopper][fp16][bf16]", fp16, bf16) {
     if (!hopper_or_warn()) return;
     const AttentionShape s = GENERATE(from_range(sanitizer_shapes({64, 128, 256}, 150)));
-    check_forward_on_gpu<TestType>(s, 1350, kHopperKernel);
-}
-
-// Chapter 2's backward's share: the same small shapes, forward then backward, but 150 for 100, so
-// that a head has two or three Q tiles (of 64 rows; 128 at d = 64 on an H100; the last partial)
-// and two K/V tiles (128 keys; three of 64 at d = 16 and 256), whose blocks add into each dQ_i in
-// turn: the ordered add runs under the sanitizer.
-TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core backward matches the reference",
-                   "[gpu][sanitize][backward][fp16][bf16]", fp16, bf16) {
-    const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kFp16HeadDims, 150)));
-    check_backward_on_gpu<TestType>(s, 2300);
+    check_forward_on_gpu<TestType>(s, 1350, Kernel::chapter3());
 }
 
 // The masking tests check every output against the reference, masked rows included (dK and dV
 // get nothing from the masked rows: the reference's contributions are exactly zero there), then
 // that the masked rows hold exactly O = 0, L = -inf and dQ = 0.
-TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU",
-          "[gpu][masking][forward][backward][hardening]") {
-    const AttentionShape s = GENERATE(from_range(masking_shapes(kHeadDims)));
+TEMPLATE_TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU",
+                   "[gpu][masking][forward][backward][hardening][fp32][fp16][bf16]", fp32, fp16,
+                   bf16) {
+    const AttentionShape s = GENERATE(from_range(masking_shapes(head_dims_of<TestType>())));
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    check_masked_rows(check_backward_on_gpu<float>(s, 300), s);
+    check_masked_rows(check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2400u)), s);
 }
 
 TEMPLATE_TEST_CASE("Rows that see no key get O = 0 and L = -inf from the tensor-core forward",
                    "[gpu][masking][forward][hardening][fp16][bf16]", fp16, bf16) {
     // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
-    const int kernel = GENERATE(values({kAmpereKernel, 0}));
+    const Kernel kernel = GENERATE(Kernel::chapter2(), Kernel::public_call());
     const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims)));
-    if (kernel == 0 && !public_forward_runs_hopper(s.head_dim)) return;  // chapter 2 again
+    if (kernel == Kernel::public_call() && !public_forward_runs_hopper(s.head_dim))
+        return;  // chapter 2 again
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
     check_masked_rows(check_forward_on_gpu<TestType>(s, 1400, kernel), s);
 }
-
-TEMPLATE_TEST_CASE("Rows that see no key get zero gradients from the tensor-core backward",
-                   "[gpu][masking][backward][hardening][fp16][bf16]", fp16, bf16) {
-    const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims)));
-    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    check_masked_rows(check_backward_on_gpu<TestType>(s, 2400), s);
-}
-
-// =============================================================================================
-// NOTES.md must stay true to the code: every line it quotes from flash.cu (the fenced blocks that
-// follow a `<!-- quoted from flash.cu -->` line) must still be a line of flash.cu.
-
-TEST_CASE("Every line NOTES.md quotes from flash.cu is still in flash.cu", "[cpu][notes]") {
-    const std::vector<std::string> notes = source_lines("NOTES.md");
-    const std::vector<std::string> code = source_lines("flash.cu");
-    int quoted = 0;
-    for (size_t n = 0; n < notes.size(); ++n) {
-        if (notes[n] != "<!-- quoted from flash.cu -->") continue;
-        REQUIRE(n + 1 < notes.size());
-        REQUIRE(notes[n + 1].rfind("```", 0) == 0);  // the fence must follow at once
-        for (size_t k = n + 2; k < notes.size() && notes[k].rfind("```", 0) != 0; ++k) {
-            if (notes[k].empty()) continue;
-            ++quoted;
-            INFO("NOTES.md:" << k + 1 << " quotes a line flash.cu no longer has:\n  " << notes[k]);
-            CHECK(std::find(code.begin(), code.end(), notes[k]) != code.end());
-        }
-    }
-    INFO("NOTES.md should quote the forward kernel");
-    CHECK(quoted >= 30);
-}
-

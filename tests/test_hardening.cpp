@@ -3,26 +3,28 @@
 //
 //   [validation]   bad arguments are refused with std::invalid_argument naming what is wrong,
 //                  before any CUDA call (so the [cpu] ones need no GPU), and outputs stay untouched
-//   [determinism]  identical calls give bitwise identical results, on any stream, 100 times over
+//   [determinism]  identical calls give bitwise identical results, on any stream, 100 times over;
+//                  dQ's adds in their fixed order (shares that cancel exactly leave no trace)
 //   [tile]         flash_forward_bc: a caller-chosen Bc that does not divide the length, or does
 //                  not fit in shared memory
 //   [hardening]    extreme inputs: huge, tiny, equal and one-hot scores
 //   [big]          more than 65535 batch*heads, and tensors of more than 2^31 elements (8.6 GB
 //                  each, 4.3 GB in fp16 or bf16: skipped, with a warning, where the GPU has too
 //                  little memory)
-//   [fp16]         chapter 2's forward (flash_forward_fp16_ampere, _bc) and backward
-//                  (flash_backward_fp16, _bc), and on compute capability 9.0 the public forward's
-//                  chapter 3: each test above that applies to them has a tensor-core twin next to
-//                  it, tagged [fp16] too (and [backward] for the backward's)
-//   [bf16]         the same twins in bf16 (flash_forward_bf16, flash_backward_bf16): every twin
-//                  but those of the tile choosers (one tile serves both types) and those that pass
-//                  a Bc (fp16 only) is one TEMPLATE_TEST_CASE body over fp16 and bf16, tagged
-//                  [fp16][bf16], its instances named "<name> - fp16" and "<name> - bf16"
+//   [fp32], [fp16], [bf16]  a test whose body is the same in every element type is one
+//                  TEMPLATE_TEST_CASE over (fp32, fp16, bf16): chapter 1's calls in fp32, chapter
+//                  2's (and on compute capability 9.0 the public forward's chapter 3) in fp16 and
+//                  bf16; tests of one chapter's own calls (its tile chooser, its Bc, its pool)
+//                  stay its own
+//   [.stress]      hidden: the long runs (100 calls of the backward on grids of many more blocks
+//                  than the GPU holds, chapter 3's persistent grid over 20 calls and in many
+//                  rounds, tensors of more than 2^31 elements); `make stress` runs them, and a
+//                  short version of each but the last stays in the default run
 //   [.timing]      hidden: how long the CPU reference takes over the GPU grids
 // They are built into the same binary, test_flash. Examples: ./test_flash "[validation]"
-//   ./test_flash "[gpu]~[big]"     ./test_flash "[big]"     ./test_flash "[.timing]"
-//   ./test_flash "[fp16]"          ./test_flash "[fp16][cpu]"  (without a GPU)
-//   ./test_flash "[fp16][backward]"     ./test_flash "[bf16]"     ./test_flash "[bf16][cpu]"
+//   ./test_flash "[gpu]~[big]"     ./test_flash "[big]"     ./test_flash "[stress]"
+//   ./test_flash "[.timing]"       ./test_flash "[fp16][cpu]"  (without a GPU)
+//   ./test_flash "[determinism]"   ./test_flash "* - bf16"  (the bf16 runs, by name)
 
 #include "test_util.h"
 
@@ -104,8 +106,16 @@ TEST_CASE("The supported head dims are 16, 32, 64, 96, 128 and 256", "[cpu][vali
 // CPU: argument validation. It happens before any CUDA call, so these run without a GPU; the
 // tensors are fake host arrays, never read.
 
-TEST_CASE("Shape fields that are zero or negative are refused, naming the field",
-          "[cpu][validation]") {
+// The calls a validation test of element type T makes: forward_calls with the Bc values each
+// type's test has always passed (fp32's flash_forward_bc: 16; flash_forward_fp16_bc: 32 and 64;
+// bf16 has no such call). The shape and pointers are checked before the Bc.
+template <typename T>
+static std::vector<Kernel> forward_calls_checked() {
+    return forward_calls<T>(per_type<T>(std::vector<int>{16}, std::vector<int>{32, 64}));
+}
+
+TEMPLATE_TEST_CASE("Shape fields that are zero or negative are refused, naming the field",
+                   "[cpu][validation][fp32][fp16][bf16]", fp32, fp16, bf16) {
     const int field = GENERATE(range(0, 5));
     const int value = GENERATE(0, -1, INT_MIN);
     const char* names[] = {"batch", "heads", "q_len", "kv_len", "head_dim"};
@@ -113,50 +123,19 @@ TEST_CASE("Shape fields that are zero or negative are refused, naming the field"
     int* fields[] = {&s.batch, &s.heads, &s.q_len, &s.kv_len, &s.head_dim};
     *fields[field] = value;
     INFO(names[field] << " = " << value);
-    FakeTensors t;
+    FakeTensors<TestType> t;
     const NamesWord names_field(names[field]);
     CHECK_THAT(refusal([&] { validate_shape(s); }), names_field);
-    CHECK_THAT(refusal([&] { flash_forward(t.Q, t.K, t.V, t.O, t.L, s); }), names_field);
-    CHECK_THAT(refusal([&] { flash_forward_bc(t.Q, t.K, t.V, t.O, t.L, s, 16); }), names_field);
+    for (const Kernel& call : forward_calls_checked<TestType>()) {
+        INFO(forward_api<TestType>() << ", " << call.name());
+        CHECK_THAT(refusal([&] { launch_forward(t.Q, t.K, t.V, t.O, t.L, s, call); }), names_field);
+    }
     CHECK_THAT(refusal([&] {
-                   flash_backward(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s);
+                   launch_backward(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s);
                }),
                names_field);
-    CHECK_THAT(refusal([&] { attention_reference(t.Q, t.K, t.V, t.O, t.L, s); }), names_field);
-    CHECK(t.outputs_untouched());
-}
-
-TEMPLATE_TEST_CASE("The tensor-core forward refuses shape fields that are zero or negative, "
-                   "naming the field", "[cpu][validation][fp16][bf16]", fp16, bf16) {
-    const int field = GENERATE(range(0, 5));
-    const int value = GENERATE(0, -1, INT_MIN);
-    const int Bc = GENERATE(from_range(bc_choices<TestType>({32, 64})));  // checked after the shape
-    const char* names[] = {"batch", "heads", "q_len", "kv_len", "head_dim"};
-    AttentionShape s = valid_shape();
-    int* fields[] = {&s.batch, &s.heads, &s.q_len, &s.kv_len, &s.head_dim};
-    *fields[field] = value;
-    INFO(names[field] << " = " << value << ", Bc = " << Bc);
-    FakeTensors<TestType> t;
-    CHECK_THAT(refusal([&] { launch_forward(t.Q16, t.K16, t.V16, t.O16, t.L, s, Bc); }),
-               NamesWord(names[field]));
-    CHECK(t.outputs_untouched());
-}
-
-TEMPLATE_TEST_CASE("The tensor-core backward refuses shape fields that are zero or negative, "
-                   "naming the field", "[cpu][validation][fp16][bf16][backward]", fp16, bf16) {
-    const int field = GENERATE(range(0, 5));
-    const int value = GENERATE(0, -1, INT_MIN);
-    const char* names[] = {"batch", "heads", "q_len", "kv_len", "head_dim"};
-    AttentionShape s = valid_shape();
-    int* fields[] = {&s.batch, &s.heads, &s.q_len, &s.kv_len, &s.head_dim};
-    *fields[field] = value;
-    INFO(names[field] << " = " << value);
-    FakeTensors<TestType> t;
-    CHECK_THAT(refusal([&] {
-                   launch_backward(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16, t.dV16,
-                                   s);
-               }),
-               NamesWord(names[field]));
+    if constexpr (std::is_same<TestType, float>::value)  // the reference (float and double only)
+        CHECK_THAT(refusal([&] { attention_reference(t.Q, t.K, t.V, t.O, t.L, s); }), names_field);
     CHECK(t.outputs_untouched());
 }
 
@@ -167,170 +146,122 @@ struct Overflow {
     const char* field;
 };
 
-// The cases for chapter 2's 2-byte elements: fp32's (below, with their arithmetic), less the one
-// that overflows only in fp32's bytes: 2^62 2-byte elements are 2^63 bytes, which fit; 2^63 of
-// them (2^64 bytes) do not. Every head dim here has a forward and a backward kernel.
-static std::vector<Overflow> overflows16() {
-    return {{"Q: every field huge", {INT_MAX, INT_MAX, INT_MAX, 1, 64, false}, "q_len"},
-            {"K, V only", {1 << 20, 1 << 20, 1, 1 << 30, 64, false}, "kv_len"},
-            {"Q: only the last product", {INT_MAX, INT_MAX, 4, 1, 16, false}, "q_len"},
-            {"Q, K, V: wraps to 0", {1 << 30, 1 << 30, 1, 1, 16, true}, "q_len"},
-            {"Q, K, V: the 2-byte count only", {1 << 30, 1 << 29, 1, 1, 16, false}, "q_len"}};
-}
-
-TEST_CASE("Shapes whose tensors overflow size_t are refused", "[cpu][validation]") {
-    const Overflow c = GENERATE(
-        Overflow{"Q: every field huge", {INT_MAX, INT_MAX, INT_MAX, 1, 64, false}, "q_len"},
+// The cases for elements of `bytes` bytes (4: fp32; 2: fp16 and bf16). The last differs: 2^62
+// 4-byte elements are 2^64 bytes, which overflow, but 2^62 2-byte elements (2^63 bytes) fit, so
+// the 2-byte case takes 2^63 of them.
+static std::vector<Overflow> overflows(size_t bytes) {
+    std::vector<Overflow> cases = {
+        {"Q: every field huge", {INT_MAX, INT_MAX, INT_MAX, 1, 64, false}, "q_len"},
         // 2^20 * 2^20 * 1 * 64 = 2^46 fits for Q; 2^20 * 2^20 * 2^30 * 64 does not for K, V
-        Overflow{"K, V only", {1 << 20, 1 << 20, 1, 1 << 30, 64, false}, "kv_len"},
+        {"K, V only", {1 << 20, 1 << 20, 1, 1 << 30, 64, false}, "kv_len"},
         // (2^31 - 1)^2 * 4 fits in 64 bits; times head_dim 16 it does not
-        Overflow{"Q: only the last product", {INT_MAX, INT_MAX, 4, 1, 16, false}, "q_len"},
+        {"Q: only the last product", {INT_MAX, INT_MAX, 4, 1, 16, false}, "q_len"},
         // 2^30 * 2^30 * 16 = 2^64 wraps to exactly 0
-        Overflow{"Q, K, V: wraps to 0", {1 << 30, 1 << 30, 1, 1, 16, true}, "q_len"},
-        // 2^29 * 2^29 * 16 = 2^62 elements fit, but not their 2^64 bytes
-        Overflow{"Q, K, V: the byte count only", {1 << 29, 1 << 29, 1, 1, 16, false}, "q_len"});
-    INFO(c.what << ": " << describe(c.s));
-    FakeTensors t;
-    const std::string msg = refusal([&] { validate_shape(c.s); });
-    INFO("message: " << msg);
-    CHECK_THAT(msg, NamesWord(c.field));
-    CHECK_THROWS_AS(flash_forward(t.Q, t.K, t.V, t.O, t.L, c.s), std::invalid_argument);
-    CHECK_THROWS_AS(flash_forward_bc(t.Q, t.K, t.V, t.O, t.L, c.s, 16), std::invalid_argument);
-    CHECK_THROWS_AS(flash_backward(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, c.s),
-                    std::invalid_argument);
-    CHECK(t.outputs_untouched());
+        {"Q, K, V: wraps to 0", {1 << 30, 1 << 30, 1, 1, 16, true}, "q_len"}};
+    if (bytes == 4)  // 2^29 * 2^29 * 16 = 2^62 elements fit, but not their 2^64 bytes
+        cases.push_back({"Q, K, V: the byte count only", {1 << 29, 1 << 29, 1, 1, 16, false}, "q_len"});
+    else  // 2^30 * 2^29 * 16 = 2^63 elements fit, but not their 2^64 bytes
+        cases.push_back({"Q, K, V: the 2-byte count only", {1 << 30, 1 << 29, 1, 1, 16, false}, "q_len"});
+    return cases;
 }
 
-TEMPLATE_TEST_CASE("The tensor-core forward refuses shapes whose tensors overflow size_t",
-                   "[cpu][validation][fp16][bf16]", fp16, bf16) {
-    const Overflow c = GENERATE(from_range(overflows16()));
-    const int Bc = GENERATE(from_range(bc_choices<TestType>({64})));
-    INFO(c.what << ": " << describe(c.s) << ", Bc = " << Bc);
-    FakeTensors<TestType> t;
-    const std::string msg =
-        refusal([&] { launch_forward(t.Q16, t.K16, t.V16, t.O16, t.L, c.s, Bc); });
-    INFO("message: " << msg);
-    CHECK_THAT(msg, NamesWord(c.field));
-    CHECK(t.outputs_untouched());
-}
-
-TEMPLATE_TEST_CASE("The tensor-core backward refuses shapes whose tensors overflow size_t",
-                   "[cpu][validation][fp16][bf16][backward]", fp16, bf16) {
-    const Overflow c = GENERATE(from_range(overflows16()));
+TEMPLATE_TEST_CASE("Shapes whose tensors overflow size_t are refused",
+                   "[cpu][validation][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    const Overflow c = GENERATE(from_range(overflows(sizeof(TestType))));
     INFO(c.what << ": " << describe(c.s));
     FakeTensors<TestType> t;
+    if constexpr (std::is_same<TestType, float>::value) {  // 4-byte elements: validate_shape's own
+        const std::string msg = refusal([&] { validate_shape(c.s); });
+        INFO("message: " << msg);
+        CHECK_THAT(msg, NamesWord(c.field));
+    }
+    for (const Kernel& call : forward_calls_checked<TestType>()) {
+        INFO(forward_api<TestType>() << ", " << call.name());
+        const std::string msg =
+            refusal([&] { launch_forward(t.Q, t.K, t.V, t.O, t.L, c.s, call); });
+        INFO("message: " << msg);
+        CHECK_THAT(msg, NamesWord(c.field));
+    }
     const std::string msg = refusal([&] {
-        launch_backward(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16, t.dV16, c.s);
+        launch_backward(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, c.s);
     });
-    INFO("message: " << msg);
+    INFO("backward's message: " << msg);
     CHECK_THAT(msg, NamesWord(c.field));
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("Null pointers given to the forward are refused, naming the argument",
-          "[cpu][validation]") {
+TEMPLATE_TEST_CASE("Null pointers given to the forward are refused, naming the argument and the "
+                   "call", "[cpu][validation][fp32][fp16][bf16]", fp32, fp16, bf16) {
     const AttentionShape s = valid_shape();
     const int which = GENERATE(range(0, 5));
-    FakeTensors t;
-    const float* in[] = {t.Q, t.K, t.V};
-    float* out[] = {t.O, t.L};
-    const char* names[] = {"Q", "K", "V", "O", "L"};
-    if (which < 3) in[which] = nullptr; else out[which - 3] = nullptr;
-    INFO(names[which] << " = nullptr");
-    CHECK_THAT(refusal([&] { flash_forward(in[0], in[1], in[2], out[0], out[1], s); }),
-               NamesWord(names[which]));
-    CHECK_THAT(refusal([&] { flash_forward_bc(in[0], in[1], in[2], out[0], out[1], s, 16); }),
-               NamesWord(names[which]));
-    CHECK(t.outputs_untouched());
-}
-
-TEMPLATE_TEST_CASE("Null pointers given to the tensor-core forward are refused, naming the "
-                   "argument and the call", "[cpu][validation][fp16][bf16]", fp16, bf16) {
-    const AttentionShape s = valid_shape();
-    const int which = GENERATE(range(0, 5));
-    const int Bc = GENERATE(from_range(bc_choices<TestType>({32})));
+    const Kernel call = GENERATE(from_range(forward_calls_checked<TestType>()));
     FakeTensors<TestType> t;
-    const TestType* in[] = {t.Q16, t.K16, t.V16};
-    TestType* O = t.O16;
+    const TestType* in[] = {t.Q, t.K, t.V};
+    TestType* O = t.O;
     float* L = t.L;
     const char* names[] = {"Q", "K", "V", "O", "L"};
     if (which < 3) in[which] = nullptr; else if (which == 3) O = nullptr; else L = nullptr;
-    INFO(names[which] << " = nullptr, Bc = " << Bc);
-    CHECK_THAT(refusal([&] { launch_forward(in[0], in[1], in[2], O, L, s, Bc); }),
-               NamesWord(names[which]) && NamesWord(Format16<TestType>::forward_api));
+    INFO(names[which] << " = nullptr, " << call.name());
+    const std::string msg = refusal([&] { launch_forward(in[0], in[1], in[2], O, L, s, call); });
+    CHECK_THAT(msg, NamesWord(names[which]));
+    // The public calls name themselves (flash_forward_bc names flash_forward, whose check it
+    // shares; flash_forward_fp16_bc, flash_forward_fp16).
+    CHECK_THAT(msg, NamesWord(forward_api<TestType>()));
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("Outputs overlapping another tensor, and misaligned tensors, are refused",
-          "[cpu][validation]") {
+TEMPLATE_TEST_CASE("Null pointers given to the backward are refused, naming the argument and the "
+                   "call", "[cpu][validation][fp32][fp16][bf16][backward]", fp32, fp16, bf16) {
     const AttentionShape s = valid_shape();
-    const size_t nq = q_elems(s), nkv = kv_elems(s), nl = l_elems(s);
-    // Separate heap arrays (16-byte aligned, as malloc's are), one float longer than needed so
-    // that a pointer shifted by one float stays inside.
-    std::vector<float> Q(nq + 1, 0.5f), K(nkv + 1, 0.25f), V(nkv, 0.75f), dO(nq, 0.125f);
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    std::vector<float> O(nq, nan), L(nl, nan), dQ(nq, nan), dK(nkv, nan), dV(nkv, nan);
-    auto all_nan = [](const std::vector<float>& v) {
-        return std::all_of(v.begin(), v.end(), [](float x) { return std::isnan(x); });
-    };
-    SECTION("O is Q") {
-        CHECK_THAT(refusal([&] { flash_forward(Q.data(), K.data(), V.data(), Q.data(), L.data(), s); }),
-                   NamesWord("O") && NamesWord("Q") && Contains("overlaps"));
-    }
-    SECTION("L lies inside V") {
-        CHECK_THAT(refusal([&] { flash_forward(Q.data(), K.data(), V.data(), O.data(), V.data() + 4, s); }),
-                   NamesWord("L") && NamesWord("V") && Contains("overlaps"));
-    }
-    SECTION("dK is dV") {
-        CHECK_THAT(refusal([&] {
-                       flash_backward(Q.data(), K.data(), V.data(), O.data(), dO.data(), L.data(),
-                                      dQ.data(), dV.data(), dV.data(), s);
-                   }),
-                   NamesWord("dK") && NamesWord("dV") && Contains("overlaps"));
-    }
-    SECTION("Q is not 16-byte aligned") {
-        CHECK_THAT(refusal([&] { flash_forward(Q.data() + 1, K.data(), V.data(), O.data(), L.data(), s); }),
-                   NamesWord("Q") && Contains("16-byte aligned"));
-    }
-    SECTION("K is not 16-byte aligned (backward)") {
-        CHECK_THAT(refusal([&] {
-                       flash_backward(Q.data(), K.data() + 1, V.data(), O.data(), dO.data(),
-                                      L.data(), dQ.data(), dK.data(), dV.data(), s);
-                   }),
-                   NamesWord("K") && Contains("16-byte aligned"));
-    }
-    CHECK(all_nan(O));
-    CHECK(all_nan(L));
-    CHECK(all_nan(dQ));
-    CHECK(all_nan(dK));
+    const int which = GENERATE(range(0, 9));
+    FakeTensors<TestType> t;
+    const TestType* in[] = {t.Q, t.K, t.V, t.O, t.dO};
+    const float* L = t.L;
+    TestType* out[] = {t.dQ, t.dK, t.dV};
+    const char* names[] = {"Q", "K", "V", "O", "dO", "L", "dQ", "dK", "dV"};
+    if (which < 5) in[which] = nullptr; else if (which == 5) L = nullptr; else out[which - 6] = nullptr;
+    INFO(names[which] << " = nullptr");
+    CHECK_THAT(refusal([&] {
+                   launch_backward(in[0], in[1], in[2], in[3], in[4], L, out[0], out[1], out[2],
+                                   s);
+               }),
+               NamesWord(names[which]) && NamesWord(backward_api<TestType>()));
+    CHECK(t.outputs_untouched());
 }
 
-TEMPLATE_TEST_CASE("The tensor-core forward refuses outputs overlapping another tensor, and "
-                   "misaligned tensors", "[cpu][validation][fp16][bf16]", fp16, bf16) {
+// Shifts a pointer by `bytes` (to make it misaligned; the callee only looks at the address).
+template <typename P>
+static P* shifted(P* p, size_t bytes) {
+    using Byte = typename std::conditional<std::is_const<P>::value, const char, char>::type;
+    return reinterpret_cast<P*>(reinterpret_cast<Byte*>(p) + bytes);
+}
+
+TEMPLATE_TEST_CASE("Outputs overlapping another tensor, and misaligned tensors, are refused by "
+                   "the forward", "[cpu][validation][fp32][fp16][bf16]", fp32, fp16, bf16) {
     const AttentionShape s = valid_shape();
     const size_t nq = q_elems(s), nkv = kv_elems(s), nl = l_elems(s);
-    const int Bc = GENERATE(from_range(bc_choices<TestType>({64})));
-    CAPTURE(Bc);
+    const Kernel call = GENERATE(from_range(forward_calls<TestType>({64})));
+    INFO(forward_api<TestType>() << ", " << call.name());
     // Separate heap arrays (16-byte aligned, as malloc's are), 8 elements (one float for L)
     // longer than needed, so that a shifted pointer stays inside.
     std::vector<TestType> Q(nq + 8, TestType(0.5f)), K(nkv + 8, TestType(0.25f)),
         V(nkv, TestType(0.75f)), O(nq, quiet_nan<TestType>());
     std::vector<float> L(nl + 1, std::numeric_limits<float>::quiet_NaN());
     // The forward's arguments, all valid: each section spoils one, then calls launch_forward
-    // (flash_forward_fp16 or _bf16, or with Bc flash_forward_fp16_bc) through refused().
+    // through refused().
     struct {
         const TestType *Q, *K, *V;
         TestType* O;
         float* L;
     } a{Q.data(), K.data(), V.data(), O.data(), L.data()};
     const auto refused = [&] {
-        return refusal([&] { launch_forward(a.Q, a.K, a.V, a.O, a.L, s, Bc); });
+        return refusal([&] { launch_forward(a.Q, a.K, a.V, a.O, a.L, s, call); });
     };
     SECTION("O is Q") {
         a.O = Q.data();
         CHECK_THAT(refused(), NamesWord("O") && NamesWord("Q") && Contains("overlaps"));
     }
-    SECTION("L lies inside V (a float L over a 2-byte V: the overlap is of bytes)") {
+    SECTION("L lies inside V (in fp16 and bf16 a float L over a 2-byte V: the overlap is of bytes)") {
         a.L = reinterpret_cast<float*>(V.data() + 8);
         CHECK_THAT(refused(), NamesWord("L") && NamesWord("V") && Contains("overlaps"));
     }
@@ -338,12 +269,16 @@ TEMPLATE_TEST_CASE("The tensor-core forward refuses outputs overlapping another 
         a.O = K.data() + 8;
         CHECK_THAT(refused(), NamesWord("O") && NamesWord("K") && Contains("overlaps"));
     }
-    SECTION("Q is not 16-byte aligned (2 bytes off)") {
+    SECTION("Q is not 16-byte aligned (one element off)") {
         a.Q = Q.data() + 1;
         CHECK_THAT(refused(), NamesWord("Q") && Contains("16-byte aligned"));
     }
+    SECTION("Q is not 16-byte aligned (2 bytes off)") {
+        a.Q = shifted(Q.data(), 2);
+        CHECK_THAT(refused(), NamesWord("Q") && Contains("16-byte aligned"));
+    }
     SECTION("K is not 16-byte aligned (8 bytes off)") {
-        a.K = K.data() + 4;
+        a.K = shifted(K.data(), 8);
         CHECK_THAT(refused(), NamesWord("K") && Contains("16-byte aligned"));
     }
     SECTION("L is not 16-byte aligned (4 bytes off)") {
@@ -355,56 +290,20 @@ TEMPLATE_TEST_CASE("The tensor-core forward refuses outputs overlapping another 
     CHECK(std::all_of(K.begin(), K.end(), [](TestType x) { return to_float(x) == 0.25f; }));
 }
 
-TEST_CASE("Null pointers given to the backward are refused, naming the argument",
-          "[cpu][validation]") {
-    const AttentionShape s = valid_shape();
-    const int which = GENERATE(range(0, 9));
-    FakeTensors t;
-    const float* in[] = {t.Q, t.K, t.V, t.O, t.dO, t.L};
-    float* out[] = {t.dQ, t.dK, t.dV};
-    const char* names[] = {"Q", "K", "V", "O", "dO", "L", "dQ", "dK", "dV"};
-    if (which < 6) in[which] = nullptr; else out[which - 6] = nullptr;
-    INFO(names[which] << " = nullptr");
-    CHECK_THAT(refusal([&] {
-                   flash_backward(in[0], in[1], in[2], in[3], in[4], in[5], out[0], out[1],
-                                  out[2], s);
-               }),
-               NamesWord(names[which]));
-    CHECK(t.outputs_untouched());
-}
-
-TEMPLATE_TEST_CASE("Null pointers given to the tensor-core backward are refused, naming the "
-                   "argument and the call", "[cpu][validation][fp16][bf16][backward]", fp16, bf16) {
-    const AttentionShape s = valid_shape();
-    const int which = GENERATE(range(0, 9));
-    FakeTensors<TestType> t;
-    const TestType* in[] = {t.Q16, t.K16, t.V16, t.O16, t.dO16};
-    const float* L = t.L;
-    TestType* out[] = {t.dQ16, t.dK16, t.dV16};
-    const char* names[] = {"Q", "K", "V", "O", "dO", "L", "dQ", "dK", "dV"};
-    if (which < 5) in[which] = nullptr; else if (which == 5) L = nullptr; else out[which - 6] = nullptr;
-    INFO(names[which] << " = nullptr");
-    CHECK_THAT(refusal([&] {
-                   launch_backward(in[0], in[1], in[2], in[3], in[4], L, out[0], out[1], out[2],
-                                   s);
-               }),
-               NamesWord(names[which]) && NamesWord(Format16<TestType>::backward_api));
-    CHECK(t.outputs_untouched());
-}
-
-TEMPLATE_TEST_CASE("The tensor-core backward refuses outputs overlapping another tensor, and "
-                   "misaligned tensors", "[cpu][validation][fp16][bf16][backward]", fp16, bf16) {
+TEMPLATE_TEST_CASE("Outputs overlapping another tensor, and misaligned tensors, are refused by "
+                   "the backward", "[cpu][validation][fp32][fp16][bf16][backward]", fp32, fp16,
+                   bf16) {
     const AttentionShape s = valid_shape();
     const size_t nq = q_elems(s), nkv = kv_elems(s), nl = l_elems(s);
     // Separate heap arrays (16-byte aligned, as malloc's are), 8 elements (one float for L) longer
     // than needed where a shifted pointer must stay inside.
-    const TestType nan16 = quiet_nan<TestType>();
+    const TestType nan = quiet_nan<TestType>();
     std::vector<TestType> Q(nq, TestType(0.5f)), K(nkv + 8, TestType(0.25f)),
         V(nkv, TestType(0.75f)), O(nq, TestType(0.375f)), dO(nq + 8, TestType(0.125f));
     std::vector<float> L(nl + 1, 1.5f);
-    std::vector<TestType> dQ(nq + 8, nan16), dK(nkv, nan16), dV(nkv, nan16);
+    std::vector<TestType> dQ(nq + 8, nan), dK(nkv, nan), dV(nkv, nan);
     // The backward's arguments, all valid: each section spoils one, then calls launch_backward
-    // (flash_backward_fp16 or _bf16) through refused().
+    // through refused().
     struct {
         const TestType *Q, *K, *V, *O, *dO;
         const float* L;
@@ -427,16 +326,20 @@ TEMPLATE_TEST_CASE("The tensor-core backward refuses outputs overlapping another
         a.dV = K.data() + 8;
         CHECK_THAT(refused(), NamesWord("dV") && NamesWord("K") && Contains("overlaps"));
     }
-    SECTION("L lies inside dQ (a float L over a 2-byte dQ: the overlap is of bytes)") {
+    SECTION("L lies inside dQ (in fp16 and bf16 a float L over a 2-byte dQ: the overlap is of bytes)") {
         a.L = reinterpret_cast<const float*>(dQ.data() + 8);
         CHECK_THAT(refused(), NamesWord("dQ") && NamesWord("L") && Contains("overlaps"));
     }
+    SECTION("K is not 16-byte aligned (one element off)") {
+        a.K = K.data() + 1;
+        CHECK_THAT(refused(), NamesWord("K") && Contains("16-byte aligned"));
+    }
     SECTION("dO is not 16-byte aligned (2 bytes off)") {
-        a.dO = dO.data() + 1;
+        a.dO = shifted(dO.data(), 2);
         CHECK_THAT(refused(), NamesWord("dO") && Contains("16-byte aligned"));
     }
     SECTION("dQ is not 16-byte aligned (8 bytes off)") {
-        a.dQ = dQ.data() + 4;
+        a.dQ = shifted(dQ.data(), 8);
         CHECK_THAT(refused(), NamesWord("dQ") && Contains("16-byte aligned"));
     }
     SECTION("L is not 16-byte aligned (4 bytes off)") {
@@ -454,51 +357,26 @@ TEMPLATE_TEST_CASE("The tensor-core backward refuses outputs overlapping another
     CHECK(std::all_of(L.begin(), L.end(), [](float x) { return x == 1.5f; }));
 }
 
-TEST_CASE("Unsupported head dims are refused, listing the supported ones", "[cpu][validation]") {
+TEMPLATE_TEST_CASE("Unsupported head dims are refused, listing the supported ones",
+                   "[cpu][validation][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    // Every call, forward and backward, in every type: the same six, 256 included (accepted on a
+    // GPU with the shared memory for it).
     const int d = GENERATE(values({48, 0, 512, 8, 24, 257}));
     AttentionShape s = valid_shape();
     s.head_dim = d;
     INFO(describe(s));
-    FakeTensors t;
-    for (const std::string& msg :
-         {refusal([&] { flash_forward(t.Q, t.K, t.V, t.O, t.L, s); }),
-          refusal([&] { flash_forward_bc(t.Q, t.K, t.V, t.O, t.L, s, 16); }),
-          refusal([&] { flash_backward(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s); })}) {
+    FakeTensors<TestType> t;
+    std::vector<std::string> messages;
+    for (const Kernel& call : forward_calls_checked<TestType>())
+        messages.push_back(refusal([&] { launch_forward(t.Q, t.K, t.V, t.O, t.L, s, call); }));
+    messages.push_back(refusal([&] {
+        launch_backward(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s);
+    }));
+    for (const std::string& msg : messages) {
+        INFO("message: " << msg);
         CHECK_THAT(msg, NamesWord("head_dim"));
         CHECK_THAT(msg, Contains("16, 32, 64, 96, 128, 256"));
     }
-    CHECK(t.outputs_untouched());
-}
-
-TEMPLATE_TEST_CASE("The tensor-core forward refuses unsupported head dims, listing the supported "
-                   "ones", "[cpu][validation][fp16][bf16]", fp16, bf16) {
-    const int d = GENERATE(values({48, 0, 512, 8, 24, 257}));
-    const int Bc = GENERATE(from_range(bc_choices<TestType>({32, 64})));
-    AttentionShape s = valid_shape();
-    s.head_dim = d;
-    INFO(describe(s) << ", Bc = " << Bc);
-    FakeTensors<TestType> t;
-    const std::string msg =
-        refusal([&] { launch_forward(t.Q16, t.K16, t.V16, t.O16, t.L, s, Bc); });
-    CHECK_THAT(msg, NamesWord("head_dim"));
-    CHECK_THAT(msg, Contains(fp16_head_dims_string()));
-    CHECK(t.outputs_untouched());
-}
-
-TEMPLATE_TEST_CASE("The tensor-core backward refuses unsupported head dims, listing 16, 32, 64, "
-                   "96, 128, 256", "[cpu][validation][fp16][bf16][backward]", fp16, bf16) {
-    // The same six as the forward's: 256 is accepted (on a GPU with the shared memory for it).
-    const int d = GENERATE(values({48, 0, 512, 8, 24, 257}));
-    AttentionShape s = valid_shape();
-    s.head_dim = d;
-    INFO(describe(s));
-    FakeTensors<TestType> t;
-    const std::string msg = refusal([&] {
-        launch_backward(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16, t.dV16, s);
-    });
-    INFO("message: " << msg);
-    CHECK_THAT(msg, NamesWord("head_dim"));
-    CHECK_THAT(msg, Contains("16, 32, 64, 96, 128, 256"));
     CHECK(t.outputs_untouched());
 }
 
@@ -516,9 +394,9 @@ TEST_CASE("flash_forward_fp16_bc refuses Bc other than 32, 64 and 128 (to head_d
     const int Bc = GENERATE(0, -1, -32, INT_MIN, 1, 16, 31, 33, 48, 63, 65, 96, 127, 129, 256,
                             INT_MAX);
     CAPTURE(Bc);
-    FakeTensors t;
+    FakeTensors<fp16> t;
     CHECK_THAT(refusal([&] {
-                   flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, valid_shape(), Bc);
+                   flash_forward_fp16_bc(t.Q, t.K, t.V, t.O, t.L, valid_shape(), Bc);
                }),
                NamesWord("Bc") && NamesWord("32") && NamesWord("64") && NamesWord("128"));
     CHECK(t.outputs_untouched());
@@ -533,9 +411,9 @@ TEMPLATE_TEST_CASE("The Hopper forward refuses head dims it has no kernel for, n
     FakeTensors<TestType> t;
     CHECK_THAT(refusal([&] {
                    if constexpr (std::is_same<TestType, __half>::value)
-                       flash_forward_fp16_hopper(t.Q16, t.K16, t.V16, t.O16, t.L, s);
+                       flash_forward_fp16_hopper(t.Q, t.K, t.V, t.O, t.L, s);
                    else
-                       flash_forward_bf16_hopper(t.Q16, t.K16, t.V16, t.O16, t.L, s);
+                       flash_forward_bf16_hopper(t.Q, t.K, t.V, t.O, t.L, s);
                }),
                NamesWord("head_dim") && NamesWord("64") && NamesWord("128") && NamesWord("256"));
     CHECK(t.outputs_untouched());
@@ -546,8 +424,8 @@ TEST_CASE("flash_forward_fp16_bc refuses Bc = 128 above head_dim 64 (registers)"
     AttentionShape s = valid_shape();
     s.head_dim = GENERATE(96, 128, 256);
     CAPTURE(s.head_dim);
-    FakeTensors t;
-    CHECK_THAT(refusal([&] { flash_forward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.L, s, 128); }),
+    FakeTensors<fp16> t;
+    CHECK_THAT(refusal([&] { flash_forward_fp16_bc(t.Q, t.K, t.V, t.O, t.L, s, 128); }),
                NamesWord("Bc") && NamesWord("128") && NamesWord("head_dim"));
     CHECK(t.outputs_untouched());
 }
@@ -559,10 +437,10 @@ TEST_CASE("flash_backward_fp16_bc refuses Bc other than 64 and 128 (128 from hea
     AttentionShape s = valid_shape();
     s.head_dim = d;
     CAPTURE(Bc, d);
-    FakeTensors t;
+    FakeTensors<fp16> t;
     CHECK_THAT(refusal([&] {
-                   flash_backward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16,
-                                          t.dV16, s, Bc);
+                   flash_backward_fp16_bc(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK,
+                                          t.dV, s, Bc);
                }),
                NamesWord("Bc") && NamesWord("64") && NamesWord("128"));
     CHECK(t.outputs_untouched());
@@ -570,8 +448,8 @@ TEST_CASE("flash_backward_fp16_bc refuses Bc other than 64 and 128 (128 from hea
     // where a thread's share of dK_j and dV_j would be 256 floats.
     s.head_dim = GENERATE(16, 256);
     CHECK_THAT(refusal([&] {
-                   flash_backward_fp16_bc(t.Q16, t.K16, t.V16, t.O16, t.dO16, t.L, t.dQ16, t.dK16,
-                                          t.dV16, s, 128);
+                   flash_backward_fp16_bc(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK,
+                                          t.dV, s, 128);
                }),
                NamesWord("Bc") && NamesWord("128"));
     CHECK(t.outputs_untouched());
@@ -609,39 +487,17 @@ TEST_CASE("Element counts are 64-bit products", "[cpu][validation]") {
 // =============================================================================================
 // GPU: determinism, and the caller-chosen Bc
 
-TEST_CASE("The forward gives bitwise identical O and L on every call, on any stream",
-          "[gpu][forward][determinism]") {
+TEMPLATE_TEST_CASE("The forward gives bitwise identical O and L on every call, on any stream",
+                   "[gpu][forward][determinism][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    // The type's own chapter (own_chapter: chapter 1; chapter 2 whatever the GPU), then in fp16
+    // and bf16 the public call where it runs chapter 3 (public_forward_runs_hopper).
+    const Kernel kernel = GENERATE(own_chapter<TestType>(), Kernel::public_call());
     const AttentionShape s = GENERATE(from_range(determinism_shapes(1000)));
-    INFO(describe(s));
-    const auto p = random_problem(s, 400);
-    GpuAttention<float> gpu(p);
-    gpu.forward();
-    const auto first = gpu.outputs(false);
-    gpu.forward();
-    const auto second = gpu.outputs(false);
-    check_bitwise(first, second, s);
-    cudaStream_t stream;
-    FLASH_CUDA_CHECK(cudaStreamCreate(&stream));
-    try {
-        gpu.forward(0, stream);
-    } catch (...) {
-        cudaStreamDestroy(stream);
-        throw;
-    }
-    FLASH_CUDA_CHECK(cudaStreamDestroy(stream));
-    const auto third = gpu.outputs(false);
-    check_bitwise("O (on a stream of its own)", first.O, third.O, s, q_layout(s));
-    check_bitwise("L (on a stream of its own)", first.L, third.L, s, l_layout(s));
-}
-
-TEMPLATE_TEST_CASE("The tensor-core forward gives bitwise identical O and L on every call, on "
-                   "any stream", "[gpu][forward][determinism][fp16][bf16]", fp16, bf16) {
-    // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
-    const int kernel = GENERATE(values({kAmpereKernel, 0}));
-    const AttentionShape s = GENERATE(from_range(determinism_shapes(1000)));
-    if (kernel == 0 && !public_forward_runs_hopper(s.head_dim)) return;  // chapter 2 again
-    INFO(describe(s) << (kernel == 0 ? ", chapter 3" : ", chapter 2"));
-    const auto p = rounded_problem<TestType>(s, 1500);
+    if (kernel == Kernel::public_call() &&
+        (std::is_same<TestType, float>::value || !public_forward_runs_hopper(s.head_dim)))
+        return;  // the kernel the first run had
+    INFO(describe(s) << ", " << kernel.name());
+    const auto p = rounded_problem<TestType>(s, per_type<TestType>(400u, 1500u));
     GpuAttention<TestType> gpu(p);
     gpu.forward(kernel);
     const auto first = gpu.outputs(false);
@@ -659,30 +515,13 @@ TEMPLATE_TEST_CASE("The tensor-core forward gives bitwise identical O and L on e
     }
 }
 
-TEST_CASE("The backward gives bitwise identical dQ, dK and dV on every call",
-          "[gpu][backward][determinism]") {
+TEMPLATE_TEST_CASE("The backward gives bitwise identical dQ, dK and dV on every call, on any "
+                   "stream", "[gpu][backward][determinism][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    // d = 256 among the shapes (8 warps on 64 keys in chapter 2), and two streams of its own:
+    // chapter 2's backward allocates its scratch (dQ in fp32, D, the turn counters) on the stream.
     const AttentionShape s = GENERATE(from_range(determinism_shapes(300)));
     INFO(describe(s));
-    const auto p = random_problem(s, 500);
-    GpuAttention<float> gpu(p);
-    gpu.forward();
-    gpu.backward();
-    const auto first = gpu.outputs(true);
-    gpu.backward();
-    const auto second = gpu.outputs(true);
-    check_bitwise("dQ", first.dQ, second.dQ, s, q_layout(s));
-    check_bitwise("dK", first.dK, second.dK, s, kv_layout(s));
-    check_bitwise("dV", first.dV, second.dV, s, kv_layout(s));
-}
-
-TEMPLATE_TEST_CASE("The tensor-core backward gives bitwise identical dQ, dK and dV on every "
-                   "call, on any stream", "[gpu][backward][determinism][fp16][bf16]", fp16, bf16) {
-    // The fp32 backward's shapes (d = 256 among them: 8 warps on 64 keys), and, as in the
-    // tensor-core forward's test, two streams of its own: the backward allocates its scratch (dQ
-    // in fp32, D, the turn counters) on the stream.
-    const AttentionShape s = GENERATE(from_range(determinism_shapes(300)));
-    INFO(describe(s));
-    const auto p = rounded_problem<TestType>(s, 2500);
+    const auto p = rounded_problem<TestType>(s, per_type<TestType>(500u, 2500u));
     GpuAttention<TestType> gpu(p);
     gpu.forward();
     gpu.backward();
@@ -695,8 +534,78 @@ TEMPLATE_TEST_CASE("The tensor-core backward gives bitwise identical dQ, dK and 
                                                        : "a non-blocking stream of its own";
         INFO("on " << which);
         ScopedStream stream(flags);
-        gpu.backward(stream.stream);
+        gpu.backward(Kernel::public_call(), stream.stream);
         check_bitwise(first, gpu.outputs(true), s);
+    }
+}
+
+TEMPLATE_TEST_CASE("The tensor-core backward adds into dQ in its fixed order: shares that cancel "
+                   "exactly leave no trace", "[gpu][backward][determinism][fp16][bf16]", fp16,
+                   bf16) {
+    // Chapter 2's backward sums each K/V tile's share of dQ_i in fp32 in memory, in a fixed order
+    // (flash_fp16.cu; without the mask the tiles from the right: j = Tc - 1 stores, then Tc - 2
+    // adds, ...), each block waiting for its turn and handing it on once its adds have landed. On
+    // random inputs an add out of order moves dQ by its last bits at most, and rarely, so the
+    // tests above would not see a turn handed on too early. Here it shows in every element:
+    //  - Q = 0: every score is 0, so every P_ij = 1 / kv_len whatever K holds;
+    //  - the last two K/V tiles hold the same V rows (so the same dS_ij) and K rows of opposite
+    //    signs, huge (H): their shares of dQ_i are A and -A exactly (the same products negated,
+    //    summed in the same order; rounding to nearest and towards zero are both odd functions);
+    //  - the other tiles' K rows are small (k): their shares, s, lie far below A's last bit.
+    // In the fixed order dQ_i = ((A - A) + s) + ... , bit for bit what it is with the two tiles'
+    // K set to 0 (0 + 0 + s + ...), which the reference checks. An add landing between the two
+    // ((A + s) - A, or -A before A's store) moves dQ_i by A's rounding, about |A| 2^-24 =
+    // (H / k) 2^-24 |s|: 2^-8 |s| in fp16 (H / k = 2^16), 2^-4 |s| in bf16 (2^20), 16 times the
+    // output's last bit or more, or by A itself.
+    const int d = GENERATE(16, 64, 128, 256);
+    const FlashTile tile = flash_choose_tile_fp16_backward(current_device_props(), d);
+    const int Bc = tile.Bc, Tc = 4;
+    // 64 heads of 4 K/V tiles: 256 blocks, every dQ_i (2 to 4 Q tiles a head) a chain of 4 adds.
+    const AttentionShape s{4, 16, 200, Tc * Bc, d, false};
+    INFO(describe(s) << ", K/V tiles of Bc = " << Bc << ": tiles " << Tc - 1 << " and " << Tc - 2
+                     << " cancel");
+    Problem<float> f = random_problem(s, 3100);
+    const float H = Format16<TestType>::bf ? 65536.0f : 4096.0f, k = 1.0f / 16;
+    const size_t heads = size_t(s.batch) * s.heads, rows = s.kv_len, D = d;
+    std::fill(f.Q.begin(), f.Q.end(), 0.0f);
+    for (size_t bh = 0; bh < heads; ++bh)
+        for (size_t j = 0; j < rows; ++j)
+            for (size_t x = 0; x < D; ++x) {
+                float& K = f.K[(bh * rows + j) * D + x];
+                if (j < size_t(Tc - 2) * Bc) K *= k;        // the small tiles
+                else if (j >= size_t(Tc - 1) * Bc) K *= H;  // tile Tc - 1, huge
+            }
+    for (size_t bh = 0; bh < heads; ++bh)  // tile Tc - 2: tile Tc - 1's V rows, its K rows negated
+        for (size_t j = size_t(Tc - 2) * Bc; j < size_t(Tc - 1) * Bc; ++j)
+            for (size_t x = 0; x < D; ++x) {
+                const size_t at = (bh * rows + j) * D + x, mirror = at + size_t(Bc) * D;
+                f.K[at] = -f.K[mirror];
+                f.V[at] = f.V[mirror];
+            }
+    const Problem<TestType> cancelling = converted<TestType>(f);  // negation rounds exactly
+    Problem<float> g = f;
+    for (size_t bh = 0; bh < heads; ++bh)
+        for (size_t j = size_t(Tc - 2) * Bc; j < rows; ++j)
+            for (size_t x = 0; x < D; ++x) g.K[(bh * rows + j) * D + x] = 0.0f;
+    const Problem<TestType> without = converted<TestType>(g);
+    for (const float x : converted<float>(cancelling.K)) REQUIRE(std::isfinite(x));
+    GpuAttention<TestType> gpu_without(without);
+    gpu_without.forward();
+    gpu_without.backward();
+    const Outputs<float> want = gpu_without.outputs(true);
+    check_against_reference_backward(want, without);
+    GpuAttention<TestType> gpu(cancelling);
+    const int calls = 5;
+    for (int call = 1; call <= calls; ++call) {
+        gpu.forward();
+        gpu.backward();
+        const Outputs<float> got = gpu.outputs(true);
+        if (bitwise_equal(want, got)) continue;
+        INFO("call " << call << ": with the cancelling tiles the outputs must be bitwise those "
+             "without them (O, L, dK, dV do not depend on them; dQ gets A - A = 0 first): where "
+             "dQ differs, an add landed out of its turn");
+        check_bitwise(want, got, s);
+        FAIL("dQ's adds out of order");
     }
 }
 
@@ -723,7 +632,7 @@ TEST_CASE("flash_forward_bc matches the reference for tiles that do not divide t
         CHECK(count_bad(gpu.O.download()) == q_elems(s));  // all still NaN
         return;
     }
-    gpu.forward(Bc);
+    gpu.forward(Kernel::with_bc(Bc));
     check_forward(gpu.outputs(false), reference_forward(p), tolerances(p, Rounding::random), s);
 }
 
@@ -755,7 +664,7 @@ TEST_CASE("flash_forward_fp16_bc with Bc = 32 and 64 matches the reference for l
         CHECK(count_bad(gpu.L.download()) == l_elems(s));
         return;
     }
-    check_forward_on_gpu<__half>(s, 1600, Bc);
+    check_forward_on_gpu<__half>(s, 1600, Kernel::with_bc(Bc));
 }
 
 TEST_CASE("flash_forward_bc refuses a Bc that does not fit in shared memory, naming it",
@@ -783,15 +692,18 @@ TEST_CASE("flash_forward_bc refuses a Bc that does not fit in shared memory, nam
 
 // Each test below: outputs_of_identical_calls runs the API 100 times on the same inputs (outputs
 // poisoned with NaN before each call) and requires all of every call's outputs to be bitwise the
-// first call's; then the first call's outputs are checked against the reference.
+// first call's; then the first call's outputs are checked against the reference. The longest
+// runs are tagged [.stress]: hidden from the default run, `make stress` (./test_flash "[stress]")
+// runs them, before a kernel change is called done; a short version of each stays in the default
+// run.
 
-TEST_CASE("100 calls of the forward and the backward give bitwise identical results",
-          "[gpu][hardening][determinism]") {
-    const int d = GENERATE(from_range(kHeadDims));
+TEMPLATE_TEST_CASE("100 calls of the forward and the backward give bitwise identical results",
+                   "[gpu][hardening][determinism][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    const int d = GENERATE(from_range(head_dims_of<TestType>()));
     const AttentionShape s{1, 2, 100, 77, d, true};
     INFO(describe(s));
-    const auto p = random_problem(s, 800);
-    GpuAttention<float> gpu(p);
+    const auto p = rounded_problem<TestType>(s, per_type<TestType>(800u, 2700u));
+    GpuAttention<TestType> gpu(p);
     check_against_reference_backward(outputs_of_identical_calls(gpu, 100, true), p);  // all five
 }
 
@@ -803,31 +715,21 @@ TEMPLATE_TEST_CASE("100 calls of the tensor-core forward give bitwise identical 
     INFO(describe(s));
     const auto p = rounded_problem<TestType>(s, 1700);
     GpuAttention<TestType> gpu(p);
-    check_against_reference(outputs_of_identical_calls(gpu, 100, false, kAmpereKernel), p);
+    check_against_reference(outputs_of_identical_calls(gpu, 100, false, Kernel::chapter2()), p);
 }
 
-TEMPLATE_TEST_CASE("100 calls of the tensor-core forward and backward give bitwise identical "
-                   "results", "[gpu][hardening][determinism][backward][fp16][bf16]", fp16, bf16) {
-    const int d = GENERATE(from_range(kFp16HeadDims));
-    const AttentionShape s{1, 2, 100, 77, d, true};
-    INFO(describe(s));
-    const auto p = rounded_problem<TestType>(s, 2700);
-    GpuAttention<TestType> gpu(p);
-    check_against_reference_backward(outputs_of_identical_calls(gpu, 100, true), p);
-}
-
-TEMPLATE_TEST_CASE("100 calls of the tensor-core backward on grids of many more blocks than the "
-                   "GPU holds at once give bitwise identical results",
-                   "[gpu][hardening][determinism][backward][fp16][bf16]", fp16, bf16) {
-    // The ordered add of dQ (flash_fp16.cu) at work: many heads, several K/V tiles a head, and at
-    // least twice as many blocks as the GPU can hold (an upper bound: as many blocks an SM as its
-    // shared memory takes), so that blocks wait for turns held by blocks started waves earlier,
-    // and blocks of one head run on different waves. Causal and not (causal: the tiles of a head
-    // are of different lengths, and the shortest, rightmost, take the first turns). One tile
-    // serves both types: flash_choose_tile_fp16_backward's.
+// The ordered add of dQ (flash_fp16.cu) at work: many heads, several K/V tiles a head, and at
+// least twice as many blocks as the GPU can hold (an upper bound: as many blocks an SM as its
+// shared memory takes), so that blocks wait for turns held by blocks started waves earlier, and
+// blocks of one head run on different waves. Causal and not (causal: the tiles of a head are of
+// different lengths). One tile serves both types: flash_choose_tile_fp16_backward's. `calls`
+// identical calls; q_len sets the Q tiles a block walks (and the reference's cost), not the
+// block count.
+template <typename T>
+static void check_backward_on_many_blocks(int calls, int q_len) {
     const bool causal = GENERATE(false, true);
-    const AttentionShape s = GENERATE_COPY(AttentionShape{16, 16, 300, 600, 16, causal},
-                                           AttentionShape{4, 8, 300, 1100, 128, causal});
+    const AttentionShape s = GENERATE_COPY(AttentionShape{16, 16, q_len, 600, 16, causal},
+                                           AttentionShape{4, 8, q_len, 1100, 128, causal});
     const cudaDeviceProp prop = current_device_props();
     const FlashTile tile = flash_choose_tile_fp16_backward(prop, s.head_dim);
     const size_t blocks = size_t(s.batch) * s.heads * ((s.kv_len + tile.Bc - 1) / tile.Bc);
@@ -837,9 +739,23 @@ TEMPLATE_TEST_CASE("100 calls of the tensor-core backward on grids of many more 
     INFO(describe(s) << ": " << blocks << " blocks of Bc = " << tile.Bc << "; at most "
                      << resident << " fit the GPU at once");
     REQUIRE(blocks >= 2 * resident);
-    const auto p = rounded_problem<TestType>(s, 2800);
-    GpuAttention<TestType> gpu(p);
-    check_against_reference_backward(outputs_of_identical_calls(gpu, 100, true), p);
+    const auto p = rounded_problem<T>(s, 2800);
+    GpuAttention<T> gpu(p);
+    check_against_reference_backward(outputs_of_identical_calls(gpu, calls, true), p);
+}
+
+TEMPLATE_TEST_CASE("100 calls of the tensor-core backward on grids of many more blocks than the "
+                   "GPU holds at once give bitwise identical results",
+                   "[gpu][hardening][determinism][backward][fp16][bf16][.stress]", fp16, bf16) {
+    check_backward_on_many_blocks<TestType>(100, 300);
+}
+
+TEMPLATE_TEST_CASE("5 calls of the tensor-core backward on grids of many more blocks than the GPU "
+                   "holds at once give bitwise identical results",
+                   "[gpu][hardening][determinism][backward][fp16][bf16]", fp16, bf16) {
+    // The [.stress] test above, short: 5 calls, and 100 query rows for 300 (two Q tiles a block;
+    // the same blocks and waves).
+    check_backward_on_many_blocks<TestType>(5, 100);
 }
 
 TEST_CASE("flash_backward_fp16_bc with Bc = 64 and 128 matches the reference", "[gpu][backward][tile][fp16]") {
@@ -872,7 +788,7 @@ TEST_CASE("flash_backward_fp16_bc with Bc = 64 and 128 matches the reference", "
         CHECK(count_bad(dV.download_float()) == kv_elems(s));
         return;
     }
-    gpu.backward(0, Bc);
+    gpu.backward(Kernel::with_bc(Bc));
     check_against_reference_backward(gpu.outputs(true), p);
 }
 
@@ -918,17 +834,28 @@ TEMPLATE_TEST_CASE("The tensor-core backward takes the extra memory it states fr
     check_against_reference_backward(gpu.outputs(true), p);
 }
 
-TEMPLATE_TEST_CASE("The Hopper forward's persistent grid runs Q tiles that see no key between "
-                   "others, in any round", "[gpu][forward][hopper][fp16][bf16]", fp16, bf16) {
-    // q_len 1000 against kv_len 10, causal (bottom-right): rows 0..989 see no key, so at Br = 128
-    // seven of a head's eight Q tiles have no K/V tile at all (Tc = 0; at d = 64, Br = 192, five
-    // of six), and 128 heads make 768 to 1024 tiles for an H100's 132 blocks: a block runs tiles
-    // with Tc = 0 before and after others, in later rounds too (its Q_i loaded and given back
-    // with no K/V tile between). Those rows must come out O = 0, L = -inf; the rest as the
-    // reference says.
+// Chapter 3's persistent grid with Q tiles that see no key: q_len 1000 against kv_len 10, causal
+// (bottom-right): rows 0..989 see no key, so at Br = 128 seven of a head's eight Q tiles have no
+// K/V tile at all (Tc = 0; at d = 64, Br = 192, five of six), and `heads` heads (times batch 2)
+// make 8 * 2 * heads tiles or so for an H100's 132 blocks: a block runs tiles with Tc = 0 before
+// and after others, in later rounds too (its Q_i loaded and given back with no K/V tile between).
+// Those rows must come out O = 0, L = -inf; the rest as the reference says.
+template <typename T>
+static void check_hopper_tiles_without_keys(int heads) {
     if (!hopper_or_warn()) return;
     const int d = GENERATE(64, 128, 256);
-    check_forward_on_gpu<TestType>(AttentionShape{2, 64, 1000, 10, d, true}, 1770, kHopperKernel);
+    check_forward_on_gpu<T>(AttentionShape{2, heads, 1000, 10, d, true}, 1770, Kernel::chapter3());
+}
+
+TEMPLATE_TEST_CASE("The Hopper forward's persistent grid runs Q tiles that see no key between "
+                   "others, in any round", "[gpu][forward][hopper][fp16][bf16][.stress]", fp16,
+                   bf16) {
+    check_hopper_tiles_without_keys<TestType>(64);  // 768 to 1024 tiles: 6 to 8 rounds
+}
+
+TEMPLATE_TEST_CASE("The Hopper forward's persistent grid runs Q tiles that see no key between "
+                   "others, in a few rounds", "[gpu][forward][hopper][fp16][bf16]", fp16, bf16) {
+    check_hopper_tiles_without_keys<TestType>(24);  // 288 to 384 tiles: 3 rounds
 }
 
 TEMPLATE_TEST_CASE("The Hopper forward takes nothing from the stream's pool; its tile counter "
@@ -945,7 +872,7 @@ TEMPLATE_TEST_CASE("The Hopper forward takes nothing from the stream's pool; its
     const auto p = rounded_problem<TestType>(s, 3010);
     GpuAttention<TestType> gpu(p);
     flash_release_scratch();
-    gpu.forward(kHopperKernel);  // the first call reserves the kept pool's memory again
+    gpu.forward(Kernel::chapter3());  // the first call reserves the kept pool's memory again
     int dev = 0;
     FLASH_CUDA_CHECK(cudaGetDevice(&dev));
     cudaMemPool_t stream_pool = nullptr, kept = flash_kept_pool();
@@ -953,7 +880,7 @@ TEMPLATE_TEST_CASE("The Hopper forward takes nothing from the stream's pool; its
     uint64_t zero = 0, high = 0, reserved = 0, reserved_after = 0, used = 0;
     FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(stream_pool, cudaMemPoolAttrUsedMemHigh, &zero));
     FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(kept, cudaMemPoolAttrReservedMemCurrent, &reserved));
-    for (int call = 0; call < 10; ++call) gpu.forward(kHopperKernel);
+    for (int call = 0; call < 10; ++call) gpu.forward(Kernel::chapter3());
     FLASH_CUDA_CHECK(cudaMemPoolGetAttribute(stream_pool, cudaMemPoolAttrUsedMemHigh, &high));
     FLASH_CUDA_CHECK(
         cudaMemPoolGetAttribute(kept, cudaMemPoolAttrReservedMemCurrent, &reserved_after));
@@ -1048,10 +975,12 @@ TEMPLATE_TEST_CASE("Extreme inputs give the tensor-core forward finite outputs w
     const bool causal = GENERATE(false, true);
     const int d = GENERATE(from_range(kFp16HeadDims));
     // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
-    const int kernel = GENERATE(values({kAmpereKernel, 0}));
-    if (kernel == 0 && !public_forward_runs_hopper(d)) return;  // chapter 2 again
+    const Kernel kernel = GENERATE(Kernel::chapter2(), Kernel::public_call());
+    if (kernel == Kernel::public_call() && !public_forward_runs_hopper(d))
+        return;  // chapter 2 again
     const AttentionShape s{1, 2, 77, 80, d, causal};
-    INFO(names[kind] << "; " << describe(s) << (kernel == 0 ? ", chapter 3" : ", chapter 2"));
+    INFO(names[kind] << "; " << describe(s) << ", "
+                     << (kernel == Kernel::public_call() ? "chapter 3" : "chapter 2"));
     auto f = random_problem(s, 1800 + kind);  // in float: rounded to TestType below
     switch (kind) {
         case large:
@@ -1099,26 +1028,62 @@ TEMPLATE_TEST_CASE("Extreme inputs give the tensor-core forward finite outputs w
 // =============================================================================================
 // GPU: big tensors
 
-TEST_CASE("More than 65535 batch*heads: the heads past 65535 are right, the last included",
-          "[gpu][big]") {
-    // 65535 is the limit of a grid's y and z dimensions: a launch that puts batch*heads there
-    // fails, and one that folds it wrongly leaves the last heads unwritten or wrong.
-    const bool causal = GENERATE(false, true);
-    const AttentionShape s{70000, 1, 16, 16, 16, causal};
-    INFO(describe(s));
-    std::vector<std::vector<float>> patterns;
-    for (uint32_t t = 0; t < 4; ++t) patterns.push_back(random_pattern(1000 + t));
-    GpuAttention<float> gpu(s);
+// Fills gpu's Q, K, V (and with dO, dO) from random patterns (random_pattern(seed + t), rounded
+// to T) and returns the patterns, for check_big_head to rebuild any head's inputs from.
+template <typename T>
+static std::vector<std::vector<T>> fill_from_patterns(GpuAttention<T>& gpu, uint32_t seed,
+                                                      bool with_dO) {
+    std::vector<std::vector<T>> patterns;
+    for (uint32_t t = 0; t < (with_dO ? 4u : 3u); ++t)
+        patterns.push_back(converted<T>(random_pattern(seed + t)));
     gpu.Q.fill_repeating(patterns[0]);
     gpu.K.fill_repeating(patterns[1]);
     gpu.V.fill_repeating(patterns[2]);
-    gpu.dO = DeviceBuffer<float>(q_elems(s));
-    gpu.dO.fill_repeating(patterns[3]);
+    if (with_dO) {
+        gpu.dO = DeviceBuffer<T>(q_elems(gpu.s));
+        gpu.dO.fill_repeating(patterns[3]);
+    }
+    return patterns;
+}
+
+TEMPLATE_TEST_CASE("More than 65535 batch*heads: the heads past 65535 are right, the last included",
+                   "[gpu][big][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    // 65535 is the limit of a grid's y and z dimensions: a launch that puts batch*heads there
+    // fails, and one that folds it wrongly leaves the last heads unwritten or wrong. The forward
+    // (the public call) and the backward, on two shapes: 16 x 16 (one tile each way), and 129 x 33
+    // (three Q tiles of 64 rows, one partial K/V tile; when causal, rows 0..95 see no key, and
+    // chapter 2's backward adds to no dQ there).
+    const bool causal = GENERATE(false, true);
+    const AttentionShape s = GENERATE_COPY(AttentionShape{70000, 1, 16, 16, 16, causal},
+                                           AttentionShape{70000, 1, 129, 33, 16, causal});
+    INFO(describe(s));
+    GpuAttention<TestType> gpu(s);
+    const auto patterns = fill_from_patterns(gpu, per_type<TestType>(1000u, 5000u), true);
     gpu.forward();
     gpu.backward();
     for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
                       size_t(69999)})
         check_big_head(gpu, bh, patterns, true);
+}
+
+TEMPLATE_TEST_CASE("More than 65535 batch*heads: the tensor-core forwards' heads past 65535 are "
+                   "right", "[gpu][big][fp16][bf16][hopper]", fp16, bf16) {
+    // As the test above. Chapter 2 (d = 16): two Q tiles a head (q_len 65 > Br = 64), a partial K
+    // tile, and, when causal, rows that see no key (0..31). Chapter 3 (d = 64, on compute
+    // capability 9.0 only): the same with q_len 193 > Br = 192.
+    const Kernel kernel = GENERATE(Kernel::chapter2(), Kernel::chapter3());
+    const bool causal = GENERATE(false, true);
+    const bool hopper = kernel == Kernel::chapter3();
+    if (hopper && !hopper_or_warn()) return;
+    const AttentionShape s = hopper ? AttentionShape{70000, 1, 193, 33, 64, causal}
+                                    : AttentionShape{70000, 1, 65, 33, 16, causal};
+    INFO(describe(s) << ", " << kernel.name());
+    GpuAttention<TestType> gpu(s);
+    const auto patterns = fill_from_patterns(gpu, 3000, false);
+    gpu.forward(kernel);
+    for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
+                      size_t(69999)})
+        check_big_head(gpu, bh, patterns, false);
 }
 
 TEMPLATE_TEST_CASE("100 calls of the Hopper forward give bitwise identical results",
@@ -1130,114 +1095,51 @@ TEMPLATE_TEST_CASE("100 calls of the Hopper forward give bitwise identical resul
     INFO(describe(s));
     const auto p = rounded_problem<TestType>(s, 1750);
     GpuAttention<TestType> gpu(p);
-    check_against_reference(outputs_of_identical_calls(gpu, 100, false, kHopperKernel), p);
+    check_against_reference(outputs_of_identical_calls(gpu, 100, false, Kernel::chapter3()), p);
 }
 
-TEMPLATE_TEST_CASE("The Hopper forward's persistent grid gives bitwise identical results however "
-                   "its blocks share out the tiles",
-                   "[gpu][hardening][determinism][hopper][fp16][bf16]", fp16, bf16) {
-    // One block an SM takes the next Q tile from a counter as it finishes one, so which block runs
-    // which tile changes from call to call: 128 heads of 1000 rows are 768 to 1024 Q tiles, five
-    // or more a block on an H100's 132 SMs, and with the mask their lengths differ. Each tile's
-    // arithmetic is its own, so O and L must not change in any bit. (The reference at this size
-    // would take minutes on the CPU; the grid tests check these kernels' values.)
+// One block an SM takes the next Q tile from a counter as it finishes one, so which block runs
+// which tile changes from call to call: `heads` heads (times batch 2) of 1000 rows are 6 to 8
+// Q tiles each, and with the mask their lengths differ. Each tile's arithmetic is its own, so O
+// and L must not change in any bit over `calls` calls. (The reference at this size would take
+// minutes on the CPU; the grid tests check these kernels' values.) The inputs come from random
+// patterns (fill_from_patterns), which cost the host nothing to make.
+template <typename T>
+static void check_hopper_share_out(int heads, int calls) {
     if (!hopper_or_warn()) return;
     const int d = GENERATE(64, 128, 256);
     const bool causal = GENERATE(false, true);
-    const AttentionShape s{2, 64, 1000, 1000, d, causal};
-    INFO(describe(s));
-    const auto p = rounded_problem<TestType>(s, 1760);
-    GpuAttention<TestType> gpu(p);
-    const Outputs<float> out = outputs_of_identical_calls(gpu, 20, false, kHopperKernel);
+    const AttentionShape s{2, heads, 1000, 1000, d, causal};
+    INFO(describe(s) << ", " << calls << " calls");
+    GpuAttention<T> gpu(s);
+    fill_from_patterns(gpu, 1760, false);
+    const Outputs<float> out = outputs_of_identical_calls(gpu, calls, false, Kernel::chapter3());
     CHECK(count_bad(out.O) == 0);  // every element written (outputs are poisoned before a call)
     CHECK(count_bad(out.L) == 0);
 }
 
-TEST_CASE("Tensors of more than 2^31 elements: the heads past 2^31 are right", "[gpu][big]") {
-    // 4097 * 32 heads of 128 x 128: each of Q, K, V, O holds 2^31 + 2^19 elements (8.6 GB), and
-    // heads 131072.. lie wholly past element 2^31, where a 32-bit index wraps.
-    AttentionShape s{4097, 32, 128, 128, 128, false};
-    const size_t need = (2 * q_elems(s) + 2 * kv_elems(s) + l_elems(s)) * sizeof(float);
-    size_t free_bytes = 0, total_bytes = 0;
-    FLASH_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    const double GiB = double(1 << 30);
-    if (free_bytes < need + (size_t(1) << 30)) {
-        WARN("skipped: needs " << need / GiB << " GiB of GPU memory (+1 GiB spare), but "
-                               "cudaMemGetInfo reports " << free_bytes / GiB << " GiB free of "
-                               << total_bytes / GiB);
+TEMPLATE_TEST_CASE("The Hopper forward's persistent grid gives bitwise identical results however "
+                   "its blocks share out the tiles",
+                   "[gpu][hardening][determinism][hopper][fp16][bf16][.stress]", fp16, bf16) {
+    check_hopper_share_out<TestType>(64, 20);  // 768 to 1024 tiles: five or more a block
+}
+
+TEMPLATE_TEST_CASE("The Hopper forward's persistent grid gives bitwise identical results over 3 "
+                   "calls however its blocks share out the tiles",
+                   "[gpu][hardening][determinism][hopper][fp16][bf16]", fp16, bf16) {
+    check_hopper_share_out<TestType>(32, 3);  // 384 to 512 tiles: three or more a block
+}
+
+TEMPLATE_TEST_CASE("Tensors of more than 2^31 elements: the heads past 2^31 are right",
+                   "[gpu][big][hopper][fp32][fp16][bf16][.stress]", fp32, fp16, bf16) {
+    // 4097 * 32 heads of 128 x 128: each of Q, K, V, O holds 2^31 + 2^19 elements (8.6 GB in
+    // fp32, 4.3 GB in fp16 or bf16). In 2-byte elements head 65536 starts at element 2^30, byte
+    // 2^31 (where a 32-bit byte offset wraps); heads 131072.. lie wholly past element 2^31 (where
+    // a 32-bit element index wraps). The type's own chapter, and chapter 3 on compute capability
+    // 9.0 (fp16, bf16).
+    const Kernel kernel = GENERATE(own_chapter<TestType>(), Kernel::chapter3());
+    if (kernel == Kernel::chapter3() && (std::is_same<TestType, float>::value || !hopper_or_warn()))
         return;
-    }
-    std::vector<std::vector<float>> patterns;
-    for (uint32_t t = 0; t < 3; ++t) patterns.push_back(random_pattern(2000 + t));
-    GpuAttention<float> gpu(s);
-    gpu.Q.fill_repeating(patterns[0]);
-    gpu.K.fill_repeating(patterns[1]);
-    gpu.V.fill_repeating(patterns[2]);
-    for (bool causal : {false, true}) {
-        gpu.s.causal = s.causal = causal;
-        INFO(describe(s));
-        gpu.forward();
-        for (size_t bh : {size_t(0), size_t(131071), size_t(131072), size_t(131103)})
-            check_big_head(gpu, bh, patterns, false);
-    }
-}
-
-TEMPLATE_TEST_CASE("More than 65535 batch*heads: the tensor-core forwards' heads past 65535 are "
-                   "right", "[gpu][big][fp16][bf16][hopper]", fp16, bf16) {
-    // As the fp32 test. Chapter 2 (kAmpereKernel, d = 16): two Q tiles a head (q_len 65 > Br = 64),
-    // a partial K tile, and, when causal, rows that see no key (0..31). Chapter 3 (kHopperKernel,
-    // d = 64, on compute capability 9.0 only): the same with q_len 193 > Br = 192.
-    const int kernel = GENERATE(kAmpereKernel, kHopperKernel);
-    const bool causal = GENERATE(false, true);
-    if (kernel == kHopperKernel && !hopper_or_warn()) return;
-    const AttentionShape s = kernel == kHopperKernel ? AttentionShape{70000, 1, 193, 33, 64, causal}
-                                                     : AttentionShape{70000, 1, 65, 33, 16, causal};
-    INFO(describe(s) << (kernel == kHopperKernel ? ", chapter 3" : ", chapter 2"));
-    std::vector<std::vector<TestType>> patterns;
-    for (uint32_t t = 0; t < 3; ++t)
-        patterns.push_back(converted<TestType>(random_pattern(3000 + t)));
-    GpuAttention<TestType> gpu(s);
-    gpu.Q.fill_repeating(patterns[0]);
-    gpu.K.fill_repeating(patterns[1]);
-    gpu.V.fill_repeating(patterns[2]);
-    gpu.forward(kernel);
-    for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
-                      size_t(69999)})
-        check_big_head(gpu, bh, patterns, false);
-}
-
-TEMPLATE_TEST_CASE("More than 65535 batch*heads: the tensor-core backward's heads past 65535 are "
-                   "right", "[gpu][big][backward][fp16][bf16]", fp16, bf16) {
-    // The fp32 test runs the backward too; this is its tensor-core twin: three Q tiles a head
-    // (q_len 129, Br = 64), one partial K/V tile (kv_len 33 < Bc = 64 at d = 16), and, when
-    // causal, rows that see no key (0..95), whose dQ no block adds to.
-    const bool causal = GENERATE(false, true);
-    const AttentionShape s{70000, 1, 129, 33, 16, causal};
-    INFO(describe(s));
-    std::vector<std::vector<TestType>> patterns;
-    for (uint32_t t = 0; t < 4; ++t)
-        patterns.push_back(converted<TestType>(random_pattern(5000 + t)));
-    GpuAttention<TestType> gpu(s);
-    gpu.Q.fill_repeating(patterns[0]);
-    gpu.K.fill_repeating(patterns[1]);
-    gpu.V.fill_repeating(patterns[2]);
-    gpu.dO = DeviceBuffer<TestType>(q_elems(s));
-    gpu.dO.fill_repeating(patterns[3]);
-    gpu.forward();
-    gpu.backward();
-    for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
-                      size_t(69999)})
-        check_big_head(gpu, bh, patterns, true);
-}
-
-TEMPLATE_TEST_CASE("Tensors of more than 2^31 elements: the tensor-core forwards' heads past "
-                   "2^31 are right", "[gpu][big][fp16][bf16][hopper]", fp16, bf16) {
-    // The fp32 test's shape: Q, K, V, O of 2^31 + 2^19 2-byte elements each (4.3 GB; 17 GB in
-    // all). Head 65536 starts at element 2^30, byte 2^31 (where a 32-bit byte offset wraps); heads
-    // 131072.. lie wholly past element 2^31 (where a 32-bit element index wraps). Chapter 2
-    // (kAmpereKernel), and chapter 3 (kHopperKernel) on compute capability 9.0.
-    const int kernel = GENERATE(kAmpereKernel, kHopperKernel);
-    if (kernel == kHopperKernel && !hopper_or_warn()) return;
     AttentionShape s{4097, 32, 128, 128, 128, false};
     const size_t need = (2 * q_elems(s) + 2 * kv_elems(s)) * sizeof(TestType) +
                         l_elems(s) * sizeof(float);
@@ -1251,16 +1153,11 @@ TEMPLATE_TEST_CASE("Tensors of more than 2^31 elements: the tensor-core forwards
                                << total_bytes / GiB);
         return;
     }
-    std::vector<std::vector<TestType>> patterns;
-    for (uint32_t t = 0; t < 3; ++t)
-        patterns.push_back(converted<TestType>(random_pattern(4000 + t)));
     GpuAttention<TestType> gpu(s);
-    gpu.Q.fill_repeating(patterns[0]);
-    gpu.K.fill_repeating(patterns[1]);
-    gpu.V.fill_repeating(patterns[2]);
+    const auto patterns = fill_from_patterns(gpu, per_type<TestType>(2000u, 4000u), false);
     for (bool causal : {false, true}) {
         gpu.s.causal = s.causal = causal;
-        INFO(describe(s) << (kernel == kHopperKernel ? ", chapter 3" : ", chapter 2"));
+        INFO(describe(s) << ", " << kernel.name());
         gpu.forward(kernel);
         for (size_t bh : {size_t(0), size_t(65535), size_t(65536), size_t(131071), size_t(131072),
                           size_t(131103)})

@@ -6,8 +6,11 @@
 #define CATCH_CONFIG_RUNNER
 #include "test_util.h"
 
+#include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <thread>
 #include <type_traits>
 
 // =============================================================================================
@@ -179,13 +182,6 @@ std::string where(const Layout& l, size_t e) {
     return os.str();
 }
 
-// The element type's name, for messages: "fp32", "fp16" or "bf16".
-template <typename T>
-static const char* name_of() {
-    if constexpr (std::is_same<T, float>::value) return "fp32";
-    else return Format16<T>::name;
-}
-
 // The type the reference runs in for inputs of T: float for float (chapter 1's tolerances allow
 // for its rounding of the results to float), double for chapter 2's types (on their exact values).
 template <typename T>
@@ -205,7 +201,7 @@ template <typename T>
 void check_against_reference(const Outputs<float>& got, const Problem<T>& p) {
     const auto want = reference_forward(converted<Reference<T>>(p));
     const Tolerances tol = tolerances_of(p, got, want, false);
-    INFO(name_of<T>() << " forward, score bound M = " << tol.M << ": tolerance on O " << tol.O
+    INFO(type_name<T>() << " forward, score bound M = " << tol.M << ": tolerance on O " << tol.O
                       << ", on L " << tol.L);
     check_forward(got, want, tol, p.s);
 }
@@ -214,7 +210,7 @@ template <typename T>
 void check_against_reference_backward(const Outputs<float>& got, const Problem<T>& p) {
     const auto want = reference_backward(converted<Reference<T>>(p));
     const Tolerances tol = tolerances_of(p, got, want, true);
-    INFO(name_of<T>() << " backward, score bound M = " << tol.M << ": tolerance on O " << tol.O
+    INFO(type_name<T>() << " backward, score bound M = " << tol.M << ": tolerance on O " << tol.O
                       << ", on L " << tol.L << "; gradients: " << tol.grad_rel
                       << " of the largest entry, + " << tol.dQ_floor << " on dQ, + "
                       << tol.dK_floor << " on dK");
@@ -288,52 +284,69 @@ void check_bitwise(const Outputs<float>& first, const Outputs<float>& again,
 // =============================================================================================
 // Device memory
 
+std::string Kernel::name() const {
+    switch (which) {
+        case Public: return "the public call";
+        case Chapter2: return "chapter 2's kernel";
+        case Chapter3: return "chapter 3's kernel";
+        case WithBc: return "Bc = " + std::to_string(Bc);
+    }
+    return "?";
+}
+
 template <typename T>
 void launch_forward(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape& s,
-                    int Bc, cudaStream_t stream) {
+                    Kernel kernel, cudaStream_t stream) {
     if constexpr (std::is_same<T, float>::value) {
-        if (Bc > 0) return flash_forward_bc(Q, K, V, O, L, s, Bc, stream);
-        flash_forward(Q, K, V, O, L, s, stream);
+        switch (kernel.which) {
+            case Kernel::Public: return flash_forward(Q, K, V, O, L, s, stream);
+            case Kernel::WithBc: return flash_forward_bc(Q, K, V, O, L, s, kernel.Bc, stream);
+            default: FAIL(kernel.name() << " asked of the fp32 forward: fp32 has chapter 1's only");
+        }
     } else if constexpr (std::is_same<T, __half>::value) {
-        if (Bc == kHopperKernel) return flash_forward_fp16_hopper(Q, K, V, O, L, s, stream);
-        if (Bc == kAmpereKernel) return flash_forward_fp16_ampere(Q, K, V, O, L, s, stream);
-        if (Bc > 0) return flash_forward_fp16_bc(Q, K, V, O, L, s, Bc, stream);
-        flash_forward_fp16(Q, K, V, O, L, s, stream);
+        switch (kernel.which) {
+            case Kernel::Public: return flash_forward_fp16(Q, K, V, O, L, s, stream);
+            case Kernel::Chapter2: return flash_forward_fp16_ampere(Q, K, V, O, L, s, stream);
+            case Kernel::Chapter3: return flash_forward_fp16_hopper(Q, K, V, O, L, s, stream);
+            case Kernel::WithBc: return flash_forward_fp16_bc(Q, K, V, O, L, s, kernel.Bc, stream);
+        }
     } else {
-        if (Bc == kHopperKernel) return flash_forward_bf16_hopper(Q, K, V, O, L, s, stream);
-        if (Bc == kAmpereKernel) return flash_forward_bf16_ampere(Q, K, V, O, L, s, stream);
-        if (Bc > 0)
-            FAIL("Bc = " << Bc << " asked of the bf16 forward: there is no flash_forward_bf16_bc");
-        flash_forward_bf16(Q, K, V, O, L, s, stream);
+        switch (kernel.which) {
+            case Kernel::Public: return flash_forward_bf16(Q, K, V, O, L, s, stream);
+            case Kernel::Chapter2: return flash_forward_bf16_ampere(Q, K, V, O, L, s, stream);
+            case Kernel::Chapter3: return flash_forward_bf16_hopper(Q, K, V, O, L, s, stream);
+            case Kernel::WithBc:
+                FAIL(kernel.name() << " asked of the bf16 forward: there is no flash_forward_bf16_bc");
+        }
     }
 }
 
 template <typename T>
 void launch_backward(const T* Q, const T* K, const T* V, const T* O, const T* dO, const float* L,
-                     T* dQ, T* dK, T* dV, const AttentionShape& s, int Bc, cudaStream_t stream) {
-    if constexpr (std::is_same<T, __half>::value) {
-        if (Bc > 0) return flash_backward_fp16_bc(Q, K, V, O, dO, L, dQ, dK, dV, s, Bc, stream);
-        flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
-    } else {
-        if (Bc > 0)
-            FAIL("Bc = " << Bc << " asked of the " << name_of<T>() << " backward: only fp16's "
-                         "takes a caller-chosen Bc (flash_backward_fp16_bc)");
-        if constexpr (std::is_same<T, float>::value)
-            flash_backward(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
-        else
-            flash_backward_bf16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+                     T* dQ, T* dK, T* dV, const AttentionShape& s, Kernel kernel,
+                     cudaStream_t stream) {
+    if (kernel.which == Kernel::WithBc) {
+        if constexpr (backward_takes_bc<T>())
+            return flash_backward_fp16_bc(Q, K, V, O, dO, L, dQ, dK, dV, s, kernel.Bc, stream);
+        FAIL(kernel.name() << " asked of the " << type_name<T>() << " backward: only fp16's takes "
+                           "a caller-chosen Bc (flash_backward_fp16_bc)");
     }
+    if (kernel.which != Kernel::Public)
+        FAIL(kernel.name() << " asked of the backward: it has one kernel a type, the public call's");
+    if constexpr (std::is_same<T, float>::value)
+        flash_backward(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+    else if constexpr (std::is_same<T, __half>::value)
+        flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+    else
+        flash_backward_bf16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
 }
 
 template <typename T>
-Outputs<float> check_forward_on_gpu(const AttentionShape& s, uint32_t salt, int Bc) {
-    INFO(describe(s) << (Bc > 0                ? ", Bc = " + std::to_string(Bc)
-                         : Bc == kHopperKernel ? ", chapter 3's Hopper kernel"
-                         : Bc == kAmpereKernel ? ", chapter 2's kernel"
-                                               : std::string()));
-    const auto p = rounded_problem<T>(s, salt);
+Outputs<float> check_forward_on_gpu(const AttentionShape& s, uint32_t salt, Kernel kernel) {
+    INFO(describe(s) << ", " << type_name<T>() << " forward, " << kernel.name());
+    const auto p = rounded_problem<T>(s, salt, false);  // no dO
     GpuAttention<T> gpu(p);
-    gpu.forward(Bc);
+    gpu.forward(kernel);
     const Outputs<float> got = gpu.outputs(false);
     check_against_reference(got, p);
     return got;
@@ -341,7 +354,7 @@ Outputs<float> check_forward_on_gpu(const AttentionShape& s, uint32_t salt, int 
 
 template <typename T>
 Outputs<float> check_backward_on_gpu(const AttentionShape& s, uint32_t salt) {
-    INFO(describe(s));
+    INFO(describe(s) << ", " << type_name<T>() << " forward and backward");
     const auto p = rounded_problem<T>(s, salt);
     GpuAttention<T> gpu(p);
     gpu.forward();   // the kernels' own O and L, which the backward reads
@@ -349,6 +362,106 @@ Outputs<float> check_backward_on_gpu(const AttentionShape& s, uint32_t salt) {
     const Outputs<float> got = gpu.outputs(true);
     check_against_reference_backward(got, p);
     return got;
+}
+
+// =============================================================================================
+// Waiting for the GPU, with a deadline
+
+template <typename T>
+GpuCall gpu_call(const char* direction, Kernel kernel, const AttentionShape& s) {
+    int chapter = std::is_same<T, float>::value ? 1 : 2;
+    if (kernel.which == Kernel::Chapter3) chapter = 3;
+    if (chapter == 2 && kernel.which == Kernel::Public && std::strcmp(direction, "forward") == 0 &&
+        public_forward_runs_hopper(s.head_dim))
+        chapter = 3;
+    return {direction, type_name<T>(), kernel, s, chapter};
+}
+
+double deadline_seconds(const GpuCall& call, double scale) {
+    const AttentionShape& s = call.s;
+    const double work = double(s.batch) * s.heads * s.q_len * s.kv_len * s.head_dim;
+    const double flops = (std::strcmp(call.direction, "backward") == 0 ? 10.0 : 4.0) * work;
+    return scale * (10.0 + flops / 1e11);
+}
+
+double deadline_scale_from_env() {
+    const char* text = std::getenv("FLASH_TEST_DEADLINE_SCALE");
+    if (!text) return 1.0;
+    char* end = nullptr;
+    const double scale = std::strtod(text, &end);
+    return end != text && std::isfinite(scale) && scale > 0 ? scale : 1.0;
+}
+
+std::string likely_hang(const GpuCall& call) {
+    if (call.chapter == 3)
+        return "chapter 3's pipeline: a consumer or the producer waits forever on an mbarrier: "
+               "check a barrier's phase, its expected bytes or its arrival count, the stage a tile "
+               "is read from or given back, and the tile counter";
+    if (call.chapter == 2 && std::strcmp(call.direction, "backward") == 0)
+        return "chapter 2's backward: a block waits forever for its turn to add into dQ_i: check "
+               "the turn order (the turn each K/V tile waits for, the ticket, and that every "
+               "block hands its turn on exactly once, after its adds)";
+    return std::string("chapter ") + std::to_string(call.chapter) + "'s " + call.direction +
+           ": a loop that never ends (a tile count or a bound) or a __syncthreads() that not "
+           "every thread of the block reaches";
+}
+
+std::string deadline_message(const std::string& test_case, const GpuCall& call, double seconds) {
+    std::ostringstream os;
+    os << "DEADLINE: \"" << test_case << "\": the " << call.type << " " << call.direction << " ("
+       << call.kernel.name() << ", chapter " << call.chapter << ") on " << describe(call.s)
+       << " did not finish within " << std::setprecision(3) << seconds
+       << " s; likely waiting forever: " << likely_hang(call);
+    return os.str();
+}
+
+namespace {
+// Test-case totals so far (the listener at the end of this file keeps them), for the summary line
+// of a run that a deadline ends.
+struct RunTotals {
+    bool ended = false;
+    std::size_t passed = 0, failed = 0;
+};
+RunTotals g_totals;
+int g_gpu_cases_skipped = 0;
+void print_summary_line() {
+    std::cout << "flash tests: " << g_totals.passed << " passed, " << g_totals.failed
+              << " failed, " << g_gpu_cases_skipped << " skipped" << std::endl;
+}
+}  // namespace
+
+void end_run_on_deadline(const std::string& line) {
+    // Fail the test where Catch shows it (its name, the INFO context: the shape), say so on
+    // stderr too, print the summary line and end the process: a hung kernel cannot be cancelled,
+    // and any later CUDA call (even the runtime's own at exit) would wait for it.
+    FAIL_CHECK(line);
+    std::cout.flush();
+    std::cerr << line << std::endl;
+    g_totals.failed += 1;  // this test case, which never ends
+    print_summary_line();
+    std::cout.flush();
+    std::cerr.flush();
+    std::_Exit(3);
+}
+
+void wait_for_gpu(cudaStream_t stream, const GpuCall& call) {
+    cudaEvent_t done = nullptr;
+    FLASH_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    cudaError_t status = cudaEventRecord(done, stream);
+    const double seconds = deadline_seconds(call, deadline_scale_from_env());
+    if (status == cudaSuccess) {
+        using clock = std::chrono::steady_clock;
+        const auto start = clock::now();
+        status = poll_until([&] { return cudaEventQuery(done); },
+                            [&] { return std::chrono::duration<double>(clock::now() - start).count(); },
+                            [] { std::this_thread::sleep_for(std::chrono::microseconds(50)); },
+                            seconds);
+    }
+    if (status == cudaErrorNotReady)  // never finished: the run ends here
+        end_run_on_deadline(
+            deadline_message(Catch::getResultCapture().getCurrentTestName(), call, seconds));
+    cudaEventDestroy(done);
+    FLASH_CUDA_CHECK(status);
 }
 
 bool public_forward_runs_hopper(int head_dim) {
@@ -384,36 +497,28 @@ bool NamesWord::match(const std::string& msg) const {
     return false;
 }
 
-template <typename T16>
-FakeTensors<T16>::FakeTensors() {
-    float* inputs[] = {Q, K, V, dO};
+template <typename T>
+FakeTensors<T>::FakeTensors() {
+    T* inputs[] = {Q, K, V, dO};
     for (size_t t = 0; t < 4; ++t)
-        for (size_t e = 0; e < kN; ++e) inputs[t][e] = float(t * 1000 + e) + 0.5f;
-    float* outs[] = {O, L, dQ, dK, dV};
-    for (size_t t = 0; t < 5; ++t) {
-        std::fill(outs[t], outs[t] + kN, std::numeric_limits<float>::quiet_NaN());
+        for (size_t e = 0; e < kN; ++e) inputs[t][e] = T(float(t * 100 + e) + 0.5f);
+    T* outs[] = {O, dQ, dK, dV};
+    for (size_t t = 0; t < 4; ++t) {
+        std::fill(outs[t], outs[t] + kN, quiet_nan<T>());
         std::memcpy(snapshot[t], outs[t], sizeof(snapshot[t]));
     }
-    T16* inputs16[] = {Q16, K16, V16, dO16};
-    for (size_t t = 0; t < 4; ++t)
-        for (size_t e = 0; e < kN; ++e) inputs16[t][e] = T16(float(t * 100 + e) + 0.5f);
-    T16* outs16[] = {O16, dQ16, dK16, dV16};
-    for (size_t t = 0; t < 4; ++t) {
-        std::fill(outs16[t], outs16[t] + kN, quiet_nan<T16>());
-        std::memcpy(snapshot16[t], outs16[t], sizeof(snapshot16[t]));
-    }
+    std::fill(L, L + kN, std::numeric_limits<float>::quiet_NaN());
+    std::memcpy(snapshot_L, L, sizeof(snapshot_L));
 }
 
-template <typename T16>
-bool FakeTensors<T16>::outputs_untouched() const {
-    const float* outs[] = {O, L, dQ, dK, dV};
-    for (size_t t = 0; t < 5; ++t)
-        if (std::memcmp(snapshot[t], outs[t], sizeof(snapshot[t])) != 0) return false;
-    const T16* outs16[] = {O16, dQ16, dK16, dV16};
+template <typename T>
+bool FakeTensors<T>::outputs_untouched() const {
+    const T* outs[] = {O, dQ, dK, dV};
     for (size_t t = 0; t < 4; ++t)
-        if (std::memcmp(snapshot16[t], outs16[t], sizeof(snapshot16[t])) != 0) return false;
-    return true;
+        if (std::memcmp(snapshot[t], outs[t], sizeof(snapshot[t])) != 0) return false;
+    return std::memcmp(snapshot_L, L, sizeof(snapshot_L)) == 0;
 }
+template struct FakeTensors<float>;
 template struct FakeTensors<__half>;
 template struct FakeTensors<__nv_bfloat16>;
 
@@ -537,7 +642,7 @@ void check_big_head(const GpuAttention<T>& gpu, size_t bh,
     got.O = gpu.O.download_float(bh * q_head, q_head);
     got.L = gpu.L.download(bh * s.q_len, s.q_len);
     const Tolerances tol = tolerances_of(one, got, want, with_gradients);
-    INFO(name_of<T>() << (with_gradients ? " forward and backward" : " forward") << ", head "
+    INFO(type_name<T>() << (with_gradients ? " forward and backward" : " forward") << ", head "
                       << bh << " of " << size_t(s.batch) * s.heads << " (elements from "
                       << bh * q_head << ")");
     check_close("O", got.O, want.O, tol.O, s, q_layout(s, bh));
@@ -556,12 +661,13 @@ void check_big_head(const GpuAttention<T>& gpu, size_t bh,
 // The generic helpers above, for every element type the tests run: float, __half, __nv_bfloat16.
 #define FLASH_TEST_INSTANTIATE(T)                                                                  \
     template void launch_forward(const T*, const T*, const T*, T*, float*,                         \
-                                 const AttentionShape&, int, cudaStream_t);                        \
+                                 const AttentionShape&, Kernel, cudaStream_t);                     \
     template void launch_backward(const T*, const T*, const T*, const T*, const T*, const float*,  \
-                                  T*, T*, T*, const AttentionShape&, int, cudaStream_t);           \
+                                  T*, T*, T*, const AttentionShape&, Kernel, cudaStream_t);        \
+    template GpuCall gpu_call<T>(const char*, Kernel, const AttentionShape&);                      \
     template void check_against_reference(const Outputs<float>&, const Problem<T>&);               \
     template void check_against_reference_backward(const Outputs<float>&, const Problem<T>&);      \
-    template Outputs<float> check_forward_on_gpu<T>(const AttentionShape&, uint32_t, int);         \
+    template Outputs<float> check_forward_on_gpu<T>(const AttentionShape&, uint32_t, Kernel);      \
     template Outputs<float> check_backward_on_gpu<T>(const AttentionShape&, uint32_t);             \
     template void check_big_head(const GpuAttention<T>&, size_t,                                   \
                                  const std::vector<std::vector<T>>&, bool);
@@ -592,17 +698,14 @@ std::vector<std::string> source_lines(const std::string& name) {
 // main: leaves out the [gpu] tests when there is no usable device, and ends with one summary line
 
 namespace {
-struct RunTotals {
-    bool ended = false;
-    std::size_t passed = 0, failed = 0;
-};
-RunTotals g_totals;
-int g_gpu_cases_skipped = 0;
-
-// Records the run's test-case totals; main prints them after Catch's own summary, so that the
-// summary line is the very last line.
+// Records the run's test-case totals, as they come (for a run a deadline ends) and at the end;
+// main prints them after Catch's own summary, so that the summary line is the very last line.
 struct SummaryListener : Catch::TestEventListenerBase {
     using TestEventListenerBase::TestEventListenerBase;
+    void testCaseEnded(Catch::TestCaseStats const& stats) override {
+        (stats.totals.testCases.failed > 0 ? g_totals.failed : g_totals.passed) += 1;
+        TestEventListenerBase::testCaseEnded(stats);
+    }
     void testRunEnded(Catch::TestRunStats const& stats) override {
         g_totals.ended = true;
         g_totals.passed = stats.totals.testCases.passed + stats.totals.testCases.failedButOk;
@@ -628,9 +731,15 @@ int main(int argc, char* argv[]) {
                       << std::setprecision(3) << prop.totalGlobalMem / double(1 << 30)
                       << " GiB)" << std::endl;
     } else {
-        const std::string why = err != cudaSuccess
-                                    ? std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err)
-                                    : std::string("cudaGetDeviceCount found 0 devices");
+        // No driver (cudaErrorInsufficientDriver, cudaErrorNoDevice, ...) or no device: the CPU
+        // tests run, the GPU tests are left out, and one line says which and why.
+        // cudaDriverGetVersion gives 0 where no driver is installed at all: then the runtime's
+        // "driver version is insufficient" would send a student to upgrade a driver they lack.
+        int driver = 0;
+        cudaDriverGetVersion(&driver);
+        const std::string why = driver == 0          ? std::string("no NVIDIA driver is installed")
+                                : err != cudaSuccess ? std::string(cudaGetErrorString(err))
+                                                     : std::string("the driver sees no GPU");
         cudaGetLastError();  // clear the error so that nothing later trips on it
         const Catch::ConfigData& config = session.configData();
         const bool listing = config.listTests || config.listTestNamesOnly || config.listTags ||
@@ -638,23 +747,27 @@ int main(int argc, char* argv[]) {
         if (listing) {
             // --list-tests and friends list everything, [gpu] included
         } else if (config.testsOrTags.empty()) {
-            for (const Catch::TestCase& tc : Catch::getRegistryHub().getTestCaseRegistry().getAllTests())
-                if (!tc.isHidden() && std::find(tc.lcaseTags.begin(), tc.lcaseTags.end(), "gpu") !=
-                                          tc.lcaseTags.end())
-                    ++g_gpu_cases_skipped;
+            int cpu_cases = 0;
+            for (const Catch::TestCase& tc : Catch::getRegistryHub().getTestCaseRegistry().getAllTests()) {
+                if (tc.isHidden()) continue;
+                const bool gpu = std::find(tc.lcaseTags.begin(), tc.lcaseTags.end(), "gpu") !=
+                                 tc.lcaseTags.end();
+                ++(gpu ? g_gpu_cases_skipped : cpu_cases);
+            }
             // Catch's own default leaves hidden tests out; a spec of exclusions alone would not.
             session.configData().testsOrTags.push_back("~[gpu]~[.]");
-            std::cout << "No usable CUDA device (" << why << "): skipping the "
-                      << g_gpu_cases_skipped << " [gpu] test cases; the CPU tests run." << std::endl;
+            std::cout << "No CUDA GPU or driver found (" << why << "): running the " << cpu_cases
+                      << " CPU test cases; skipping the " << g_gpu_cases_skipped
+                      << " GPU test cases (they need an NVIDIA GPU and its driver: compute "
+                         "capability 7.5+; 8.0+ for chapter 2; 9.0 for chapter 3)" << std::endl;
         } else {
-            std::cout << "No usable CUDA device (" << why
-                      << "): any [gpu] test the test spec selects will fail." << std::endl;
+            std::cout << "No CUDA GPU or driver found (" << why << "): any GPU test the test "
+                         "spec selects will fail (they need an NVIDIA GPU and its driver)"
+                      << std::endl;
         }
     }
 
     const int result = session.run();
-    if (g_totals.ended)
-        std::cout << "flash tests: " << g_totals.passed << " passed, " << g_totals.failed
-                  << " failed, " << g_gpu_cases_skipped << " skipped" << std::endl;
+    if (g_totals.ended) print_summary_line();
     return result;
 }

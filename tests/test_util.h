@@ -1,5 +1,6 @@
 // test_util.h: what the test files share (Catch2 v2). Nothing here is a test: the tests are in
-// test_flash.cpp (the classroom core), test_hardening.cpp and test_docs.cpp (README.md's figures);
+// test_flash.cpp (the classroom core), test_hardening.cpp, test_deadline.cpp (the GPU waits' deadline)
+// and test_docs.cpp (README.md's figures);
 // main() is in test_util.cpp.
 //
 //   Element types      float (chapter 1's tensors), __half and __nv_bfloat16 (chapter 2's, named
@@ -21,15 +22,18 @@
 //                      2's, through launch_forward<T> and launch_backward<T>); one random problem
 //                      checked on the GPU; the same calls repeated, every call's outputs bitwise
 //                      the first's
-//   Validation         refusal(), NamesWord, FakeTensors<T16>: for the argument-validation tests
+//   Which kernel       Kernel: the public call, chapter 2's, chapter 3's, or a caller-chosen Bc
+//   Waiting            wait_for_gpu: every wait for the GPU, with a deadline scaled to the shape
+//   Validation         refusal(), NamesWord, FakeTensors<T>: for the argument-validation tests
 //   Tile chooser       four real GPUs' properties, and what every tile (fp32, chapter 2's forward
 //                      and backward: one for both types) must satisfy
 //   Big tensors        inputs built from a repeating pattern, checked one head at a time
 //   Source files       the lines of a file of the project (NOTES.md, flash.cu, README.md, data/),
 //                      for the [notes] and [readme] tests
 //
-// Chapter 2's tests are TEMPLATE_TEST_CASEs over (fp16, bf16), tagged [fp16][bf16]; a helper's
-// "16" (tolerances16, kSafety16, u16, Q16) stands for either 16-bit type.
+// A test whose body is the same for every element type is one TEMPLATE_TEST_CASE over (fp32, fp16,
+// bf16), tagged [fp32][fp16][bf16]; chapter 2's own tests are over (fp16, bf16), tagged
+// [fp16][bf16]. A helper's "16" (tolerances16, kSafety16, u16) stands for either 16-bit type.
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -58,10 +62,31 @@
 // Element types. Every helper below that touches tensor elements goes through these, so that a
 // new element type needs only its own versions of them.
 
-// Chapter 2's two element types, by the names its tests list them under:
-// TEMPLATE_TEST_CASE(name, tags, fp16, bf16) runs the one body as "name - fp16" and "name - bf16".
+// The element types, by the names the tests list them under: TEMPLATE_TEST_CASE(name, tags, fp32,
+// fp16, bf16) runs the one body as "name - fp32", "name - fp16" and "name - bf16" (chapter 1's
+// float, chapter 2's two 16-bit types).
+using fp32 = float;
 using fp16 = __half;
 using bf16 = __nv_bfloat16;
+
+// The element type's name, for messages: "fp32", "fp16" or "bf16"; and the API calls that take
+// it, as their refusals name them.
+template <typename T>
+constexpr const char* type_name() {
+    return std::is_same<T, float>::value ? "fp32" : std::is_same<T, __half>::value ? "fp16" : "bf16";
+}
+template <typename T>
+constexpr const char* forward_api() {
+    return std::is_same<T, float>::value    ? "flash_forward"
+           : std::is_same<T, __half>::value ? "flash_forward_fp16"
+                                            : "flash_forward_bf16";
+}
+template <typename T>
+constexpr const char* backward_api() {
+    return std::is_same<T, float>::value    ? "flash_backward"
+           : std::is_same<T, __half>::value ? "flash_backward_fp16"
+                                            : "flash_backward_bf16";
+}
 
 // The NaN that outputs are filled with before a kernel runs: an element still NaN afterwards was
 // never written.
@@ -88,8 +113,7 @@ inline float to_float(__half x) { return __half2float(x); }
 inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // What the tests need to know of each 16-bit type T, fp16 or bf16 (one beside the other on each
-// line): its name (for messages), its API (the names the pointer refusals give, whether it takes
-// a Bc) and its rounding: `unit_roundoff`, the largest relative error of rounding a float to T
+// line): its name (for messages) and its rounding: `unit_roundoff`, the largest relative error of rounding a float to T
 // (to nearest), and `tiny_weight_error`, the largest absolute error of a softmax weight too small
 // for that relative bound. Both are derived under "Tolerances".
 template <typename T>
@@ -97,11 +121,6 @@ struct Format16 {
     static constexpr bool bf = std::is_same<T, __nv_bfloat16>::value;
     static_assert(bf || std::is_same<T, __half>::value, "chapter 2's types: __half, __nv_bfloat16");
     static constexpr const char* name = bf ? "bf16" : "fp16";
-    static constexpr const char* forward_api = bf ? "flash_forward_bf16" : "flash_forward_fp16";
-    static constexpr const char* backward_api = bf ? "flash_backward_bf16" : "flash_backward_fp16";
-    // whether its API has calls with a caller-chosen Bc: flash_forward_fp16_bc and
-    // flash_backward_fp16_bc exist, no bf16 twins
-    static constexpr bool takes_bc = !bf;
     // 8 or 11 significant bits
     static constexpr double unit_roundoff = bf ? 1.0 / (1 << 8) : 1.0 / (1 << 11);
     // what ex2.approx.ftz flushes to 0 (2^-126), or half the spacing of fp16's subnormals (2^-25)
@@ -138,15 +157,16 @@ struct Problem {
     std::vector<T> Q, K, V, dO;
 };
 
-// The problem of shape s for this salt: the same inputs on every run.
+// The problem of shape s for this salt: the same inputs on every run. with_dO = false leaves dO
+// empty (a forward's test: drawn last, so Q, K and V are the same either way).
 template <typename T = float>
-Problem<T> random_problem(const AttentionShape& s, uint32_t salt) {
+Problem<T> random_problem(const AttentionShape& s, uint32_t salt, bool with_dO = true) {
     std::mt19937 rng(seed_of(s, salt));
     Problem<T> p{s, {}, {}, {}, {}};
     p.Q = normal_values<T>(q_elems(s), rng);
     p.K = normal_values<T>(kv_elems(s), rng);
     p.V = normal_values<T>(kv_elems(s), rng);
-    p.dO = normal_values<T>(q_elems(s), rng);
+    if (with_dO) p.dO = normal_values<T>(q_elems(s), rng);
     return p;
 }
 
@@ -170,8 +190,8 @@ Problem<To> converted(const Problem<From>& p) {
 // runs on these very values (converted<double>, exact), so the rounding of the inputs is no part
 // of the error chapter 2's tests measure.
 template <typename T>
-Problem<T> rounded_problem(const AttentionShape& s, uint32_t salt) {
-    return converted<T>(random_problem(s, salt));
+Problem<T> rounded_problem(const AttentionShape& s, uint32_t salt, bool with_dO = true) {
+    return converted<T>(random_problem(s, salt, with_dO));
 }
 
 // A problem's outputs on the host: the reference's (in float or double), or the GPU's (as float).
@@ -246,6 +266,18 @@ inline const std::vector<std::pair<int, int>> kForwardUnequalLengths = {
 inline const std::vector<int> kBackwardLengths = {1, 17, 32, 33, 100, 257};
 inline const std::vector<std::pair<int, int>> kBackwardUnequalLengths = {
     {1, 257}, {257, 1}, {17, 100}, {100, 17}, {31, 256}, {255, 33}};
+
+// The head dims of T's chapter: kHeadDims for float, kFp16HeadDims for fp16 and bf16.
+template <typename T>
+const std::vector<int>& head_dims_of() {
+    return std::is_same<T, float>::value ? kHeadDims : kFp16HeadDims;
+}
+// One value for float, another for fp16 and bf16 (e.g. a test's seed salt, which each type's
+// test had before the types shared one body: the same inputs as then).
+template <typename T, typename V>
+V per_type(V fp32, V tensor_cores) {
+    return std::is_same<T, float>::value ? fp32 : tensor_cores;
+}
 
 // Every (q_len, kv_len) pair in `lengths`, then causal off and on, then every head dim in
 // `head_dims`; each pair with batch 1, heads 1, and again with batch 2, heads 3 where q_len *
@@ -606,34 +638,145 @@ struct DeviceBuffer {
     }
 };
 
-// The kernels under test, by element type T (L is always float): float runs chapter 1's
-// flash_forward and flash_backward, __half chapter 2's flash_forward_fp16 and flash_backward_fp16,
-// __nv_bfloat16 its flash_forward_bf16 and flash_backward_bf16: so that GpuAttention<T> and one
-// validation test body serve every type. Bc = 0: the device's own tile; Bc > 0: that many keys a
-// K/V tile, through flash_forward_bc, flash_forward_fp16_bc or flash_backward_fp16_bc. Chapter 1's
-// backward and bf16 have no such call: given a Bc, they fail the test, saying so. Bc =
-// kHopperKernel (fp16, bf16 forward): chapter 3's flash_forward_fp16_hopper / _bf16_hopper;
-// kAmpereKernel: chapter 2's flash_forward_fp16_ampere / _bf16_ampere (Bc = 0, the public call,
-// runs chapter 3 on compute capability 9.0 at its head dims).
-constexpr int kHopperKernel = -1;
-constexpr int kAmpereKernel = -2;
-// True iff the public forward (Bc = 0: flash_forward_fp16 / _bf16) runs chapter 3 at this head dim
-// on the current GPU (compute capability 9.0, a head dim in kFlashHopperHeadDims): the rule stated
+// =============================================================================================
+// Which kernel a GPU test runs: a Kernel, named, never a number. Every GPU helper below takes one
+// (as the argument before the stream, wherever there is a stream).
+//   Kernel::public_call()  the API's own call for the element type: flash_forward (chapter 1) for
+//                          float; flash_forward_fp16 / _bf16 for fp16 / bf16, which runs chapter 3
+//                          on compute capability 9.0 at its head dims and chapter 2 everywhere else
+//                          (public_forward_runs_hopper); the backward's flash_backward,
+//                          flash_backward_fp16 / _bf16
+//   Kernel::chapter2()     flash_forward_fp16_ampere / _bf16_ampere: chapter 2 whatever the GPU
+//   Kernel::chapter3()     flash_forward_fp16_hopper / _bf16_hopper: chapter 3 (sm_90 only)
+//   Kernel::with_bc(Bc)    a caller-chosen K/V tile of Bc keys: flash_forward_bc (fp32),
+//                          flash_forward_fp16_bc, flash_backward_fp16_bc (bf16 has no such call,
+//                          nor chapter 1's backward: asked for one, the test fails, saying so)
+//   own_chapter<T>()       the kernel of T's own chapter: chapter 1's public call for float,
+//                          chapter 2's for fp16 and bf16 (the backward: the public call, whose
+//                          only kernel is chapter 2's)
+struct Kernel {
+    enum Which { Public, Chapter2, Chapter3, WithBc };
+    Which which = Public;
+    int Bc = 0;  // keys per K/V tile, for WithBc only
+
+    static Kernel public_call() { return {Public, 0}; }
+    static Kernel chapter2() { return {Chapter2, 0}; }
+    static Kernel chapter3() { return {Chapter3, 0}; }
+    static Kernel with_bc(int Bc) { return {WithBc, Bc}; }
+    bool operator==(const Kernel& other) const { return which == other.which && Bc == other.Bc; }
+    bool operator!=(const Kernel& other) const { return !(*this == other); }
+    // For messages: "the public call", "chapter 2's kernel", "chapter 3's kernel", "Bc = 64".
+    std::string name() const;
+};
+template <typename T>
+Kernel own_chapter() {
+    return std::is_same<T, float>::value ? Kernel::public_call() : Kernel::chapter2();
+}
+// Whether element type T has calls with a caller-chosen Bc: the forward's flash_forward_bc and
+// flash_forward_fp16_bc (bf16 has none); the backward's flash_backward_fp16_bc alone.
+template <typename T>
+constexpr bool forward_takes_bc() {
+    return !std::is_same<T, __nv_bfloat16>::value;
+}
+template <typename T>
+constexpr bool backward_takes_bc() {
+    return std::is_same<T, __half>::value;
+}
+// The calls a validation test of T's forward makes, for GENERATE(from_range(...)): the public
+// call, and where T has one, the call with a caller-chosen Bc for each of `bcs`.
+template <typename T>
+std::vector<Kernel> forward_calls(const std::vector<int>& bcs) {
+    std::vector<Kernel> calls = {Kernel::public_call()};
+    if (forward_takes_bc<T>())
+        for (int Bc : bcs) calls.push_back(Kernel::with_bc(Bc));
+    return calls;
+}
+
+// True iff the public forward (flash_forward_fp16 / _bf16) runs chapter 3 at this head dim on
+// the current GPU (compute capability 9.0, a head dim in kFlashHopperHeadDims): the rule stated
 // on its own, not through the library's flash_forward_runs_hopper, so that the tests check it.
-// Tests of the tensor-core forward run kAmpereKernel, then Bc = 0 where this holds: both chapters
-// on an H100, chapter 2 once elsewhere.
+// Tests of the tensor-core forward run Kernel::chapter2(), then the public call where this holds:
+// both chapters on an H100, chapter 2 once elsewhere.
 bool public_forward_runs_hopper(int head_dim);
+
+// The kernels under test, by element type T (L is always float): float runs chapter 1's
+// flash_forward and flash_backward, __half chapter 2's (and 3's) fp16 calls, __nv_bfloat16 the
+// bf16 ones: so that GpuAttention<T> and one validation test body serve every type. They launch
+// and return; waiting is wait_for_gpu's (below).
 template <typename T>
 void launch_forward(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape& s,
-                    int Bc = 0, cudaStream_t stream = 0);
+                    Kernel kernel = Kernel::public_call(), cudaStream_t stream = 0);
 template <typename T>
 void launch_backward(const T* Q, const T* K, const T* V, const T* O, const T* dO, const float* L,
-                     T* dQ, T* dK, T* dV, const AttentionShape& s, int Bc = 0,
-                     cudaStream_t stream = 0);
+                     T* dQ, T* dK, T* dV, const AttentionShape& s,
+                     Kernel kernel = Kernel::public_call(), cudaStream_t stream = 0);
+
+// =============================================================================================
+// Waiting for the GPU, with a deadline. A kernel that waits forever (on an mbarrier whose phase
+// or expected bytes are wrong, for a dQ turn that never comes) cannot be cancelled: the test
+// would hang with no message until something killed it. So every wait of the harness goes
+// through wait_for_gpu: it records an event after the call, polls it, and if the deadline passes
+// first, fails the test in Catch's output (naming the test case, the shape, the kernel and what
+// is likely waiting forever), prints the summary line and ends the process with exit code 3 (the
+// CUDA context is lost anyway).
+
+// One GPU call, as a test makes it: enough to name it and to scale its deadline.
+struct GpuCall {
+    const char* direction;  // "forward" or "backward"
+    const char* type;       // "fp32", "fp16" or "bf16"
+    Kernel kernel;
+    AttentionShape s;
+    int chapter;            // the chapter whose kernel runs: 1, 2 or 3
+};
+// The call of T's kernel: which chapter runs it (the public fp16 / bf16 forward runs chapter 3
+// where public_forward_runs_hopper says so).
+template <typename T>
+GpuCall gpu_call(const char* direction, Kernel kernel, const AttentionShape& s);
+
+// The deadline of a call, in seconds: 10 s, plus its floating-point work (the forward's
+// 4 B H q_len kv_len d, the backward's 10 B H q_len kv_len d, the mask ignored) at 1e11 flop/s,
+// a tenth or less of what the slowest GPU the kernels run on does, all times
+// FLASH_TEST_DEADLINE_SCALE (environment, default 1; e.g. 20 under compute-sanitizer).
+double deadline_seconds(const GpuCall& call, double scale = 1.0);
+// The scale from the environment (1 where FLASH_TEST_DEADLINE_SCALE is unset or not a number > 0).
+double deadline_scale_from_env();
+// What is most likely waiting forever in this call, as the failure line says it.
+std::string likely_hang(const GpuCall& call);
+// The failure line: the test case, the call (direction, type, kernel, shape), the deadline, and
+// likely_hang.
+std::string deadline_message(const std::string& test_case, const GpuCall& call, double seconds);
+
+// The wait itself, apart from CUDA, so that a CPU test can check it: calls poll() (cudaEventQuery
+// in the harness) until it returns something other than cudaErrorNotReady, which it returns, or
+// until now() (seconds) reaches now() at the start + seconds: then cudaErrorNotReady. pause()
+// runs between polls (a short sleep in the harness).
+template <typename Poll, typename Now, typename Pause>
+cudaError_t poll_until(Poll&& poll, Now&& now, Pause&& pause, double seconds) {
+    const double until = now() + seconds;
+    for (;;) {
+        const cudaError_t status = poll();
+        if (status != cudaErrorNotReady) return status;
+        if (now() >= until) return cudaErrorNotReady;
+        pause();
+    }
+}
+
+// How a run ends when a deadline passes: `line` as a failure of the current test case (Catch
+// prints it with the test's name and INFO context) and on stderr, then the summary line (this test
+// case counted as failed), then std::_Exit(3), running no destructor (they would call CUDA).
+[[noreturn]] void end_run_on_deadline(const std::string& line);
+
+// Waits for everything queued so far on `stream` (and on the legacy default stream, which a
+// blocking stream waits for), within deadline_seconds(call): a CUDA error fails the test as
+// FLASH_CUDA_CHECK does (std::runtime_error); the deadline passing ends the process, as above.
+void wait_for_gpu(cudaStream_t stream, const GpuCall& call);
+
+// =============================================================================================
+// One problem on the GPU
 
 // One problem on the GPU, tensors of T (L is always float): inputs uploaded once; forward() and
-// backward() poison their outputs, run the kernels and wait for them. dO, dQ, dK and dV are
-// allocated only for a backward.
+// backward() poison their outputs, run the kernel and wait for it (wait_for_gpu). dO, dQ, dK and
+// dV are allocated only for a backward.
 template <typename T>
 struct GpuAttention {
     AttentionShape s;
@@ -652,18 +795,15 @@ struct GpuAttention {
         if (!p.dO.empty()) dO = DeviceBuffer<T>(p.dO);
     }
 
-    // Bc = 0: the device's own tile; Bc > 0: that many keys per tile; kHopperKernel: chapter 3;
-    // kAmpereKernel: chapter 2 (see launch_forward).
-    void forward(int Bc = 0, cudaStream_t stream = 0) {
+    void forward(Kernel kernel = Kernel::public_call(), cudaStream_t stream = 0) {
         O.poison();
         L.poison();
-        launch_forward(Q.ptr, K.ptr, V.ptr, O.ptr, L.ptr, s, Bc, stream);
+        launch_forward(Q.ptr, K.ptr, V.ptr, O.ptr, L.ptr, s, kernel, stream);
         FLASH_CUDA_CHECK(cudaGetLastError());
-        FLASH_CUDA_CHECK(cudaDeviceSynchronize());
+        wait_for_gpu(stream, gpu_call<T>("forward", kernel, s));
     }
-    // Uses O and L as the last forward() left them. Bc = 0: the device's own tile; Bc > 0 (fp16
-    // only): flash_backward_fp16_bc (see launch_backward).
-    void backward(cudaStream_t stream = 0, int Bc = 0) {
+    // Uses O and L as the last forward() left them.
+    void backward(Kernel kernel = Kernel::public_call(), cudaStream_t stream = 0) {
         REQUIRE(dO.count == q_elems(s));
         if (dQ.count == 0) {
             dQ = DeviceBuffer<T>(q_elems(s));
@@ -673,10 +813,10 @@ struct GpuAttention {
         dQ.poison();
         dK.poison();
         dV.poison();
-        launch_backward(Q.ptr, K.ptr, V.ptr, O.ptr, dO.ptr, L.ptr, dQ.ptr, dK.ptr, dV.ptr, s, Bc,
-                        stream);
+        launch_backward(Q.ptr, K.ptr, V.ptr, O.ptr, dO.ptr, L.ptr, dQ.ptr, dK.ptr, dV.ptr, s,
+                        kernel, stream);
         FLASH_CUDA_CHECK(cudaGetLastError());
-        FLASH_CUDA_CHECK(cudaDeviceSynchronize());
+        wait_for_gpu(stream, gpu_call<T>("backward", kernel, s));
     }
     // The outputs, as float.
     Outputs<float> outputs(bool with_gradients) const {
@@ -697,12 +837,13 @@ struct GpuAttention {
 // and backward() do that). Every call's outputs (O and L; dQ, dK, dV with gradients), downloaded
 // whole, must hold the very bits of the first call's: the first call that differs fails the test,
 // naming the call and, for every output that differs, its first differing element. Returns the
-// first call's outputs, for the caller to check against the reference. Bc: as forward()'s.
+// first call's outputs, for the caller to check against the reference. `kernel`: the forward's
+// (the backward runs the public call).
 template <typename T>
 Outputs<float> outputs_of_identical_calls(GpuAttention<T>& gpu, int calls, bool with_gradients,
-                                          int Bc = 0) {
+                                          Kernel kernel = Kernel::public_call()) {
     const auto call_once = [&] {
-        gpu.forward(Bc);
+        gpu.forward(kernel);
         if (with_gradients) gpu.backward();
         return gpu.outputs(with_gradients);
     };
@@ -718,12 +859,13 @@ Outputs<float> outputs_of_identical_calls(GpuAttention<T>& gpu, int calls, bool 
 }
 
 // One random problem checked on the GPU, in element type T (float: chapter 1; __half or
-// __nv_bfloat16: chapter 2): fresh inputs of shape s for this salt (rounded_problem<T>), the
-// forward (Bc = 0: the device's own tile; Bc > 0: see launch_forward), and O and L against the
-// reference (check_against_reference). Returns the GPU's outputs, for any further check. The
-// grids, the sanitizer subset, the masking tests and chapter 2's Bc test share it.
+// __nv_bfloat16: chapter 2 or 3): fresh inputs of shape s for this salt (rounded_problem<T>),
+// the forward of `kernel`, and O and L against the reference (check_against_reference). Returns
+// the GPU's outputs, for any further check. The grids, the sanitizer subset, the masking tests
+// and the Bc tests share it.
 template <typename T>
-Outputs<float> check_forward_on_gpu(const AttentionShape& s, uint32_t salt, int Bc = 0);
+Outputs<float> check_forward_on_gpu(const AttentionShape& s, uint32_t salt,
+                                    Kernel kernel = Kernel::public_call());
 // The same, with dO: the forward for the kernels' own O and L, then the backward with them (its
 // outputs poisoned with NaN first), and O, L, dQ, dK and dV against the reference.
 template <typename T>
@@ -763,18 +905,17 @@ public:
     std::string describe() const override { return "names \"" + word_ + "\""; }
 };
 
-// Stand-ins for tensors in the validation tests: real, separate, 16-byte-aligned host arrays
-// (never read: validation refuses the call first). The inputs hold a pattern, the outputs NaN,
-// and the outputs must be bitwise unchanged afterwards. Q16 .. dV16 stand in for chapter 2's
-// tensors, of T16 (__half, or __nv_bfloat16); their L is the float L. Chapter 1's tests, and the
-// fp16-only ones, write `FakeTensors t;` (T16 = __half).
-template <typename T16 = __half>
+// Stand-ins for tensors in the validation tests: real, separate, 16-byte-aligned host arrays of
+// T (float, __half or __nv_bfloat16; L is always float), never read: validation refuses the call
+// first. The inputs hold a pattern, the outputs NaN, and the outputs must be bitwise unchanged
+// afterwards.
+template <typename T = float>
 struct FakeTensors {
     static constexpr size_t kN = 64;
-    alignas(16) float Q[kN], K[kN], V[kN], O[kN], L[kN], dO[kN], dQ[kN], dK[kN], dV[kN];
-    alignas(16) T16 Q16[kN], K16[kN], V16[kN], O16[kN], dO16[kN], dQ16[kN], dK16[kN], dV16[kN];
-    alignas(16) float snapshot[5][kN];
-    alignas(16) T16 snapshot16[4][kN];  // O16, dQ16, dK16, dV16
+    alignas(16) T Q[kN], K[kN], V[kN], O[kN], dO[kN], dQ[kN], dK[kN], dV[kN];
+    alignas(16) float L[kN];
+    alignas(16) T snapshot[4][kN];  // O, dQ, dK, dV
+    alignas(16) float snapshot_L[kN];
 
     FakeTensors();                   // fills the inputs and poisons the outputs
     bool outputs_untouched() const;  // every output still bitwise as the constructor left it
@@ -782,16 +923,6 @@ struct FakeTensors {
 
 // A small shape every check accepts, for the tests to spoil one field of.
 inline AttentionShape valid_shape() { return {2, 3, 5, 7, 16, true}; }
-
-// The Bc values a validation test of chapter 2's forward passes to launch_forward, for
-// GENERATE(from_range(...)): 0, the API itself (flash_forward_fp16 or flash_forward_bf16), and
-// for fp16 alone `fp16_bcs` too (flash_forward_fp16_bc: bf16 has no such call).
-template <typename T>
-std::vector<int> bc_choices(std::initializer_list<int> fp16_bcs) {
-    std::vector<int> bcs = {0};
-    if (Format16<T>::takes_bc) bcs.insert(bcs.end(), fp16_bcs);
-    return bcs;
-}
 
 // =============================================================================================
 // The tile chooser

@@ -1,0 +1,141 @@
+// test_deadline.cpp: the deadline every GPU wait of the tests runs under (wait_for_gpu,
+// test_util.h), checked on the CPU: the polling, the deadline's size, the failure line, and that
+// a run whose deadline passes ends at once, failed, with the summary line and a non-zero exit.
+
+#include "test_util.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <sys/wait.h>
+#include <unistd.h>
+
+using Catch::Matchers::Contains;
+
+namespace {
+// A GPU call as a test would make it (gpu_call asks the device which chapter runs; here it is
+// given).
+GpuCall call_of(const char* direction, int chapter, Kernel kernel, const AttentionShape& s) {
+    return {direction, chapter == 1 ? "fp32" : "fp16", kernel, s, chapter};
+}
+}  // namespace
+
+TEST_CASE("The deadline's poll returns as the GPU finishes, fails, or the time runs out",
+          "[cpu][deadline]") {
+    double clock = 0;  // seconds, advanced by each pause
+    int polls = 0, pauses = 0;
+    const auto now = [&] { return clock; };
+    const auto pause = [&] { ++pauses, clock += 0.5; };
+    SECTION("finished on the fourth poll") {
+        const auto poll = [&] { return ++polls < 4 ? cudaErrorNotReady : cudaSuccess; };
+        CHECK(poll_until(poll, now, pause, 10.0) == cudaSuccess);
+        CHECK(polls == 4);
+        CHECK(pauses == 3);
+    }
+    SECTION("an error (a kernel that faulted) is returned at once") {
+        const auto poll = [&] { return ++polls < 2 ? cudaErrorNotReady : cudaErrorIllegalAddress; };
+        CHECK(poll_until(poll, now, pause, 10.0) == cudaErrorIllegalAddress);
+        CHECK(polls == 2);
+    }
+    SECTION("never finished: not ready once the deadline has passed, and not before") {
+        const auto poll = [&] { return ++polls, cudaErrorNotReady; };
+        CHECK(poll_until(poll, now, pause, 10.0) == cudaErrorNotReady);
+        CHECK(clock >= 10.0);
+        CHECK(clock < 10.5 + 1e-9);  // gave up at the first poll past the deadline
+        CHECK(polls == 21);          // at 0, 0.5, ..., 10
+    }
+    SECTION("already done: one poll, no pause") {
+        const auto poll = [&] { return ++polls, cudaSuccess; };
+        CHECK(poll_until(poll, now, pause, 0.0) == cudaSuccess);
+        CHECK(polls == 1);
+        CHECK(pauses == 0);
+    }
+}
+
+TEST_CASE("The deadline grows with the shape's work from 10 s, and the environment scales it",
+          "[cpu][deadline]") {
+    const AttentionShape tiny{1, 1, 1, 1, 16, false};
+    const AttentionShape big{4097, 32, 128, 128, 128, false};  // the 2^31-element test's
+    const Kernel pub = Kernel::public_call();
+    CHECK(deadline_seconds(call_of("forward", 1, pub, tiny)) == Approx(10.0).epsilon(1e-6));
+    // By hand: 4 * 4097 * 32 * 128^3 = 1.0999e12 flop at 1e11 flop/s: 11.0 s, + 10.
+    CHECK(deadline_seconds(call_of("forward", 1, pub, big)) == Approx(20.999).epsilon(1e-3));
+    // The backward's 10 flop per (row, key, column) for the forward's 4.
+    CHECK(deadline_seconds(call_of("backward", 1, pub, big)) == Approx(37.498).epsilon(1e-3));
+    CHECK(deadline_seconds(call_of("forward", 1, pub, big), 20.0) ==
+          Approx(20 * 20.999).epsilon(1e-3));
+    // Ten times what the slowest correct kernel takes, at least: chapter 1 on a T4 does over
+    // 1e12 flop/s at this shape, so its 1.1e12 flop take about a second, and the deadline is 21.
+    CHECK(deadline_seconds(call_of("forward", 1, pub, big)) >= 10 * 1.0999e12 / 1e12);
+
+    const char* kept = std::getenv("FLASH_TEST_DEADLINE_SCALE");
+    const std::string keep = kept ? kept : "";
+    for (const auto& [text, scale] : {std::pair<const char*, double>{"20", 20.0}, {"0.5", 0.5},
+                                      {"abc", 1.0}, {"-3", 1.0}, {"0", 1.0}, {"", 1.0}}) {
+        CAPTURE(text);
+        setenv("FLASH_TEST_DEADLINE_SCALE", text, 1);
+        CHECK(deadline_scale_from_env() == scale);
+    }
+    unsetenv("FLASH_TEST_DEADLINE_SCALE");
+    CHECK(deadline_scale_from_env() == 1.0);
+    if (kept) setenv("FLASH_TEST_DEADLINE_SCALE", keep.c_str(), 1);
+}
+
+TEST_CASE("The deadline's failure line names the test case, the shape, the kernel and what likely "
+          "waits forever", "[cpu][deadline]") {
+    const AttentionShape s{2, 3, 200, 333, 128, true};
+    const std::string hopper =
+        deadline_message("A test", call_of("forward", 3, Kernel::chapter3(), s), 12.5);
+    INFO(hopper);
+    CHECK_THAT(hopper, Contains("\"A test\"") && Contains(describe(s)) &&
+                           Contains("chapter 3's kernel") && Contains("12.5 s"));
+    CHECK_THAT(hopper, Contains("mbarrier") && Contains("phase") && Contains("expected bytes") &&
+                           Contains("arrival count") && Contains("stage") &&
+                           Contains("tile counter"));
+    // The public call on compute capability 9.0 runs chapter 3: the culprit follows the chapter.
+    CHECK(likely_hang(call_of("forward", 3, Kernel::public_call(), s)) ==
+          likely_hang(call_of("forward", 3, Kernel::chapter3(), s)));
+    const std::string turns =
+        deadline_message("B", call_of("backward", 2, Kernel::public_call(), s), 30);
+    INFO(turns);
+    CHECK_THAT(turns, Contains("backward") && Contains("turn") && Contains("dQ"));
+    for (const GpuCall& call : {call_of("forward", 1, Kernel::public_call(), s),
+                                call_of("backward", 1, Kernel::public_call(), s),
+                                call_of("forward", 2, Kernel::chapter2(), s),
+                                call_of("forward", 2, Kernel::with_bc(64), s)}) {
+        const std::string line = deadline_message("C", call, 10);
+        INFO(line);
+        CHECK_THAT(line, Contains("__syncthreads") && Contains(call.kernel.name()) &&
+                             Contains(std::string("chapter ") + std::to_string(call.chapter)));
+    }
+}
+
+TEST_CASE("A run whose deadline passes ends at once: the test fails, the summary line follows, "
+          "the exit code is 3", "[cpu][deadline]") {
+    // In a child process (the run really ends), its output into a pipe.
+    int out[2];
+    REQUIRE(pipe(out) == 0);
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const pid_t child = fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+        dup2(out[1], 1);
+        dup2(out[1], 2);
+        close(out[0]);
+        end_run_on_deadline("DEADLINE: the line the harness would print");
+    }
+    close(out[1]);
+    std::string text;
+    char buffer[4096];
+    for (ssize_t n; (n = read(out[0], buffer, sizeof buffer)) > 0;) text.append(buffer, size_t(n));
+    close(out[0]);
+    int status = 0;
+    REQUIRE(waitpid(child, &status, 0) == child);
+    INFO("the child printed:\n" << text);
+    REQUIRE(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 3);
+    CHECK_THAT(text, Contains("DEADLINE: the line the harness would print"));
+    CHECK_THAT(text, Contains("A run whose deadline passes") && Contains("FAILED"));  // Catch's
+    CHECK_THAT(text, Contains("flash tests: ") && Contains(" failed, "));
+}
