@@ -465,7 +465,8 @@ void wait_for_gpu(cudaStream_t stream, const GpuCall& call) {
 }
 
 bool public_forward_runs_hopper(int head_dim) {
-    return current_device_props().major == 9 && head_dim_in(head_dim, kFlashHopperHeadDims);
+    return flash_hopper_built() && current_device_props().major == 9 &&
+           head_dim_in(head_dim, kFlashHopperHeadDims);
 }
 
 cudaDeviceProp current_device_props() {
@@ -477,6 +478,11 @@ cudaDeviceProp current_device_props() {
 }
 
 bool hopper_or_warn() {
+    if (!flash_hopper_built()) {
+        WARN("SKIPPED: chapter 3 was not built (nvcc without the sm_90a target, or make "
+             "HAVE_SM90A=): flash_hopper.cu is left out");
+        return false;
+    }
     const cudaDeviceProp prop = current_device_props();
     if (prop.major == 9) return true;
     WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0; this GPU is "
