@@ -462,6 +462,10 @@ void wait_for_gpu(cudaStream_t stream, const GpuCall& call) {
             deadline_message(Catch::getResultCapture().getCurrentTestName(), call, seconds));
     cudaEventDestroy(done);
     FLASH_CUDA_CHECK(status);
+    // The work is done, so this returns at once; but only a synchronising call lets the memory
+    // pools take back what cudaFreeAsync gave them (an event query alone does not: seen on an
+    // H200, where flash_release_scratch then found the kept pool's memory still held).
+    FLASH_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 bool public_forward_runs_hopper(int head_dim) {
