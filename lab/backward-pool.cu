@@ -1,6 +1,6 @@
 // lab/backward-pool.cu: the fp16 backward timed with the device's default memory pool giving its
 // memory back at every synchronisation (release threshold 0, CUDA's default) and keeping it
-// (threshold: no limit), in one process: NOTES.md section 14, step 10
+// (threshold: no limit), in one process: lab/chapter2.md, the backward's step 10
 // (lab/data/fp16-backward-pool.txt).
 // It measures a backward that takes its scratch with cudaMallocAsync, as commits before 99ed5ad
 // did; from 99ed5ad the scratch comes from the library's own kept pool, and the columns agree.

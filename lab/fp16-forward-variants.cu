@@ -1,4 +1,4 @@
-// lab/fp16-forward-variants.cu: NOTES.md section 12's steps 5-8, the second-edition forward's
+// lab/fp16-forward-variants.cu: lab/chapter2.md's forward steps 5-8, the second-edition forward's
 // tile and order, timed side by side. It includes flash_fp16.cu whole and launches
 // flash_forward_fp16_kernel<__half, D, Bc, M> directly, so one binary holds every variant
 // (M = rows of 16 a warp owns, Bc = keys a tile, HG = heads' Q tiles taken together).

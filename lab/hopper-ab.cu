@@ -1,6 +1,6 @@
 // lab/hopper-ab.cu: variants of chapter 3's kernel timed side by side in one process, each round
 // running every variant in turn (so that clock and temperature drift fall on all of them alike):
-// NOTES.md section 17's step 5 (lab/data/hopper-step5-ab-h100.txt).
+// lab/chapter3.md's step 5 (lab/data/hopper-step5-ab-h100.txt).
 // Each variant is flash_hopper.cu as some commit or edit has it, compiled with its exported names
 // suffixed by lab/hopper-ab.sh, which also links this file against them:
 //   lab/hopper-ab.sh NAME=SOURCE [NAME=SOURCE ...]       (the first variant is the baseline)

@@ -156,7 +156,8 @@ int grid_blocks(const AttentionShape& shape, int rows, int tile, const char* wha
 // on first use) that every call's scratch comes from: it keeps the memory it has reserved (release
 // threshold: no limit) until flash_release_scratch. The device's default pool gives its free
 // memory back at every synchronisation, so a call after one waited for the driver to map its
-// scratch again: 8-20% of the fp16 backward at N = 1024 on an H100 (NOTES.md section 14).
+// scratch again: 8-20% of the fp16 backward at N = 1024 on an H100 (lab/chapter2.md, the
+// backward's step 10).
 cudaMemPool_t flash_kept_pool();
 
 // Scratch for a launch: calls launch(scratch), which launches kernels on `stream` and returns
