@@ -22,7 +22,17 @@
 struct AttentionShape {
     int batch, heads, q_len, kv_len, head_dim;
     bool causal;
+    // K/V heads (chapter 4, grouped-query attention): query head h reads K/V head
+    // h / (heads / kv_heads), so heads / kv_heads query heads share each K/V head. kv_heads must
+    // divide heads; 1 is multi-query attention. 0 (the default) means kv_heads = heads, one K/V
+    // head a query head, as in every chapter before 4.
+    int kv_heads = 0;
 };
+
+// The shape's K/V heads: kv_heads, or heads where kv_heads is 0.
+__host__ __device__ inline int flash_kv_heads(const AttentionShape& s) {
+    return s.kv_heads == 0 ? s.heads : s.kv_heads;
+}
 
 // The causal rule, bottom-right aligned (as FlashAttention-2 >= 2.1): query i sees key j iff
 // j <= flash_last_key(i, q_len, kv_len). With q_len == kv_len that is j <= i. In the API because
@@ -38,7 +48,8 @@ __host__ __device__ inline int flash_last_key(int i, int q_len, int kv_len) {
 // Chapter 1: fp32.
 
 // Device pointers, float32, contiguous row-major. Q, O: [batch][heads][q_len][head_dim];
-// K, V: [batch][heads][kv_len][head_dim]; L: [batch][heads][q_len].
+// K, V: [batch][kv_heads][kv_len][head_dim] (kv_heads: flash_kv_heads(shape)); L:
+// [batch][heads][q_len].
 // O = softmax(Q K^T / sqrt(head_dim)) V, row by row; L = natural-log logsumexp of each row of the
 // scaled scores. Causal is bottom-right aligned: query i sees key j iff j <= i + kv_len - q_len.
 // A row that sees no key gets O = 0 and L = -inf.

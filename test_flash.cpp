@@ -430,7 +430,7 @@ TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shap
     // ways, causal and not, rows that see no key, batched heads) at the head dims it runs, against
     // the same reference and the same tolerances. Only a GPU of compute capability 9.0 runs it.
     if (!hopper_or_warn()) return;
-    const AttentionShape s = GENERATE(from_range(forward_grid({64, 128, 256})));
+    const AttentionShape s = GENERATE(from_range(forward_grid(kHopperHeadDims)));
     check_forward_on_gpu<TestType>(s, 1100, Kernel::chapter3());
 }
 
@@ -489,7 +489,7 @@ TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core forward matc
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the Hopper forward matches the reference",
                    "[gpu][sanitize][forward][hopper][fp16][bf16]", fp16, bf16) {
     if (!hopper_or_warn()) return;
-    const AttentionShape s = GENERATE(from_range(sanitizer_shapes({64, 128, 256}, 150)));
+    const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kHopperHeadDims, 150)));
     check_forward_on_gpu<TestType>(s, 1350, Kernel::chapter3());
 }
 

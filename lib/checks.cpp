@@ -75,6 +75,12 @@ void validate_shape(const AttentionShape& s, HeadDims supported, size_t elem_byt
         require(f.second >= 1, std::string("shape.") + f.first + " = " + std::to_string(f.second) +
                                    " is invalid; allowed values: 1 or more");
     require_head_dim(s.head_dim, supported);
+    require(s.kv_heads >= 0 && s.kv_heads <= s.heads && (s.kv_heads == 0 || s.heads % s.kv_heads == 0),
+            "shape.kv_heads = " + std::to_string(s.kv_heads) + " is invalid; allowed values: 0 " +
+                "(= heads) or a divisor of heads = " + std::to_string(s.heads));
+    // Not yet: no kernel reads a K/V head for a group of query heads (chapter 4 will).
+    require(flash_kv_heads(s) == s.heads, "shape.kv_heads = " + std::to_string(s.kv_heads) +
+                                              " is not supported yet; allowed values: 0 or heads");
     // Q and O run along q_len, K and V along kv_len: bytes = batch * heads * len * head_dim *
     // elem_bytes, each product checked. (L, batch * heads * q_len floats, is smaller than Q.)
     const size_t bh = mul_checked(s.batch, s.heads, "batch * heads");
@@ -94,7 +100,7 @@ size_t q_elems(const AttentionShape& s) {
     return size_t(s.batch) * s.heads * s.q_len * s.head_dim;
 }
 size_t kv_elems(const AttentionShape& s) {
-    return size_t(s.batch) * s.heads * s.kv_len * s.head_dim;
+    return size_t(s.batch) * flash_kv_heads(s) * s.kv_len * s.head_dim;
 }
 size_t l_elems(const AttentionShape& s) { return size_t(s.batch) * s.heads * s.q_len; }
 

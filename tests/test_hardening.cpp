@@ -843,7 +843,7 @@ TEMPLATE_TEST_CASE("The tensor-core backward takes the extra memory it states fr
 template <typename T>
 static void check_hopper_tiles_without_keys(int heads) {
     if (!hopper_or_warn()) return;
-    const int d = GENERATE(64, 128, 256);
+    const int d = GENERATE(from_range(kHopperHeadDims));
     check_forward_on_gpu<T>(AttentionShape{2, heads, 1000, 10, d, true}, 1770, Kernel::chapter3());
 }
 
@@ -1089,7 +1089,7 @@ TEMPLATE_TEST_CASE("More than 65535 batch*heads: the tensor-core forwards' heads
 TEMPLATE_TEST_CASE("100 calls of the Hopper forward give bitwise identical results",
                    "[gpu][hardening][determinism][hopper][fp16][bf16]", fp16, bf16) {
     if (!hopper_or_warn()) return;
-    const int d = GENERATE(64, 128, 256);
+    const int d = GENERATE(from_range(kHopperHeadDims));
     // Two Q tiles at d = 64 (Br = 192), three elsewhere; three K/V tiles, six at d = 256 (Bc = 48).
     const AttentionShape s{1, 2, 300, 277, d, true};
     INFO(describe(s));
@@ -1107,7 +1107,7 @@ TEMPLATE_TEST_CASE("100 calls of the Hopper forward give bitwise identical resul
 template <typename T>
 static void check_hopper_share_out(int heads, int calls) {
     if (!hopper_or_warn()) return;
-    const int d = GENERATE(64, 128, 256);
+    const int d = GENERATE(from_range(kHopperHeadDims));
     const bool causal = GENERATE(false, true);
     const AttentionShape s{2, heads, 1000, 1000, d, causal};
     INFO(describe(s) << ", " << calls << " calls");

@@ -253,6 +253,9 @@ inline const std::vector<int> kHeadDims(std::begin(kFlashHeadDims), std::end(kFl
 // The same for chapter 2, forward and backward, fp16 and bf16 (kFlashFp16HeadDims).
 inline const std::vector<int> kFp16HeadDims(std::begin(kFlashFp16HeadDims),
                                             std::end(kFlashFp16HeadDims));
+// Chapter 3's (kFlashHopperHeadDims): the Hopper kernels' tests generate from it.
+inline const std::vector<int> kHopperHeadDims(std::begin(kFlashHopperHeadDims),
+                                              std::end(kFlashHopperHeadDims));
 
 // The forward grid's lengths, each paired with itself: odd lengths, and the tile edges 32 and 256
 // with a neighbour on each side (31, 33, 255, 257). Then unequal pairs on both sides: q_len <
