@@ -57,7 +57,7 @@ endif
 # The tests: test_flash.cpp and every tests/test_*.cpp but the documentation checks (test_docs.cpp).
 TEST_OBJS := $(B)/test_flash.o $(patsubst tests/%.cpp,$(B)/%.o,$(filter-out tests/test_docs.cpp,$(wildcard tests/test_*.cpp)))
 DOCS_OBJS := $(B)/test_docs.o $(B)/test_util.o
-HEADERS   := flash.h reference.h $(wildcard lib/*.h tests/*.h bench/*.h)
+HEADERS   := flash.h reference.h $(wildcard lib/*.h lib/*.cuh tests/*.h bench/*.h)
 
 .PHONY: all test check stress run bench plot sanitize torch help clean
 all: test_flash flash_bench
