@@ -251,9 +251,11 @@ struct PipelineState {
 // The ring's barriers, set up by one thread before any use: pairs of full (one arrival, the
 // producer's, and the bytes of its copies) and empty (one arrival from each consumer warp).
 // fence.mbarrier_init: the TMA's completions see them initialised too.
+// (full_arrivals: 32 where the producer's whole warp arrives, having written a stage itself.)
 __device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty, int pairs,
-                                              int consumer_warps) {
-    for (int s = 0; s < pairs; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], consumer_warps);
+                                              int consumer_warps, int full_arrivals = 1) {
+    for (int s = 0; s < pairs; s++)
+        mbar_init(&full[s], full_arrivals), mbar_init(&empty[s], consumer_warps);
     HOPPER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
 }
 
