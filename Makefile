@@ -52,12 +52,12 @@ B := build
 # picks a chapter (lib/dispatch.cpp).
 LIB_OBJS := $(B)/flash.o $(B)/flash_fp16.o $(B)/checks.o $(B)/dispatch.o
 ifeq ($(HAVE_SM90A),1)
-LIB_OBJS += $(B)/flash_hopper.o
+LIB_OBJS += $(B)/flash_hopper.o $(B)/flash_hopper_backward.o
 endif
 # The tests: test_flash.cpp and every tests/test_*.cpp but the documentation checks (test_docs.cpp).
 TEST_OBJS := $(B)/test_flash.o $(patsubst tests/%.cpp,$(B)/%.o,$(filter-out tests/test_docs.cpp,$(wildcard tests/test_*.cpp)))
 DOCS_OBJS := $(B)/test_docs.o $(B)/test_util.o
-HEADERS   := flash.h reference.h $(wildcard lib/*.h tests/*.h bench/*.h)
+HEADERS   := flash.h reference.h $(wildcard lib/*.h lib/*.cuh tests/*.h bench/*.h)
 
 .PHONY: all test check stress run bench plot sanitize torch help clean
 all: test_flash flash_bench
@@ -101,7 +101,7 @@ $(B)/%.o: bench/%.cu $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
 # Chapter 3: wgmma exists only in the sm_90a target, whatever ARCH says (on another GPU its
 # launcher refuses to run, and the kernel traps if it ever did).
-$(B)/flash_hopper.o: flash_hopper.cu $(HEADERS) $(B)/flags | $(B)
+$(B)/flash_hopper.o $(B)/flash_hopper_backward.o: $(B)/%.o: %.cu $(HEADERS) $(B)/flags | $(B)
 	$(NVCC) $(CPPFLAGS) $(INCLUDES) $(filter-out -arch=%,$(NVCCFLAGS)) $(DEFINES) \
 	    -gencode=arch=compute_90a,code=sm_90a -c $< -o $@
 

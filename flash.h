@@ -78,7 +78,9 @@ void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __hal
 // and fp32 L. Deterministic (bitwise-identical gradients on every call: the one sum over blocks,
 // dQ's, is added in a fixed order); P and dS are rounded to fp16 for the tensor-core products,
 // every sum is fp32. Extra memory: flash_backward_fp16_scratch_bytes, scratch for the call
-// (flash_release_scratch, below). Head dims and tile: see below.
+// (flash_release_scratch, below). Head dims and tile: see below. Like the forward, it runs chapter
+// 3's backward on compute capability 9.0 at kFlashHopperHeadDims (flash_backward_fp16_hopper),
+// chapter 2's everywhere else (flash_backward_fp16_ampere).
 void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
                          const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
                          const AttentionShape& shape, cudaStream_t stream = 0);
@@ -122,6 +124,30 @@ void flash_forward_fp16_hopper(const __half* Q, const __half* K, const __half* V
 void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
                                const AttentionShape& shape, cudaStream_t stream = 0);
+
+// The backwards of each chapter, whatever the GPU (flash_backward_fp16 / _bf16 pick one as the
+// forward does: chapter 3's on compute capability 9.0 at kFlashHopperHeadDims, chapter 2's
+// elsewhere). Same contract and extra memory (flash_backward_fp16_scratch_bytes) as
+// flash_backward_fp16 / _bf16, bitwise deterministic each. _ampere: chapter 2's (mma.sync),
+// compute capability 8.0 or newer. _hopper: chapter 3's (flash_hopper_backward.cu: wgmma, TMA,
+// warp specialisation), head_dim in kFlashHopperHeadDims and compute capability 9.0, refused and
+// not-built as the forward's _hopper calls.
+void flash_backward_fp16_ampere(const __half* Q, const __half* K, const __half* V, const __half* O,
+                                const __half* dO, const float* L, __half* dQ, __half* dK,
+                                __half* dV, const AttentionShape& shape, cudaStream_t stream = 0);
+void flash_backward_bf16_ampere(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                const __nv_bfloat16* V, const __nv_bfloat16* O,
+                                const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
+                                __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& shape,
+                                cudaStream_t stream = 0);
+void flash_backward_fp16_hopper(const __half* Q, const __half* K, const __half* V, const __half* O,
+                                const __half* dO, const float* L, __half* dQ, __half* dK,
+                                __half* dV, const AttentionShape& shape, cudaStream_t stream = 0);
+void flash_backward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                const __nv_bfloat16* V, const __nv_bfloat16* O,
+                                const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
+                                __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& shape,
+                                cudaStream_t stream = 0);
 
 // ---------------------------------------------------------------------------------------------
 // Scratch. The backwards, and chapter 3's forward, take device memory for the duration of a call

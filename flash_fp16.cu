@@ -791,6 +791,11 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     });
 }
 
+template <typename T>
+static void backward_fp16_launch(const char* fn, const cudaDeviceProp& prop, const T* Q,
+                                 const T* K, const T* V, const T* O, const T* dO, const float* L,
+                                 T* dQ, T* dK, T* dV, const AttentionShape& s,
+                                 std::optional<int> Bc, cudaStream_t stream);
 // Bc: keys per K/V tile given by the caller (one of bwd_tiles' at this head_dim), or none for
 // the device-derived choice.
 template <typename T>
@@ -807,7 +812,15 @@ static void backward_fp16_checked(const char* fn, const T* Q, const T* K, const 
                 "head_dim 32 to 128)");
     }
     validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s);
-    const cudaDeviceProp prop = flash_device_props();
+    backward_fp16_launch(fn, flash_device_props(), Q, K, V, O, dO, L, dQ, dK, dV, s, Bc, stream);
+}
+
+// The launch once the arguments are checked: the device's checks, the tile, the kernels.
+template <typename T>
+static void backward_fp16_launch(const char* fn, const cudaDeviceProp& prop, const T* Q,
+                                 const T* K, const T* V, const T* O, const T* dO, const float* L,
+                                 T* dQ, T* dK, T* dV, const AttentionShape& s,
+                                 std::optional<int> Bc, cudaStream_t stream) {
     require_sm80(prop, fn);
     const FlashTile tile = bwd_tile(prop, s.head_dim, Bc.value_or(0));  // refuses what cannot run
     dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
@@ -826,19 +839,38 @@ static void backward_fp16_checked(const char* fn, const T* Q, const T* K, const 
     });
 }
 
-void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
-                         const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
-                         const AttentionShape& s, cudaStream_t stream) {
-    backward_fp16_checked("flash_backward_fp16", Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt,
-                          stream);
+// For the API layer (lib/dispatch.cpp: flash_backward_fp16 / _bf16), which has checked the
+// arguments.
+void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
+                                  const __half* K, const __half* V, const __half* O,
+                                  const __half* dO, const float* L, __half* dQ, __half* dK,
+                                  __half* dV, const AttentionShape& s, cudaStream_t stream) {
+    backward_fp16_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt, stream);
+}
+void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
+                                  const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                  const __nv_bfloat16* V, const __nv_bfloat16* O,
+                                  const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
+                                  __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
+                                  cudaStream_t stream) {
+    backward_fp16_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt, stream);
 }
 
-void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
-                         const __nv_bfloat16* O, const __nv_bfloat16* dO, const float* L,
-                         __nv_bfloat16* dQ, __nv_bfloat16* dK, __nv_bfloat16* dV,
-                         const AttentionShape& s, cudaStream_t stream) {
-    backward_fp16_checked("flash_backward_bf16", Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt,
-                          stream);
+void flash_backward_fp16_ampere(const __half* Q, const __half* K, const __half* V,
+                                const __half* O, const __half* dO, const float* L, __half* dQ,
+                                __half* dK, __half* dV, const AttentionShape& s,
+                                cudaStream_t stream) {
+    backward_fp16_checked("flash_backward_fp16_ampere", Q, K, V, O, dO, L, dQ, dK, dV, s,
+                          std::nullopt, stream);
+}
+
+void flash_backward_bf16_ampere(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                const __nv_bfloat16* V, const __nv_bfloat16* O,
+                                const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
+                                __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
+                                cudaStream_t stream) {
+    backward_fp16_checked("flash_backward_bf16_ampere", Q, K, V, O, dO, L, dQ, dK, dV, s,
+                          std::nullopt, stream);
 }
 
 void flash_backward_fp16_bc(const __half* Q, const __half* K, const __half* V, const __half* O,

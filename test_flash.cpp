@@ -461,8 +461,10 @@ TEMPLATE_TEST_CASE("The backward matches the reference over a grid of shapes",
     // The same kinds of shape, fewer (the reference's backward costs three times its forward).
     // Q, K, V and a random dO are rounded to TestType; the kernels run the forward for their own
     // O and L, then the backward; the reference computes its own O and L.
+    // fp16 and bf16: chapter 2's backward, then on an H100 at chapter 3's head dims chapter 3's.
     const AttentionShape s = GENERATE(from_range(backward_grid(head_dims_of<TestType>())));
-    check_backward_on_gpu<TestType>(s, per_type<TestType>(200u, 2100u));
+    for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))
+        check_backward_on_gpu<TestType>(s, per_type<TestType>(200u, 2100u), kernel);
 }
 
 // The subset `make sanitize` runs under compute-sanitizer (which slows kernels 10-100x): small
@@ -475,7 +477,8 @@ TEMPLATE_TEST_CASE("Small shapes for the sanitizer: forward and backward match t
                    "[gpu][sanitize][forward][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
     const int n = per_type<TestType>(100, 150);
     const AttentionShape s = GENERATE_COPY(from_range(sanitizer_shapes(head_dims_of<TestType>(), n)));
-    check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2300u));
+    for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))  // chapters 2 and 3
+        check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2300u), kernel);
 }
 
 // Chapter 2's forward's share of the sanitizer's subset, in fp16 and bf16: the same small shapes,
@@ -501,7 +504,9 @@ TEMPLATE_TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients 
                    bf16) {
     const AttentionShape s = GENERATE(from_range(masking_shapes(head_dims_of<TestType>())));
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    check_masked_rows(check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2400u)), s);
+    for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))  // chapters 2 and 3
+        check_masked_rows(check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2400u), kernel),
+                          s);
 }
 
 TEMPLATE_TEST_CASE("Rows that see no key get O = 0 and L = -inf from the tensor-core forward",

@@ -225,3 +225,27 @@ void flash_forward_hopper_launch(const __half* Q, const __half* K, const __half*
 void flash_forward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                  const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
                                  const AttentionShape& s, cudaStream_t stream);
+
+// The backwards, the same way: chapter 2's (flash_fp16.cu; fn names the public call in its
+// refusals) and chapter 3's (flash_hopper_backward.cu, where flash_backward_runs_hopper is true:
+// the forward's rule).
+bool flash_backward_runs_hopper(const cudaDeviceProp& prop, int head_dim);
+void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
+                                  const __half* K, const __half* V, const __half* O,
+                                  const __half* dO, const float* L, __half* dQ, __half* dK,
+                                  __half* dV, const AttentionShape& s, cudaStream_t stream);
+void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
+                                  const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                  const __nv_bfloat16* V, const __nv_bfloat16* O,
+                                  const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
+                                  __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
+                                  cudaStream_t stream);
+void flash_backward_hopper_launch(const __half* Q, const __half* K, const __half* V,
+                                  const __half* O, const __half* dO, const float* L, __half* dQ,
+                                  __half* dK, __half* dV, const AttentionShape& s,
+                                  cudaStream_t stream);
+void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                  const __nv_bfloat16* V, const __nv_bfloat16* O,
+                                  const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
+                                  __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
+                                  cudaStream_t stream);

@@ -1,9 +1,10 @@
 // dispatch.cpp: the API layer's one decision, which chapter a public call runs. flash_forward_fp16
 // and flash_forward_bf16 (flash.h) check their arguments, then run chapter 3's forward
 // (flash_hopper.cu) where flash_forward_runs_hopper says so and chapter 2's (flash_fp16.cu)
-// everywhere else. Every other public call is one chapter's own and lives in it: chapter 1's in
-// flash.cu, chapter 2's (_ampere, _bc, the backwards) in flash_fp16.cu, chapter 3's (_hopper) in
-// flash_hopper.cu; no chapter calls another.
+// everywhere else; flash_backward_fp16 / _bf16 the same, by the same rule (chapter 3's backward:
+// flash_hopper_backward.cu). Every other public call is one chapter's own and lives in it:
+// chapter 1's in flash.cu, chapter 2's (_ampere, _bc) in flash_fp16.cu, chapter 3's (_hopper) in
+// flash_hopper.cu and flash_hopper_backward.cu; no chapter calls another.
 //
 // Built with FLASH_NO_HOPPER (the Makefile sets it when nvcc has no sm_90a target, CUDA before
 // 12.0, and then leaves flash_hopper.cu out), chapter 2 runs on every GPU and chapter 3's own
@@ -37,6 +38,10 @@ bool flash_hopper_built() {
 bool flash_forward_runs_hopper(const cudaDeviceProp& prop, int head_dim) {
     return flash_hopper_built() && prop.major == 9 && head_dim_in(head_dim, kFlashHopperHeadDims);
 }
+// The backward's rule is the forward's: one rule for both.
+bool flash_backward_runs_hopper(const cudaDeviceProp& prop, int head_dim) {
+    return flash_forward_runs_hopper(prop, head_dim);
+}
 
 // Every check of the arguments (std::invalid_argument before anything touches the GPU but the
 // pointer queries), then one chapter's launch. fn: the public call's name, for messages.
@@ -64,6 +69,35 @@ void flash_forward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __
     forward_fp16_dispatch("flash_forward_bf16", Q, K, V, O, L, shape, stream);
 }
 
+// The backward the same way: checks, then chapter 3's backward (flash_hopper_backward.cu) or
+// chapter 2's (flash_fp16.cu).
+template <typename T>
+static void backward_fp16_dispatch(const char* fn, const T* Q, const T* K, const T* V, const T* O,
+                                   const T* dO, const float* L, T* dQ, T* dK, T* dV,
+                                   const AttentionShape& s, cudaStream_t stream) {
+    validate_shape(s, kFlashFp16HeadDims, sizeof(T));
+    validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s);
+    const cudaDeviceProp prop = flash_device_props();
+#ifndef FLASH_NO_HOPPER
+    if (flash_backward_runs_hopper(prop, s.head_dim))
+        return flash_backward_hopper_launch(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+#endif
+    flash_backward_ampere_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+}
+
+void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
+                         const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
+                         const AttentionShape& shape, cudaStream_t stream) {
+    backward_fp16_dispatch("flash_backward_fp16", Q, K, V, O, dO, L, dQ, dK, dV, shape, stream);
+}
+
+void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
+                         const __nv_bfloat16* O, const __nv_bfloat16* dO, const float* L,
+                         __nv_bfloat16* dQ, __nv_bfloat16* dK, __nv_bfloat16* dV,
+                         const AttentionShape& shape, cudaStream_t stream) {
+    backward_fp16_dispatch("flash_backward_bf16", Q, K, V, O, dO, L, dQ, dK, dV, shape, stream);
+}
+
 #ifdef FLASH_NO_HOPPER
 // Chapter 3's own calls in a library without it: the same refusals of bad arguments as
 // flash_hopper.cu's (std::invalid_argument first), then std::runtime_error.
@@ -87,5 +121,33 @@ void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
                                const AttentionShape& shape, cudaStream_t) {
     hopper_not_built("flash_forward_bf16_hopper", Q, K, V, O, L, shape);
+}
+
+template <typename T>
+[[noreturn]] static void hopper_backward_not_built(const char* fn, const T* Q, const T* K,
+                                                   const T* V, const T* O, const T* dO,
+                                                   const float* L, T* dQ, T* dK, T* dV,
+                                                   const AttentionShape& s) {
+    validate_shape(s, kFlashHopperHeadDims, sizeof(T));
+    validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s);
+    throw std::runtime_error(std::string(fn) + ": chapter 3 (flash_hopper_backward.cu) was not " +
+                             "built: the library was built with FLASH_NO_HOPPER, which the " +
+                             "Makefile sets when nvcc has no sm_90a target (CUDA 12.0 or newer " +
+                             "has it); flash_backward_fp16 / _bf16 run chapter 2 instead");
+}
+
+void flash_backward_fp16_hopper(const __half* Q, const __half* K, const __half* V,
+                                const __half* O, const __half* dO, const float* L, __half* dQ,
+                                __half* dK, __half* dV, const AttentionShape& shape,
+                                cudaStream_t) {
+    hopper_backward_not_built("flash_backward_fp16_hopper", Q, K, V, O, dO, L, dQ, dK, dV, shape);
+}
+
+void flash_backward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                const __nv_bfloat16* V, const __nv_bfloat16* O,
+                                const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
+                                __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& shape,
+                                cudaStream_t) {
+    hopper_backward_not_built("flash_backward_bf16_hopper", Q, K, V, O, dO, L, dQ, dK, dV, shape);
 }
 #endif

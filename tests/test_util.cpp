@@ -331,14 +331,27 @@ void launch_backward(const T* Q, const T* K, const T* V, const T* O, const T* dO
         FAIL(kernel.name() << " asked of the " << type_name<T>() << " backward: only fp16's takes "
                            "a caller-chosen Bc (flash_backward_fp16_bc)");
     }
-    if (kernel.which != Kernel::Public)
-        FAIL(kernel.name() << " asked of the backward: it has one kernel a type, the public call's");
-    if constexpr (std::is_same<T, float>::value)
+    if constexpr (std::is_same<T, float>::value) {
+        if (kernel.which != Kernel::Public)
+            FAIL(kernel.name() << " asked of the fp32 backward: fp32 has chapter 1's only");
         flash_backward(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
-    else if constexpr (std::is_same<T, __half>::value)
-        flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
-    else
-        flash_backward_bf16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+    } else if constexpr (std::is_same<T, __half>::value) {
+        switch (kernel.which) {
+            case Kernel::Chapter2:
+                return flash_backward_fp16_ampere(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+            case Kernel::Chapter3:
+                return flash_backward_fp16_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+            default: return flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+        }
+    } else {
+        switch (kernel.which) {
+            case Kernel::Chapter2:
+                return flash_backward_bf16_ampere(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+            case Kernel::Chapter3:
+                return flash_backward_bf16_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+            default: return flash_backward_bf16(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+        }
+    }
 }
 
 template <typename T>
@@ -353,12 +366,12 @@ Outputs<float> check_forward_on_gpu(const AttentionShape& s, uint32_t salt, Kern
 }
 
 template <typename T>
-Outputs<float> check_backward_on_gpu(const AttentionShape& s, uint32_t salt) {
-    INFO(describe(s) << ", " << type_name<T>() << " forward and backward");
+Outputs<float> check_backward_on_gpu(const AttentionShape& s, uint32_t salt, Kernel kernel) {
+    INFO(describe(s) << ", " << type_name<T>() << " forward and backward, " << kernel.name());
     const auto p = rounded_problem<T>(s, salt);
     GpuAttention<T> gpu(p);
-    gpu.forward();   // the kernels' own O and L, which the backward reads
-    gpu.backward();  // dQ, dK, dV poisoned with NaN first
+    gpu.forward();        // the kernels' own O and L, which the backward reads
+    gpu.backward(kernel);  // dQ, dK, dV poisoned with NaN first
     const Outputs<float> got = gpu.outputs(true);
     check_against_reference_backward(got, p);
     return got;
@@ -371,8 +384,7 @@ template <typename T>
 GpuCall gpu_call(const char* direction, Kernel kernel, const AttentionShape& s) {
     int chapter = std::is_same<T, float>::value ? 1 : 2;
     if (kernel.which == Kernel::Chapter3) chapter = 3;
-    if (chapter == 2 && kernel.which == Kernel::Public && std::strcmp(direction, "forward") == 0 &&
-        public_forward_runs_hopper(s.head_dim))
+    if (chapter == 2 && kernel.which == Kernel::Public && public_forward_runs_hopper(s.head_dim))
         chapter = 3;
     return {direction, type_name<T>(), kernel, s, chapter};
 }
@@ -393,6 +405,10 @@ double deadline_scale_from_env() {
 }
 
 std::string likely_hang(const GpuCall& call) {
+    if (call.chapter == 3 && std::strcmp(call.direction, "backward") == 0)
+        return "chapter 3's backward: an mbarrier phase, arrival count or expected bytes (the "
+               "producer's stages, K_j/V_j), a named barrier not every consumer reaches, or a turn "
+               "into dQ_i that never comes (the ticket order, each block passing it once)";
     if (call.chapter == 3)
         return "chapter 3's pipeline: a consumer or the producer waits forever on an mbarrier: "
                "check a barrier's phase, its expected bytes or its arrival count, the stage a tile "
@@ -678,7 +694,7 @@ void check_big_head(const GpuAttention<T>& gpu, size_t bh,
     template void check_against_reference(const Outputs<float>&, const Problem<T>&);               \
     template void check_against_reference_backward(const Outputs<float>&, const Problem<T>&);      \
     template Outputs<float> check_forward_on_gpu<T>(const AttentionShape&, uint32_t, Kernel);      \
-    template Outputs<float> check_backward_on_gpu<T>(const AttentionShape&, uint32_t);             \
+    template Outputs<float> check_backward_on_gpu<T>(const AttentionShape&, uint32_t, Kernel);     \
     template void check_big_head(const GpuAttention<T>&, size_t,                                   \
                                  const std::vector<std::vector<T>>&, bool);
 FLASH_TEST_INSTANTIATE(float)

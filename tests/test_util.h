@@ -650,7 +650,9 @@ struct DeviceBuffer {
 //                          (public_forward_runs_hopper); the backward's flash_backward,
 //                          flash_backward_fp16 / _bf16
 //   Kernel::chapter2()     flash_forward_fp16_ampere / _bf16_ampere: chapter 2 whatever the GPU
+//                          (the backward: flash_backward_fp16_ampere / _bf16_ampere)
 //   Kernel::chapter3()     flash_forward_fp16_hopper / _bf16_hopper: chapter 3 (sm_90 only)
+//                          (the backward: flash_backward_fp16_hopper / _bf16_hopper)
 //   Kernel::with_bc(Bc)    a caller-chosen K/V tile of Bc keys: flash_forward_bc (fp32),
 //                          flash_forward_fp16_bc, flash_backward_fp16_bc (bf16 has no such call,
 //                          nor chapter 1's backward: asked for one, the test fails, saying so)
@@ -675,6 +677,8 @@ template <typename T>
 Kernel own_chapter() {
     return std::is_same<T, float>::value ? Kernel::public_call() : Kernel::chapter2();
 }
+// The public fp16 / bf16 backward follows the forward's rule (public_forward_runs_hopper, below):
+// chapter 3 where it holds.
 // Whether element type T has calls with a caller-chosen Bc: the forward's flash_forward_bc and
 // flash_forward_fp16_bc (bf16 has none); the backward's flash_backward_fp16_bc alone.
 template <typename T>
@@ -870,9 +874,19 @@ template <typename T>
 Outputs<float> check_forward_on_gpu(const AttentionShape& s, uint32_t salt,
                                     Kernel kernel = Kernel::public_call());
 // The same, with dO: the forward for the kernels' own O and L, then the backward with them (its
-// outputs poisoned with NaN first), and O, L, dQ, dK and dV against the reference.
+// outputs poisoned with NaN first) of `kernel`, and O, L, dQ, dK and dV against the reference.
 template <typename T>
-Outputs<float> check_backward_on_gpu(const AttentionShape& s, uint32_t salt);
+Outputs<float> check_backward_on_gpu(const AttentionShape& s, uint32_t salt,
+                                     Kernel kernel = Kernel::public_call());
+// The backwards a test of T runs at head_dim: fp32's public call; for fp16 and bf16 chapter 2's,
+// then, where public_forward_runs_hopper(head_dim) (the backward's rule too), the public call,
+// which runs chapter 3's: both chapters on an H100, chapter 2 once elsewhere.
+template <typename T>
+std::vector<Kernel> backward_kernels(int head_dim) {
+    if (std::is_same<T, float>::value) return {Kernel::public_call()};
+    if (public_forward_runs_hopper(head_dim)) return {Kernel::chapter2(), Kernel::public_call()};
+    return {Kernel::chapter2()};
+}
 
 // The device's properties (of the current device), for the tests that depend on its shared memory.
 cudaDeviceProp current_device_props();

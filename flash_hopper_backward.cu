@@ -1,0 +1,453 @@
+// flash_hopper_backward.cu: chapter 3, the backward on Hopper's own instructions. Chapter 2's
+// backward (flash_fp16.cu: FlashAttention-2's Algorithm 2, one block per K/V tile j, the Q tiles
+// streaming past, dQ added in a fixed order) with chapter 3's tools (lib/hopper.cuh): all five
+// products on wgmma, the tiles brought by TMA through a ring of stages that a producer warp fills
+// while two consumer warpgroups compute, the transposes done by descriptors, not copies.
+//
+// Everything is transposed, as in chapter 2: S^T = K_j Q_i^T has a key per row, so a consumer
+// warpgroup's accumulators hold P^T and dS^T exactly as the A fragment of the next products wants
+// them (dV_j += P^T dO_i, dK_j += dS^T Q_i: wgmma with A in registers, FlashAttention-3's trick);
+// only dS goes through shared memory, once, for dQ_i = dS K_j, which reads it, and K_j, transposed
+// (imm-trans 1). dQ_i's part is added into dQacc (fp32) in chapter 2's fixed order: bitwise
+// deterministic.
+//
+// Grouped K/V heads (AttentionShape::kv_heads): a block is (batch, K/V head, K/V tile j) and walks
+// the Q tiles of the group's heads / kv_heads query heads, one head after another, so that dK_j
+// and dV_j sum over the group in registers, in a fixed order. Head dims: kFlashHopperHeadDims;
+// fp16 and bf16; compute capability 9.0. Built for sm_90a only, as flash_hopper.cu.
+#include "checks.h"
+#include "flash.h"
+#include "hopper.cuh"
+#include "log2_units.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+// The tile. Q tiles of Br = 64 rows (one wgmma's M); two consumer warpgroups. Up to d = 128 each
+// owns 64 keys of a K/V tile of Bc = 128 and holds all d columns of their dK_j and dV_j (d floats a
+// thread at d = 128); at d = 256 that would be 256 floats, so the two share 64 keys (Bc = 64) and
+// each holds half of the columns (Split = 2; both compute the same S^T and dP^T, 40% more products
+// there: the price of this first version). Two stages of Q_i, dO_i, L_i, D_i.
+constexpr int kBwdConsumers = 2, kBwdBr = 64, kBwdStages = 2;
+__host__ __device__ constexpr int bwd_split(int d) { return d == 256 ? 2 : 1; }
+__host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bwd_split(d); }
+constexpr int kBwdProducerRegs = 32, kBwdConsumerRegs = 240;  // 128 (32 + 2 x 240) = 65536
+
+// The ordered add (chapter 2's, NOTES.md section 14): wait_turn lets a warp on once the turn
+// counter says every block before it has added to this dQ_i (lane 0 polls with a relaxed load,
+// then reads once with acquire: their adds are then visible); pass_turn (red.release, one thread
+// after a barrier that follows the block's adds) hands the turn on.
+__device__ __forceinline__ void wait_turn(const int* turn, int mine) {
+    int now = mine - 1;
+    while (threadIdx.x % 32 == 0 && now != mine)
+        asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
+    if (threadIdx.x % 32 == 0)
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
+    __syncwarp();
+}
+__device__ __forceinline__ void pass_turn(int* turn) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
+}
+// Accumulators set by ordinary instructions (zeros) are written before this point, so that the
+// wgmma_fence after it covers them (else ptxas injects a fence of its own at every wgmma).
+template <int N>
+__device__ __forceinline__ void written(float (&r)[N]) {
+#pragma unroll
+    for (int x = 0; x < N; x++) asm volatile("" : "+f"(r[x])::"memory");
+}
+// Keeps registers that an asynchronous wgmma still reads (the A fragments) alive to this point, so
+// that the compiler gives them to nothing else before the wgmma_wait that precedes it.
+template <int K>
+__device__ __forceinline__ void keep(const uint32_t (&a)[K][4]) {
+#pragma unroll
+    for (int k = 0; k < K; k++)
+        asm volatile("" ::"r"(a[k][0]), "r"(a[k][1]), "r"(a[k][2]), "r"(a[k][3]));
+}
+
+// The kernel: one block per (batch*kv head, K/V tile j), in ticket order (chapter 2's). Warpgroup
+// 0 is the producer (one warp: lane 0 issues the TMA copies, all 32 lanes copy L_i and D_i),
+// warpgroups 1 and 2 the consumers. Shared memory, 1024-aligned: K_j and V_j (Bc rows), the stages
+// of Q_i and dO_i (Br rows), each as blocks of 64 columns in the 128-byte swizzle; dS^T (Bc x Br,
+// swizzled as TMA would) twice; the stages' L_i and D_i; the mbarriers.
+template <typename T, int D, int Split>
+__global__ void __launch_bounds__(kWarpgroup * (kBwdConsumers + 1), 1)
+flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
+                             const __grid_constant__ CUtensorMap K,
+                             const __grid_constant__ CUtensorMap V,
+                             const __grid_constant__ CUtensorMap dO, const float* __restrict__ L,
+                             const float* __restrict__ Dsum, float* __restrict__ dQacc,
+                             int* __restrict__ turns, int* next_ticket, T* __restrict__ dK,
+                             T* __restrict__ dV, int q_len, int kv_len, bool causal, int Tc,
+                             int BH, int group, int HG, float scale_log2) {
+    constexpr int C = kBwdConsumers, Br = kBwdBr, Stages = kBwdStages, Bc = 64 * C / Split;
+    constexpr int Dw = D / Split;                      // columns of dK_j, dV_j a warpgroup holds
+    extern __shared__ __align__(16) unsigned char shared[];
+    T* K_j = reinterpret_cast<T*>(shared + (1024 - smem_addr(shared) % 1024) % 1024);
+    T *V_j = K_j + Bc * D, *Q_s = V_j + Bc * D;       // stage s: Q_s + s Br D, dO_s + s Br D
+    T *dO_s = Q_s + Stages * Br * D, *dS_s = dO_s + Stages * Br * D;  // dS^T: 2, n % 2 for tile n
+    float* LD = reinterpret_cast<float*>(dS_s + 2 * Bc * Br);  // stage s: L_i, then D_i
+    auto *full = reinterpret_cast<uint64_t*>(LD + Stages * 2 * Br), *empty = full + Stages,
+         *kv_full = empty + Stages;                    // full[s], empty[s] of stage s; K_j, V_j
+    __shared__ int ticket;
+    if (threadIdx.x == 0) {
+        init_barriers(full, empty, Stages, 4 * C, 32);  // full: the producer warp's 32 lanes
+        mbar_init(kv_full, 1);
+        ticket = atomicAdd(next_ticket, 1);
+    }
+    __syncthreads();
+    // Ticket -> (kv head, K/V tile j), chapter 2's order: heads in groups of HG, each group's tiles
+    // from the right (causal: from the left, longest first), its heads taking turns. Line 5.
+    const int head0 = ticket / (HG * Tc) * HG, heads = min(HG, BH - head0);
+    const int slot = ticket % (HG * Tc), kvh = head0 + slot % heads;
+    const int j = causal ? slot / heads : Tc - 1 - slot / heads;
+    // Line 8: the Q tiles i that see key tile j, of each query head kvh group + g of the group;
+    // under the mask from the last (chapter 2's order, so dQ_i's adds follow j up).
+    const int Tr = (q_len + Br - 1) / Br;
+    const int i_first = causal ? max(0, flash_first_query(j * Bc, q_len, kv_len)) / Br : 0;
+    const int per_head = max(Tr - i_first, 0), tiles = group * per_head;
+    const auto tile_at = [&](int n) {                  // the n-th Q tile: {query head, i}
+        const int r = n % per_head;
+        return int2{kvh * group + n / per_head, causal ? Tr - 1 - r : i_first + r};
+    };
+    if (threadIdx.x < kWarpgroup) {                    // the producer: lines 6 and 9
+        setmaxnreg<false, kBwdProducerRegs>();
+        if (threadIdx.x >= 32) return;
+        if (threadIdx.x == 0) {                               // line 6: K_j, V_j, once
+            mbar_expect_bytes(kv_full, 2 * Bc * D * sizeof(T));
+            load_tile<Bc, D>(K_j, K, j * Bc, kvh, kv_full);
+            load_tile<Bc, D>(V_j, V, j * Bc, kvh, kv_full);
+        }
+        PipelineState<Stages> st;
+        for (int n = 0; n < tiles; n++, st.advance()) {  // line 9: Q_i, dO_i, L_i, D_i
+            const auto [bh, i] = tile_at(n);
+            const int s = st.stage();
+            if (st.n >= Stages) mbar_wait(&empty[s], st.phase_before());
+            for (int x = threadIdx.x; x < Br; x += 32) {  // rows past q_len: L = D = 0 (masked)
+                const bool in = i * Br + x < q_len;
+                const size_t at = size_t(bh) * q_len + i * Br + x;
+                LD[s * 2 * Br + x] = in ? L[at] : 0.f;
+                LD[s * 2 * Br + Br + x] = in ? Dsum[at] : 0.f;
+            }
+            if (threadIdx.x > 0) mbar_arrive(&full[s]);  // its L_i, D_i written: an arrival each
+            else {                                     // lane 0's arrival, with the bytes to come
+                mbar_expect_bytes(&full[s], 2 * Br * D * sizeof(T));
+                load_tile<Br, D>(Q_s + s * Br * D, Q, i * Br, bh, &full[s]);
+                load_tile<Br, D>(dO_s + s * Br * D, dO, i * Br, bh, &full[s]);
+            }
+        }
+        // It leaves once the last stages it filled are read (as the forward's producer).
+        for (PipelineState<Stages> e{max(st.n - Stages, 0)}; e.n < st.n; e.advance())
+            mbar_wait(&empty[e.stage()], e.phase());
+        return;
+    }
+    setmaxnreg<true, kBwdConsumerRegs>();
+    const int wg = threadIdx.x / kWarpgroup - 1;       // which consumer, 0 .. C - 1
+    const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const int kw = wg / Split * 64, cw = wg % Split * Dw;  // its keys kw.., its columns cw..
+    const char *K_c = reinterpret_cast<const char*>(K_j), *K_w = K_c + kw * kRowBytes;
+    const char* V_w = reinterpret_cast<const char*>(V_j) + kw * kRowBytes;
+    float dK_j[Dw / 2] = {}, dV_j[Dw / 2] = {};        // line 7
+    int* added = nullptr;                              // the turn of the dQ_i added to last
+    mbar_wait(kv_full, 0);                             // K_j and V_j are in
+    PipelineState<Stages> st;
+    for (int n = 0; n < tiles; n++, st.advance()) {   // line 8: for each Q_i
+        const auto [bh, i] = tile_at(n);
+        const int s = st.stage(), q0 = i * Br;
+        const char* Q_i = reinterpret_cast<const char*>(Q_s + s * Br * D);
+        const char* dO_i = reinterpret_cast<const char*>(dO_s + s * Br * D);
+        const float *L_i = LD + s * 2 * Br, *D_i = L_i + Br;
+        mbar_wait(&full[s], st.phase());               // Q_i, dO_i, L_i, D_i are in
+        // Line 10: S^T = K_j Q_i^T; line 13: dP^T = V_j dO_i^T (its 64 keys), 16 of d a step.
+        float S[Br / 2] = {}, dP[Br / 2] = {};
+        written(S), written(dP);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < D / 16; k++)
+            wgmma_ss<T, Br>(S, smem_desc(K_w + k / 4 * Bc * kRowBytes + k % 4 * 32, 0),
+                            smem_desc(Q_i + k / 4 * Br * kRowBytes + k % 4 * 32, 0));
+        wgmma_commit();
+#pragma unroll
+        for (int k = 0; k < D / 16; k++)
+            wgmma_ss<T, Br>(dP, smem_desc(V_w + k / 4 * Bc * kRowBytes + k % 4 * 32, 0),
+                            smem_desc(dO_i + k / 4 * Br * kRowBytes + k % 4 * 32, 0));
+        wgmma_commit();
+        wgmma_wait<1>(S);                              // S^T is done (dP^T may not be)
+        // Line 11: P^T = exp(S^T - L_i), masked only where the tile reaches past a key's first
+        // query, kv_len or q_len. acc_at(S, r, c): key kw + 16 warp + g + 8r, query 8(c/2)+2t+c%2.
+        const bool edge = (j + 1) * Bc > kv_len || q0 + Br > q_len ||
+                          (causal && q0 < flash_first_query((j + 1) * Bc - 1, q_len, kv_len));
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int key = j * Bc + kw + 16 * warp + g + 8 * r;
+            const int first =                          // the key's first query
+                key >= kv_len ? q_len : causal ? flash_first_query(key, q_len, kv_len) : 0;
+#pragma unroll
+            for (int c = 0; c < Br / 4; c++) {
+                const int qi = 8 * (c / 2) + 2 * t + c % 2;
+                float& p = acc_at(S, r, c);
+                p = exp2_ftz(p * scale_log2 - L_i[qi] * kLog2e);
+                if (edge && (q0 + qi < first || q0 + qi >= q_len)) p = 0.f;
+            }
+        }
+        wgmma_wait<0>(dP);                             // dP^T is done
+        uint32_t P[Br / 16][4], dS[Br / 16][4];        // P^T and dS^T in T, as A fragments
+#pragma unroll
+        for (int c = 0; c < Br / 4; c++)               // line 14: dS^T = P^T o (dP^T - D_i)
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+                acc_at(dP, r, c) =
+                    acc_at(S, r, c) * (acc_at(dP, r, c) - D_i[8 * (c / 2) + 2 * t + c % 2]);
+#pragma unroll
+        for (int k = 0; k < Br / 16; k++)
+#pragma unroll
+            for (int a = 0; a < 4; a++) {              // A's register a: elements 8k + 2a, + 1
+                P[k][a] = pair_bits<T>(S[8 * k + 2 * a], S[8 * k + 2 * a + 1]);
+                dS[k][a] = pair_bits<T>(dP[8 * k + 2 * a], dP[8 * k + 2 * a + 1]);
+            }
+        // dS^T to shared memory for line 15, keys x queries in the 128-byte swizzle: row `key`,
+        // the 16-byte chunk of queries 8b.. at chunk b ^ (key % 8). Its element pairs (g + 8r,
+        // 8b + 2t) are dS[b / 2][2 (b % 2) + r]. At Split = 2 one warpgroup writes (both hold it).
+        char* dS_T = reinterpret_cast<char*>(dS_s + n % 2 * Bc * Br);
+        if (wg % Split == 0) {
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int key = kw + 16 * warp + g + 8 * r;
+#pragma unroll
+                for (int b = 0; b < Br / 8; b++)
+                    *reinterpret_cast<uint32_t*>(dS_T + key * kRowBytes + (b ^ key % 8) * 16 +
+                                                 4 * t) = dS[b / 2][2 * (b % 2) + r];
+            }
+            fence_proxy_async();                       // wgmma (the async proxy) reads it next
+        }
+        // Line 12: dV_j += P^T dO_i; line 16: dK_j += dS^T Q_i: A from registers, B (queries x
+        // columns) read transposed, its 64-column blocks Br rows apart. At most 128 columns a
+        // wgmma.
+        constexpr int N = Dw < 128 ? Dw : 128;
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < Br / 16; k++)
+#pragma unroll
+            for (int h = 0; h < Dw / N; h++) {
+                const int at = ((cw + h * N) / 64 * Br + 16 * k) * kRowBytes;
+                wgmma_rs<T, N>(dV_j + h * N / 2, P[k], smem_desc(dO_i + at, Br * kRowBytes));
+                wgmma_rs<T, N>(dK_j + h * N / 2, dS[k], smem_desc(Q_i + at, Br * kRowBytes));
+            }
+        wgmma_commit();
+        wgmma_wait<0>(dV_j), written(dK_j);            // lines 12, 16 done: stage, A fragments free
+        keep(P), keep(dS);
+        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);
+        // Every warpgroup's dS^T is in, and the last tile's dQ_i adds are issued: its turn passes
+        // on (chapter 2: a step late, so that the release waits little).
+        named_barrier(2, kWarpgroup * C);
+        if (added && threadIdx.x == kWarpgroup) pass_turn(added);
+        added = turns + size_t(bh) * Tr + i;
+        // Line 15: dQ_i += dS K_j, by one warpgroup, taking turns tile by tile (the other goes on
+        // to the next tile), 64 columns at a time: A = dS (dS^T read transposed), B = K_j read
+        // transposed; then added into dQacc in the fixed order (chapter 2's: causal j up, else
+        // down), the first block storing.
+        if (wg == n % C) {
+            const int mine = causal ? j : Tc - 1 - j;
+#pragma unroll 1
+            for (int cb = 0; cb < D / 64; cb++) {
+                float dQ_i[32] = {};
+                written(dQ_i);
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < Bc / 16; k++)
+                    wgmma_ss<T, 64, true>(dQ_i,  // lbo: where a next 64-column block would be
+                                          smem_desc(dS_T + 16 * k * kRowBytes, Bc * kRowBytes),
+                                          smem_desc(K_c + (cb * Bc + 16 * k) * kRowBytes,
+                                                    Bc * kRowBytes));
+                wgmma_commit();
+                wgmma_wait<0>(dQ_i);
+                if (cb == 0) wait_turn(added, mine);
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const int row = q0 + 16 * warp + g + 8 * r;
+                    float* to = dQacc + (size_t(bh) * q_len + row) * D + cb * 64 + 2 * t;
+#pragma unroll
+                    for (int b = 0; b < 8 && row < q_len; b++) {  // columns 64 cb + 8b + 2t, + 1
+                        const float2 v = {acc_at(dQ_i, r, 2 * b), acc_at(dQ_i, r, 2 * b + 1)};
+                        if (mine == 0) *reinterpret_cast<float2*>(to + 8 * b) = v;
+                        else atomicAdd(reinterpret_cast<float2*>(to + 8 * b), v);
+                    }
+                }
+            }
+        }
+    }
+    named_barrier(2, kWarpgroup * C);                  // the last dQ_i adds are issued
+    if (added && threadIdx.x == kWarpgroup) pass_turn(added);
+    // Line 18: dK_j / sqrt(d) (S was unscaled), dV_j, rows past kv_len left out.
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int key = j * Bc + kw + 16 * warp + g + 8 * r;
+        const size_t at = (size_t(kvh) * kv_len + key) * D + cw + 2 * t;
+#pragma unroll
+        for (int b = 0; b < Dw / 8 && key < kv_len; b++) {
+            *reinterpret_cast<uint32_t*>(dK + at + 8 * b) = pair_bits<T>(
+                acc_at(dK_j, r, 2 * b) * rsqrtf(D), acc_at(dK_j, r, 2 * b + 1) * rsqrtf(D));
+            *reinterpret_cast<uint32_t*>(dV + at + 8 * b) =
+                pair_bits<T>(acc_at(dV_j, r, 2 * b), acc_at(dV_j, r, 2 * b + 1));
+        }
+    }
+}
+
+// Line 4, before the kernel: D = rowsum(dO o O), fp32, over the B*H*q_len rows; d / 8 threads a
+// row, 16 bytes each, their sums meeting over shuffles (chapter 2's pass, at d = 64..256).
+template <typename T>
+__device__ __forceinline__ float2 float2_of_bits(uint32_t bits) {
+    if constexpr (std::is_same<T, __half>::value)
+        return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+    else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+}
+template <typename T, int D>
+__global__ void flash_backward_hopper_dot_kernel(const T* __restrict__ O, const T* __restrict__ dO,
+                                                 float* __restrict__ Dsum, size_t rows) {
+    constexpr int TPR = D / 8;                         // 8, 16 or 32: a warp holds whole rows
+    const size_t stride = size_t(gridDim.x) * blockDim.x / TPR;
+    // The warp's first row decides whether it goes on: all lanes stay together for the shuffles.
+    for (size_t q = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) / TPR;
+         q - q % (32 / TPR) < rows; q += stride) {
+        const int c = threadIdx.x % TPR * 8;
+        float sum = 0.f;
+        if (q < rows) {
+            const uint4 o = *reinterpret_cast<const uint4*>(O + q * D + c);
+            const uint4 g = *reinterpret_cast<const uint4*>(dO + q * D + c);
+            const uint32_t ob[4] = {o.x, o.y, o.z, o.w}, gb[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const float2 a = float2_of_bits<T>(ob[k]), b = float2_of_bits<T>(gb[k]);
+                sum += a.x * b.x + a.y * b.y;
+            }
+        }
+#pragma unroll
+        for (int x = TPR / 2; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+        if (q < rows && c == 0) Dsum[q] = sum;
+    }
+}
+// After the kernel: dQ = dQacc / sqrt(d) in T, 4 elements a thread a step; a row that sees no key
+// (causal, q_len > kv_len) was never added to and gets 0.
+template <typename T, int D>
+__global__ void flash_backward_hopper_dq_kernel(const float* __restrict__ dQacc,
+                                                T* __restrict__ dQ, size_t elems, int q_len,
+                                                int kv_len, bool causal) {
+    for (size_t x = 4 * (blockIdx.x * size_t(blockDim.x) + threadIdx.x); x < elems;
+         x += 4 * size_t(gridDim.x) * blockDim.x) {
+        const bool seen = !causal || flash_last_key(int(x / D % q_len), q_len, kv_len) >= 0;
+        const float4 a = seen ? *reinterpret_cast<const float4*>(dQacc + x) : float4{};
+        const uint2 out{pair_bits<T>(a.x * rsqrtf(D), a.y * rsqrtf(D)),
+                        pair_bits<T>(a.z * rsqrtf(D), a.w * rsqrtf(D))};
+        *reinterpret_cast<uint2*>(dQ + x) = out;
+    }
+}
+#undef HOPPER_ONLY
+
+// ---------------------------------------------------------------------------------------------
+// The launcher. Shared memory: K_j, V_j, two stages of Q_i and dO_i, dS^T twice (2 bytes an
+// element), two stages of L_i and D_i, alignment, 2 Stages + 1 mbarriers.
+static constexpr size_t bwd_hopper_shared_bytes(int d) {
+    return size_t(2 * bwd_Bc(d) * d + 2 * kBwdStages * kBwdBr * d + 2 * bwd_Bc(d) * kBwdBr) * 2 +
+           kBwdStages * 2 * kBwdBr * sizeof(float) + 1024 + 8 * (2 * kBwdStages + 1);
+}
+static_assert(bwd_hopper_shared_bytes(64) <= 227 * 1024 &&
+                  bwd_hopper_shared_bytes(128) <= 227 * 1024 &&
+                  bwd_hopper_shared_bytes(256) <= 227 * 1024,
+              "a block past 227 KiB");
+
+// The scratch, laid out as chapter 2's (flash_backward_fp16_scratch_bytes, the same on every
+// GPU): dQacc (B*H*q_len*d floats), the turns (B*H*ceil(q_len / 64) ints used of the
+// B*H*ceil(q_len / 32) there), the ticket, D (B*H*q_len floats).
+template <typename T>
+static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
+                                   const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
+                                   cudaStream_t stream) {
+    dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
+        constexpr int D = decltype(dim)::value, Bc = bwd_Bc(D), Br = kBwdBr;
+        constexpr size_t bytes = bwd_hopper_shared_bytes(D);
+        const auto kernel = flash_backward_hopper_kernel<T, D, bwd_split(D)>;
+        allow_shared(kernel, bytes);
+        AttentionShape kv_shape = s;                   // a block per (batch, kv head, K/V tile)
+        kv_shape.heads = flash_kv_heads(s);
+        const int blocks = grid_blocks(kv_shape, s.kv_len, Bc, "kv_len");
+        const int Tc = (s.kv_len + Bc - 1) / Bc, BH = s.batch * flash_kv_heads(s);
+        const size_t rows = l_elems(s), q_heads = rows / s.q_len, dq = q_elems(s);
+        const size_t turns = q_heads * ((s.q_len + Br - 1) / Br);
+        const CUtensorMap Qm = tensor_map(Q, q_heads, s.q_len, D, Br),
+                          dOm = tensor_map(dO, q_heads, s.q_len, D, Br),
+                          Km = tensor_map(K, size_t(BH), s.kv_len, D, Bc),
+                          Vm = tensor_map(V, size_t(BH), s.kv_len, D, Bc);
+        // Interleaving heads' tiles keeps one head's tiles apart in time (chapter 2's groups).
+        const int HG = s.causal ? 32 : 4;
+        const int sms = flash_device_props().multiProcessorCount;
+        const auto grid = [&](size_t n) {
+            return int(std::min<size_t>((n + 255) / 256, 64 * sms));
+        };
+        with_scratch(flash_backward_fp16_scratch_bytes(s), stream, [&](void* memory) {
+            float* dQacc = static_cast<float*>(memory);
+            int* turn = reinterpret_cast<int*>(dQacc + dq);
+            float* Dsum = reinterpret_cast<float*>(turn + turns + 1);
+            // Zero bytes are the int 0; dQacc needs no zeroing: each dQ_i's first block stores.
+            cudaError_t err = cudaMemsetAsync(turn, 0, (turns + 1) * sizeof(int), stream);
+            if (err != cudaSuccess) return err;
+            flash_backward_hopper_dot_kernel<T, D>
+                <<<grid(rows * (D / 8)), 256, 0, stream>>>(O, dO, Dsum, rows);
+            if ((err = cudaGetLastError()) != cudaSuccess) return err;
+            kernel<<<blocks, kWarpgroup * (kBwdConsumers + 1), bytes, stream>>>(
+                Qm, Km, Vm, dOm, L, Dsum, dQacc, turn, turn + turns, dK, dV, s.q_len, s.kv_len,
+                s.causal, Tc, BH, s.heads / flash_kv_heads(s), HG, scale_log2_for(D));
+            if ((err = cudaGetLastError()) != cudaSuccess) return err;
+            flash_backward_hopper_dq_kernel<T, D><<<grid(dq / 4), 256, 0, stream>>>(
+                dQacc, dQ, dq, s.q_len, s.kv_len, s.causal);
+            return cudaGetLastError();
+        });
+    });
+}
+
+void flash_backward_hopper_launch(const __half* Q, const __half* K, const __half* V,
+                                  const __half* O, const __half* dO, const float* L, __half* dQ,
+                                  __half* dK, __half* dV, const AttentionShape& s,
+                                  cudaStream_t stream) {
+    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+}
+void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                  const __nv_bfloat16* V, const __nv_bfloat16* O,
+                                  const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
+                                  __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
+                                  cudaStream_t stream) {
+    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+}
+
+template <typename T>
+static void backward_hopper_checked(const char* fn, const T* Q, const T* K, const T* V, const T* O,
+                                    const T* dO, const float* L, T* dQ, T* dK, T* dV,
+                                    const AttentionShape& s, cudaStream_t stream) {
+    validate_shape(s, kFlashHopperHeadDims, sizeof(T));
+    validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s);
+    const cudaDeviceProp prop = flash_device_props();
+    if (prop.major != 9)
+        throw std::runtime_error(std::string(fn) + " needs a GPU of compute capability 9.0 (wgmma, "
+                                 "sm_90a: H100, H200); " + prop.name + " is " +
+                                 std::to_string(prop.major) + "." + std::to_string(prop.minor));
+    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+}
+
+void flash_backward_fp16_hopper(const __half* Q, const __half* K, const __half* V,
+                                const __half* O, const __half* dO, const float* L, __half* dQ,
+                                __half* dK, __half* dV, const AttentionShape& shape,
+                                cudaStream_t stream) {
+    backward_hopper_checked("flash_backward_fp16_hopper", Q, K, V, O, dO, L, dQ, dK, dV, shape,
+                            stream);
+}
+void flash_backward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                                const __nv_bfloat16* V, const __nv_bfloat16* O,
+                                const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
+                                __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& shape,
+                                cudaStream_t stream) {
+    backward_hopper_checked("flash_backward_bf16_hopper", Q, K, V, O, dO, L, dQ, dK, dV, shape,
+                            stream);
+}

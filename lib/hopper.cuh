@@ -1,0 +1,289 @@
+// hopper.cuh: chapter 3's helpers, shared by its forward (flash_hopper.cu) and its backward
+// (flash_hopper_backward.cu): each wraps one PTX instruction (load_tile: a tile's TMA copies), its
+// PTX ISA section named beside it ("wgmma" is "Asynchronous Warpgroup Level Matrix
+// Multiply-Accumulate"), plus the pipeline's (stage, phase) state and the host's tensor maps.
+// Compiled only into files built for sm_90a (the Makefile's HAVE_SM90A).
+#pragma once
+
+#include "checks.h"
+
+#include <cuda.h>          // CUtensorMap and its enums (types only: nothing links libcuda)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+// Built for anything but sm_90a the kernel must not run silently empty: it traps (and the
+// launcher refuses every GPU but compute capability 9.0 before that).
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define HOPPER_ONLY(...) __trap()
+#else
+#define HOPPER_ONLY(...) __VA_ARGS__
+#endif
+
+constexpr int kWarpgroup = 128;  // threads in a warpgroup: 4 warps, which issue a wgmma together
+constexpr int kRowBytes = 128;   // bytes of a swizzled row: 64 fp16 or bf16 elements (below)
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory: the 128-byte swizzle. wgmma reads a tile as blocks of 64 columns of 16-bit
+// elements (128 bytes a row), rows one after another, and in each row the 16-byte chunk c sits at
+// chunk c ^ (row % 8): 8 rows that a read touches at one chunk then fall in 8 different banks.
+// (Picture: NOTES.md section 17.) The swizzle works on address bits, so tiles start 1024-aligned.
+
+// The tensor memory accelerator (TMA) writes that layout itself: a tensor map (made on the host,
+// below) names the tensor and the box it copies, with the 128-byte swizzle, and rows past the
+// tensor's end arrive as zeros. One thread issues a copy; it completes on an mbarrier, a 64-bit
+// barrier in shared memory that counts arrivals and bytes (PTX ISA, "Parallel Synchronization and
+// Communication Instructions: mbarrier"). Each use of a barrier is a phase; waiters name the
+// phase's parity (0, 1, 0, ...).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return uint32_t(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int arrivals) {  // mbarrier.init
+    HOPPER_ONLY(asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)),
+                             "r"(arrivals)));
+}
+// mbarrier.arrive.expect_tx: one arrival, and `bytes` more to come from copies before the phase
+// completes.
+__device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
+    HOPPER_ONLY(asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                                 smem_addr(bar)), "r"(bytes) : "memory"));
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {  // mbarrier.try_wait.parity
+    uint32_t done = 0;
+    while (!done)
+        HOPPER_ONLY(asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, "
+                                 "[%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n" : "=r"(done)
+                                 : "r"(smem_addr(bar)), "r"(parity) : "memory"));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {  // mbarrier.arrive: one arrival
+    HOPPER_ONLY(asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar))
+                             : "memory"));
+}
+// cp.async.bulk.tensor (PTX ISA, "Data Movement: cp.async.bulk.tensor"): the box of the tensor map
+// at (column, row, head) to shared memory, its bytes counted on bar. The map is a __grid_constant__
+// kernel parameter, named by its generic address.
+__device__ __forceinline__ void tma_load(void* to, const CUtensorMap& map, int col, int row,
+                                         int head, uint64_t* bar) {
+    HOPPER_ONLY(asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(smem_addr(to)),
+        "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(row), "r"(head), "r"(smem_addr(bar))
+        : "memory"));
+}
+// Rows [first, first + R) of one head's (len x D) matrix as blocks of 64 columns (R x 128 bytes
+// each), D / 64 copies on bar.
+template <int R, int D, typename T>
+__device__ __forceinline__ void load_tile(T* to, const CUtensorMap& map, int first, int head,
+                                          uint64_t* bar) {
+#pragma unroll
+    for (int c = 0; c < D / 64; c++) tma_load(to + c * R * 64, map, c * 64, first, head, bar);
+}
+
+// setmaxnreg (PTX ISA, "Miscellaneous Instructions: setmaxnreg"): a warpgroup gives back registers
+// (inc = false) or takes them (true) up to R a thread. The block starts with 65536 / its threads
+// (168 a thread with 2 consumers, 128 with 3) and the sums stay within 65536.
+template <bool Inc, int R>
+__device__ __forceinline__ void setmaxnreg() {
+    if constexpr (Inc) HOPPER_ONLY(asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)));
+    else HOPPER_ONLY(asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)));
+}
+
+// barrier.sync (PTX ISA, "Parallel Synchronization: bar, barrier"): named barrier `id` of `threads`
+// threads (whole warps), which waits until all of them have reached it, as __syncthreads does for
+// all. Not .aligned (bar.sync is): the producer's lanes may reach it apart (lane 0 issues copies).
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// A shared-memory matrix descriptor (wgmma, "Matrix Descriptor Format"): the start address, the
+// leading and stride byte offsets (each >> 4) and the swizzle mode (1: 128 bytes). sbo: from one
+// group of 8 rows to the next, 1024 bytes. lbo: for an operand read transposed (V_j), from one
+// block of 64 columns to the next; K-major operands (Q_i, K_j) ignore it, and step through k by
+// moving the start 32 bytes (16 elements) along the row.
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo) {
+    const uint32_t a = smem_addr(p);
+    return uint64_t((a & 0x3FFFF) >> 4) | uint64_t(lbo >> 4) << 16 | uint64_t(1024 >> 4) << 32 |
+           uint64_t(1) << 62;
+}
+// wgmma.fence: registers written before it (accumulators, A) are what the next wgmma reads.
+// wgmma.commit_group: closes the batch of wgmmas issued.
+__device__ __forceinline__ void wgmma_fence() {
+    HOPPER_ONLY(asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"));
+}
+__device__ __forceinline__ void wgmma_commit() {
+    HOPPER_ONLY(asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"));
+}
+// fence.proxy.async.shared::cta (PTX ISA, "Membar/Fence"): shared memory this thread wrote with
+// ordinary stores is seen by the async proxy (wgmma, TMA) that reads it after the next barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+    HOPPER_ONLY(asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"));
+}
+// wgmma.wait_group: until at most Pending of the latest batches run. Then the accumulators r
+// are final, and an empty asm that claims to write them keeps the compiler from reading them
+// before the wait, as it would for registers no instruction it knows of is still writing.
+template <int Pending, int N>
+__device__ __forceinline__ void wgmma_wait(float (&r)[N]) {
+    HOPPER_ONLY(asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory"));
+#pragma unroll
+    for (int x = 0; x < N; x++) asm volatile("" : "+f"(r[x])::"memory");
+}
+
+// wgmma.mma_async m64nNk16 with fp32 accumulators d (N / 2 a thread, laid out as mma.m16n8's, a
+// warp's 16 rows each). SS: A and B in shared memory, both K-major (S_ij = Q_i K_j^T), or, with
+// Trans, both read transposed (imm-trans-a, -b 1: the backward's dQ_i = dS K_j, dS stored as dS^T,
+// keys x queries, and K_j keys x columns). RS: A in registers as mma.m16n8k16's A fragment (P~),
+// B in shared memory read transposed (imm-trans-b 1: V_j is stored keys x columns).
+#define ACC8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), \
+                "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+#define ACC24 ACC8(0), ACC8(8), ACC8(16)
+#define ACC32 ACC8(0), ACC8(8), ACC8(16), ACC8(24)
+#define ACC64 ACC32, ACC8(32), ACC8(40), ACC8(48), ACC8(56)
+#define REGS24 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
+               "%22,%23}"
+#define REGS32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
+               "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+#define REGS64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
+               "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41," \
+               "%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61," \
+               "%62,%63}"
+#define AB32 "{%32,%33,%34,%35}, %36"  // RS: A's 4 registers, B's descriptor
+#define AB64 "{%64,%65,%66,%67}, %68"
+#define WGMMA_SS(N, REGS, ACC, AB, TY)                                                          \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", " AB    \
+                 ", 1, 1, 1, " TR ";\n" : ACC : "l"(a), "l"(b))
+#define WGMMA_RS(N, REGS, ACC, AB, TY)                                                          \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", " AB    \
+                 ", 1, 1, 1, 1;\n" : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+template <typename T, int N, bool Trans = false>
+__device__ __forceinline__ void wgmma_ss(float* d, uint64_t a, uint64_t b) {
+    static_assert(N == 48 || N == 64 || N == 128, "wgmma_ss is written for N = 48, 64, 128");
+    constexpr bool h = std::is_same<T, __half>::value;
+    if constexpr (!Trans) {
+#define TR "0, 0"
+        if constexpr (N == 48 && h) HOPPER_ONLY(WGMMA_SS(48, REGS24, ACC24, "%24, %25", "f16"));
+        if constexpr (N == 48 && !h) HOPPER_ONLY(WGMMA_SS(48, REGS24, ACC24, "%24, %25", "bf16"));
+        if constexpr (N == 64 && h) HOPPER_ONLY(WGMMA_SS(64, REGS32, ACC32, "%32, %33", "f16"));
+        if constexpr (N == 64 && !h) HOPPER_ONLY(WGMMA_SS(64, REGS32, ACC32, "%32, %33", "bf16"));
+        if constexpr (N == 128 && h) HOPPER_ONLY(WGMMA_SS(128, REGS64, ACC64, "%64, %65", "f16"));
+        if constexpr (N == 128 && !h) HOPPER_ONLY(WGMMA_SS(128, REGS64, ACC64, "%64, %65", "bf16"));
+#undef TR
+    } else {
+#define TR "1, 1"
+        static_assert(N == 64, "wgmma_ss reads transposed operands at N = 64");
+        if constexpr (h) HOPPER_ONLY(WGMMA_SS(64, REGS32, ACC32, "%32, %33", "f16"));
+        else HOPPER_ONLY(WGMMA_SS(64, REGS32, ACC32, "%32, %33", "bf16"));
+#undef TR
+    }
+}
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b) {
+    static_assert(N == 64 || N == 128, "wgmma_rs is written for N = 64, 128");
+    constexpr bool h = std::is_same<T, __half>::value;
+    if constexpr (N == 64 && h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "f16"));
+    if constexpr (N == 64 && !h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "bf16"));
+    if constexpr (N == 128 && h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "f16"));
+    if constexpr (N == 128 && !h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "bf16"));
+}
+#undef ACC8
+#undef ACC24
+#undef ACC32
+#undef ACC64
+#undef REGS24
+#undef REGS32
+#undef REGS64
+#undef AB32
+#undef AB64
+#undef WGMMA_SS
+#undef WGMMA_RS
+// Two floats as one 32-bit register of T pair, the A fragment's element pairs.
+template <typename T>
+__device__ __forceinline__ uint32_t pair_bits(float a, float b) {
+    uint32_t bits;
+    if constexpr (std::is_same<T, __half>::value) {
+        const __half2 p = __floats2half2_rn(a, b);
+        bits = *reinterpret_cast<const uint32_t*>(&p);
+    } else {
+        const __nv_bfloat162 p = __floats2bfloat162_rn(a, b);
+        bits = *reinterpret_cast<const uint32_t*>(&p);
+    }
+    return bits;
+}
+
+// Chapter 2's acc_at, for a warpgroup's accumulators (one flat array a thread, laid out as
+// mma.m16n8's, a warp's 16 rows each): element (r, c) is row 16 warp + g + 8r of the warpgroup's
+// 64, r = 0, 1, and column 8 (c / 2) + 2t + c % 2 (lane = 4g + t).
+template <int N>
+__device__ __forceinline__ float& acc_at(float (&acc)[N], int r, int c) {
+    return acc[c / 2 * 4 + 2 * r + c % 2];
+}
+// Chapter 2's quad_reduce: v combined by op (fmaxf, or add) over the quad, the 4 lanes 4g .. 4g + 3
+// that hold a row, lanes 1 apart first, then 2; every lane gets the result.
+template <typename Op>
+__device__ __forceinline__ float quad_reduce(float v, Op op) {
+    v = op(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return op(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float add(float a, float b) { return a + b; }
+
+// The pipeline (CUTLASS's PipelineState, ThunderKittens' stage and phase bit): a ring of Stages
+// buffers, each with a full and an empty mbarrier, through which tiles pass in order. Tile n
+// (counted from the block's start) sits in stage n % Stages and completes phase n / Stages of that
+// stage's barriers; waiters name the phase's parity. The rules: the producer loads tile n into its
+// stage once the stage's empty barrier has completed the phase before (tile n - Stages is read;
+// the first Stages tiles find their stages free), telling full how many bytes will come; a
+// consumer reads it once full has completed its phase, then each of its warps arrives on empty.
+// PipelineState is the pair (stage, phase), kept as n, from which both follow; advance() moves it
+// on. The producer's state is the tile it loads next, a consumer's the tile it reads next.
+template <int Stages>
+struct PipelineState {
+    int n = 0;  // tiles through the ring before this one
+    __device__ int stage() const { return n % Stages; }
+    __device__ int phase() const { return n / Stages % 2; }
+    __device__ int phase_before() const { return (n / Stages - 1) % 2; }  // for n >= Stages
+    __device__ PipelineState previous() const { return {n - 1}; }
+    __device__ void advance(int tiles = 1) { n += tiles; }
+};
+// The ring's barriers, set up by one thread before any use: pairs of full (one arrival, the
+// producer's, and the bytes of its copies) and empty (one arrival from each consumer warp).
+// fence.mbarrier_init: the TMA's completions see them initialised too.
+// (full_arrivals: 32 where the producer's whole warp arrives, having written a stage itself.)
+__device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty, int pairs,
+                                              int consumer_warps, int full_arrivals = 1) {
+    for (int s = 0; s < pairs; s++)
+        mbar_init(&full[s], full_arrivals), mbar_init(&empty[s], consumer_warps);
+    HOPPER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
+}
+
+// The tensor map of Q, K or V, (heads, len, D) elements of T, for boxes of rows x 64 elements in
+// the 128-byte swizzle; rows past len are read as zeros. cuTensorMapEncodeTiled is a driver call,
+// found through the runtime, so that nothing links libcuda (CI machines have none).
+template <typename T>
+static CUtensorMap tensor_map(const T* base, size_t heads, int len, int D, int rows) {
+    static const auto encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        FLASH_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                          cudaEnableDefault, &found));
+        if (found != cudaDriverEntryPointSuccess || fn == nullptr)
+            throw std::runtime_error("the CUDA driver has no cuTensorMapEncodeTiled (CUDA 12+)");
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    CUtensorMap map;
+    const cuuint64_t dims[3] = {cuuint64_t(D), cuuint64_t(len), heads};
+    const cuuint64_t strides[2] = {D * sizeof(T), size_t(len) * D * sizeof(T)};  // bytes
+    const cuuint32_t box[3] = {64, cuuint32_t(rows), 1}, steps[3] = {1, 1, 1};
+    const CUresult r = encode(
+        &map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        3, const_cast<T*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        throw std::runtime_error("cuTensorMapEncodeTiled failed: CUresult " + std::to_string(r));
+    return map;
+}
