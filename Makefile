@@ -50,7 +50,7 @@ B := build
 
 # The library: each chapter's kernels, what they share (lib/checks.cpp) and the API layer that
 # picks a chapter (lib/dispatch.cpp).
-LIB_OBJS := $(B)/flash.o $(B)/flash_fp16.o $(B)/checks.o $(B)/dispatch.o
+LIB_OBJS := $(B)/flash.o $(B)/flash_fp16.o $(B)/flash_decode.o $(B)/checks.o $(B)/dispatch.o
 ifeq ($(HAVE_SM90A),1)
 LIB_OBJS += $(B)/flash_hopper.o
 endif
