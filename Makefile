@@ -112,6 +112,10 @@ check_docs: $(DOCS_OBJS) $(LIB_OBJS) $(B)/reference.o
 flash_bench: $(B)/bench.o $(B)/standard.o $(LIB_OBJS) $(B)/reference.o
 	$(NVCC) $(NVCCFLAGS) $^ -o $@ $(LDLIBS)
 
+# Chapter 4's decode timing (bench/decode.cu): not part of all; lab/gpu-decode.sh runs it.
+flash_decode_bench: $(B)/decode.o $(LIB_OBJS)
+	$(NVCC) $(NVCCFLAGS) $^ -o $@
+
 test: test_flash
 	./test_flash
 check: check_docs
@@ -137,4 +141,4 @@ sanitize: test_flash
 torch:
 	python3 pytorch/flash_torch.py
 clean:
-	rm -rf $(B) test_flash check_docs flash_bench .torch_build pytorch/.torch_build
+	rm -rf $(B) test_flash check_docs flash_bench flash_decode_bench .torch_build pytorch/.torch_build
