@@ -123,8 +123,10 @@ __device__ __forceinline__ void wait_until_in_flight() {
 //  softmax: warp w owns rows w, w + kWarps, ...: their m and l live in its registers.
 //  O += P V: thread t owns columns 2 (t % (D/2)) and +1 of rows t / (D/2) + k (256 / D) (a warp
 //    reads 32 consecutive pairs of one V row).
+// (__launch_bounds__'s 2: two blocks an SM, which is what shared memory allows at d = 128; without
+// it nvcc 13 held the kernel to 64 registers and spilled.)
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
 flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, float* __restrict__ Os,
                           float* __restrict__ Ls, int heads, int kv_heads, int q_len, int kv_len,
