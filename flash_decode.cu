@@ -46,7 +46,14 @@ namespace {
 constexpr int kThreads = 128;  // 4 warps a block
 constexpr int kWarps = kThreads / 32;
 constexpr int kRows = 8;       // query rows a block: group * q_len rows are cut into blocks of 8
-constexpr int kStages = 3;     // K/V tiles in shared memory: 2 in flight while one is used
+// K/V tiles in shared memory: kStages - 1 in flight while one is used. An experiment knob, as
+// chapter 2's FLASH_FP16_PAD (make clean all DEFINES=-DFLASH_DECODE_STAGES=2): 2 stages take 70
+// KiB a block at d = 128 instead of 110, the split rule (from the shared memory) follows.
+#ifndef FLASH_DECODE_STAGES
+#define FLASH_DECODE_STAGES 3
+#endif
+constexpr int kStages = FLASH_DECODE_STAGES;
+static_assert(kStages >= 2, "a tile in flight while one is used");
 constexpr int kPad = 8;        // elements of padding a shared-memory row (bank conflicts: below)
 static_assert(kRows % kWarps == 0, "each warp owns kRows / kWarps rows' softmax statistics");
 
