@@ -50,7 +50,7 @@ B := build
 
 # The library: each chapter's kernels, what they share (lib/checks.cpp) and the API layer that
 # picks a chapter (lib/dispatch.cpp).
-LIB_OBJS := $(B)/flash.o $(B)/flash_fp16.o $(B)/checks.o $(B)/dispatch.o
+LIB_OBJS := $(B)/flash.o $(B)/flash_fp16.o $(B)/flash_decode.o $(B)/checks.o $(B)/dispatch.o
 ifeq ($(HAVE_SM90A),1)
 LIB_OBJS += $(B)/flash_hopper.o $(B)/flash_hopper_backward.o
 endif
@@ -112,6 +112,10 @@ check_docs: $(DOCS_OBJS) $(LIB_OBJS) $(B)/reference.o
 flash_bench: $(B)/bench.o $(B)/standard.o $(LIB_OBJS) $(B)/reference.o
 	$(NVCC) $(NVCCFLAGS) $^ -o $@ $(LDLIBS)
 
+# Chapter 4's decode timing (bench/decode.cu): not part of all; lab/gpu-decode.sh runs it.
+flash_decode_bench: $(B)/decode.o $(LIB_OBJS)
+	$(NVCC) $(NVCCFLAGS) $^ -o $@
+
 test: test_flash
 	./test_flash
 check: check_docs
@@ -137,4 +141,4 @@ sanitize: test_flash
 torch:
 	python3 pytorch/flash_torch.py
 clean:
-	rm -rf $(B) test_flash check_docs flash_bench .torch_build pytorch/.torch_build
+	rm -rf $(B) test_flash check_docs flash_bench flash_decode_bench .torch_build pytorch/.torch_build

@@ -150,6 +150,46 @@ void flash_backward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                 cudaStream_t stream = 0);
 
 // ---------------------------------------------------------------------------------------------
+// Chapter 4 (flash_decode.cu): split-KV decoding (flash-decoding) for short queries against long
+// keys, with grouped K/V heads (shape.kv_heads: GQA, MQA). The same contract as flash_forward_fp16
+// (layouts, fp32 natural-log L, causal bottom-right, a row that sees no key: O = 0, L = -inf),
+// for q_len from 1 to kFlashDecodeMaxQLen and head_dim in kFlashDecodeHeadDims
+// (std::invalid_argument otherwise), any kv_len >= 1, kv_heads dividing heads. The query rows of
+// a K/V group (heads / kv_heads heads, q_len rows each) read their K/V head together, and the keys
+// are cut into `splits` runs of whole key tiles, a block each; each block writes a partial O_s
+// (fp32) and L_s, and a second kernel merges them, L = log sum_s exp(L_s), O = sum_s exp(L_s - L)
+// O_s, in a fixed order (deterministic), rounding O to fp16 / bf16 once. Compute capability 8.0
+// or newer (cp.async), else std::runtime_error. Extra memory: flash_decode_scratch_bytes, scratch
+// for the call (flash_release_scratch, below). flash_forward_fp16 / _bf16 run it for q_len <=
+// kFlashDecodeMaxQLen (lib/dispatch.cpp).
+constexpr int kFlashDecodeHeadDims[] = {64, 128, 256};
+constexpr int kFlashDecodeMaxQLen = 8;
+void flash_decode_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
+                       const AttentionShape& shape, cudaStream_t stream = 0);
+void flash_decode_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
+                       __nv_bfloat16* O, float* L, const AttentionShape& shape,
+                       cudaStream_t stream = 0);
+// The same with the number of splits given by the caller instead of flash_decode_choose_splits'
+// (like the _bc calls): splits >= 1 (std::invalid_argument otherwise, outputs untouched). More
+// splits than key tiles is allowed: those past the last key see none and add nothing.
+void flash_decode_fp16_splits(const __half* Q, const __half* K, const __half* V, __half* O,
+                              float* L, const AttentionShape& shape, int splits,
+                              cudaStream_t stream = 0);
+void flash_decode_bf16_splits(const __nv_bfloat16* Q, const __nv_bfloat16* K,
+                              const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
+                              const AttentionShape& shape, int splits, cudaStream_t stream = 0);
+// The splits the calls without _splits take on this device (a pure host function, unit-tested on
+// the CPU): about two waves of blocks (the device's SMs times the blocks its shared memory holds,
+// twice) over the blocks one split makes (batch * kv_heads * ceil(heads / kv_heads * q_len / 8)),
+// each split a whole number of 64-key tiles (32 at head_dim 256) and at least 4 of them, so that
+// the partials' traffic stays small beside K and V; at least 1.
+int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape& shape);
+// The decode's extra device memory for this shape and splits, in bytes: O_s and L_s of every
+// split, splits * batch * heads * q_len * (head_dim + 1) floats. Throws std::invalid_argument for
+// a bad shape or splits < 1.
+size_t flash_decode_scratch_bytes(const AttentionShape& shape, int splits);
+
+// ---------------------------------------------------------------------------------------------
 // Scratch. The backwards, and chapter 3's forward, take device memory for the duration of a call
 // (each says how much) from a stream-ordered memory pool the library keeps on each device, and
 // give it back to that pool, in stream order, when the call's kernels are done. The pool keeps

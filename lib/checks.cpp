@@ -93,6 +93,15 @@ void validate_shape(const AttentionShape& s, HeadDims supported, size_t elem_byt
     }
 }
 
+void validate_shape_grouped(const AttentionShape& s, HeadDims supported, size_t elem_bytes) {
+    AttentionShape with_heads = s;
+    with_heads.kv_heads = 0;
+    validate_shape(with_heads, supported, elem_bytes);
+    require(s.kv_heads >= 0 && s.kv_heads <= s.heads && (s.kv_heads == 0 || s.heads % s.kv_heads == 0),
+            "shape.kv_heads = " + std::to_string(s.kv_heads) + " is invalid; allowed values: 0 " +
+                "(= heads) or a divisor of heads = " + std::to_string(s.heads));
+}
+
 // Chapter 1: fp32. (sizeof(float) is also the largest element any chapter uses.)
 void validate_shape(const AttentionShape& s) { validate_shape(s, kFlashHeadDims, sizeof(float)); }
 

@@ -93,6 +93,11 @@ void dispatch_head_dim(int head_dim, F&& f) {
 void validate_shape(const AttentionShape& shape, HeadDims supported, size_t elem_bytes);
 // The same with chapter 1's head dims and sizeof(float) (the largest element any chapter uses).
 void validate_shape(const AttentionShape& shape);
+// The same, but allowing grouped K/V heads (kv_heads any divisor of heads, as validate_shape
+// states it): chapter 4's decode reads them. (Until every chapter reads them, validate_shape
+// refuses kv_heads < heads; this is validate_shape on the shape with kv_heads = heads, which
+// bounds every byte count, since K and V are then no larger, after the kv_heads check.)
+void validate_shape_grouped(const AttentionShape& shape, HeadDims supported, size_t elem_bytes);
 // Elements of Q and O (batch*heads*q_len*head_dim), of K and V (... kv_len ...), of L (... q_len).
 size_t q_elems(const AttentionShape& s);
 size_t kv_elems(const AttentionShape& s);
@@ -219,6 +224,17 @@ void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
                                  const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                  const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
                                  const AttentionShape& s, cudaStream_t stream);
+// Chapter 4 (flash_decode.cu): whether flash_forward_fp16 / _bf16 run the decode kernel for this
+// shape on this device (q_len <= kFlashDecodeMaxQLen, head_dim in kFlashDecodeHeadDims, compute
+// capability 8.0 and the block's shared memory), and its launch for the API layer, arguments
+// checked: splits 0 for flash_decode_choose_splits' choice.
+bool flash_decode_runs(const cudaDeviceProp& prop, const AttentionShape& s);
+void flash_decode_launch(const cudaDeviceProp& prop, const __half* Q, const __half* K,
+                         const __half* V, __half* O, float* L, const AttentionShape& s,
+                         int splits, cudaStream_t stream);
+void flash_decode_launch(const cudaDeviceProp& prop, const __nv_bfloat16* Q,
+                         const __nv_bfloat16* K, const __nv_bfloat16* V, __nv_bfloat16* O,
+                         float* L, const AttentionShape& s, int splits, cudaStream_t stream);
 // Chapter 3 (flash_hopper.cu), for a device where flash_forward_runs_hopper is true.
 void flash_forward_hopper_launch(const __half* Q, const __half* K, const __half* V, __half* O,
                                  float* L, const AttentionShape& s, cudaStream_t stream);

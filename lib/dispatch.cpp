@@ -1,5 +1,6 @@
 // dispatch.cpp: the API layer's one decision, which chapter a public call runs. flash_forward_fp16
-// and flash_forward_bf16 (flash.h) check their arguments, then run chapter 3's forward
+// and flash_forward_bf16 (flash.h) check their arguments, then run chapter 4's decode kernel
+// (flash_decode.cu) for short queries where flash_decode_runs says so, chapter 3's forward
 // (flash_hopper.cu) where flash_forward_runs_hopper says so and chapter 2's (flash_fp16.cu)
 // everywhere else; flash_backward_fp16 / _bf16 the same, by the same rule (chapter 3's backward:
 // flash_hopper_backward.cu). Every other public call is one chapter's own and lives in it:
@@ -51,6 +52,11 @@ static void forward_fp16_dispatch(const char* fn, const T* Q, const T* K, const 
     validate_shape(s, kFlashFp16HeadDims, sizeof(T));
     validate_forward_pointers(fn, Q, K, V, O, L, s);
     const cudaDeviceProp prop = flash_device_props();
+    // The decode rule (chapter 4): a short query (q_len <= kFlashDecodeMaxQLen, 8) runs the
+    // split-KV decode kernel wherever it has the head dim and the device (flash_decode_runs):
+    // chapters 2 and 3 give one block a (batch, head) and fill 1 to 8 of its 128 rows, and read
+    // the keys with a block a head; the decode kernel splits the keys over the SMs. Same contract.
+    if (flash_decode_runs(prop, s)) return flash_decode_launch(prop, Q, K, V, O, L, s, 0, stream);
 #ifndef FLASH_NO_HOPPER
     if (flash_forward_runs_hopper(prop, s.head_dim))
         return flash_forward_hopper_launch(Q, K, V, O, L, s, stream);
