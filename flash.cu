@@ -137,7 +137,7 @@ flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
     float4* V_j = K_j + Bc * (D / 4);
     const int i = Tr - 1 - blockIdx.x % Tr;            // line 3: for each Q_i (the grid)
     const size_t bh = blockIdx.x / Tr;                 // batch * heads + head
-    const size_t kv_bh = bh / group;                   // its K/V head (GQA: group query heads a K/V head)
+    const size_t kv_bh = bh / group;                   // its K/V head (GQA: `group` heads share it)
     const int query = i * Br + threadIdx.x / TPR;      // this thread's row of Q_i
     const int part = threadIdx.x % TPR;                // which of the row's TPR threads it is
     const size_t offset = (bh * q_len + min(query, q_len - 1)) * (D / 4) + part;  // in Q and O

@@ -410,7 +410,7 @@ __device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], i
         }
 }
 
-// The kernel. One block per (K/V tile j, batch*kv_heads), in ticket order. W warps, K/V tiles of Bc
+// The kernel. One block per (K/V tile j, K/V head), in ticket order. W warps, K/V tiles of Bc
 // keys, Q tiles of Br rows in two stages (cp.async). A thread's r-th row of a warp tile is
 // 16(r / 2) + g + 8(r % 2), its c-th column 8(c / 2) + 2t + c % 2 (lane = 4g + t). Two blocks an
 // SM where Q tiles have 64 rows at d <= 64: their warps hide each other's barriers and loads
@@ -454,6 +454,7 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     // Line 8's loop, step n: the group's query heads one after another (GQA: group query heads
     // read this K/V head, and dK_j, dV_j sum over all of them, in this fixed order, in
     // registers), and each one's Q tiles. Without GQA (group = 1) the loop is over Q tiles only.
+    // (tiles >= 1: key j Bc < kv_len is seen by query q_len - 1 at least, so i_first < Tr.)
     const int tiles = Tr - i_first, steps = group * tiles;  // Q tiles a query head; steps
     const auto head_of = [&](int n) { return kv_bh * group + n / tiles; };  // its query head bh
     const auto tile_of = [&](int n) { return i0 + di * (n % tiles); };       // its Q tile i

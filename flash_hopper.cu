@@ -524,7 +524,8 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
         const int tiles = grid_blocks(s, s.q_len, Br, "q_len");  // Q tiles of all heads
         const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_consumers(D)>;
         allow_shared(kernel, bytes);
-        const size_t heads = size_t(s.batch) * s.heads, kv_heads = size_t(s.batch) * flash_kv_heads(s);
+        const size_t heads = size_t(s.batch) * s.heads;
+        const size_t kv_heads = size_t(s.batch) * flash_kv_heads(s);  // GQA: fewer K/V heads
         const CUtensorMap Qm = tensor_map(Q, heads, s.q_len, D, Br),
                           Km = tensor_map(K, kv_heads, s.kv_len, D, Bc),
                           Vm = tensor_map(V, kv_heads, s.kv_len, D, Bc);

@@ -1034,7 +1034,8 @@ static int run_demo(const Bench& b, const Dtype& dt) {
     list_rows<T>(b, dt, {s}, 0, [&](const RowResult& r, const Tensors<T>& t) {
         // The tensors themselves (what GQA shrinks): Q, O (and dO, dQ) at every query head; K, V
         // (and dK, dV) at the K/V heads; L.
-        const double per_q = double(q_elems(s)) * sizeof(T), per_kv = double(kv_elems(s)) * sizeof(T);
+        const double per_q = double(q_elems(s)) * sizeof(T);
+        const double per_kv = double(kv_elems(s)) * sizeof(T);
         const int n = opt.backward ? 4 : 2;  // tensors of each kind
         printf("tensors: %.1f MiB: Q, O%s %.1f MiB each; K, V%s %.1f MiB each (%d K/V heads for "
                "%d query heads); L %.1f MiB\n",

@@ -24,7 +24,8 @@ step() {   # step NAME SECONDS COMMAND...: runs it under timeout, its output in 
     local what="ok"
     [ $rc -eq 124 ] && what="TIMED OUT after ${secs}s"
     [ $rc -ne 0 ] && [ $rc -ne 124 ] && what="FAILED (exit $rc)"
-    status+=("$(printf '%-14s %-22s %4ds  (%s)' "$name" "$what" $((SECONDS - t0)) "$OUT/$name.log")")
+    status+=("$(printf '%-14s %-22s %4ds  (%s)' "$name" "$what" $((SECONDS - t0)) \
+        "$OUT/$name.log")")
     return $rc
 }
 
@@ -40,7 +41,9 @@ build_rc=$?
 wait $torch_pid
 torch_rc=$?
 # (the background step's status line is lost with its subshell: say it here)
-status+=("$(printf '%-14s %-22s        (%s)' torch-build "$([ $torch_rc -eq 0 ] && echo ok || echo "FAILED (exit $torch_rc)")" "$OUT/torch-build.log")")
+torch_what=ok
+[ $torch_rc -ne 0 ] && torch_what="FAILED (exit $torch_rc)"
+status+=("$(printf '%-14s %-22s        (%s)' torch-build "$torch_what" "$OUT/torch-build.log")")
 
 # 2. Tests: the C++ suite's GQA tests and the MHA tests of the paths GQA touched; the PyTorch
 # op's GQA tests (and its bad-input ones) against SDPA.
@@ -86,16 +89,19 @@ printf '%s\n' "${status[@]}"
 grep -E "test cases|flash tests:" "$OUT/test-gqa.log" 2>/dev/null | tail -2
 tail -1 "$OUT/pytest-gqa.log" 2>/dev/null
 echo
-echo "==== GQA (4 query heads a K/V head) vs MHA, fp16, FA2 protocol shapes, $(cut -d, -f1 "$OUT/gpu.txt")"
+echo "==== GQA (4 query heads a K/V head) vs MHA, fp16, FA2 protocol shapes," \
+    "$(cut -d, -f1 "$OUT/gpu.txt")"
 printf '%4s %3s %5s %4s | %9s %9s %6s | %9s %9s %6s | %9s %9s | %s\n' d H N caus \
     "MHA fwd" "GQA fwd" "ratio" "MHA bwd" "GQA bwd" "ratio" "MHA MiB" "GQA MiB" "check"
 for ((r = 0; r + 1 < ${#rows[@]}; r += 2)); do
     read -r d h kv n c f1 b1 m1 k1 <<< "${rows[r]}"
     read -r _ _ kv2 _ _ f2 b2 m2 k2 <<< "${rows[r + 1]}"
-    ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a + 0 > 0 && b != "?") printf "%.3f", b / a; else print "?" }'; }
+    ratio() {  # b / a, or ? where either is missing
+        awk -v a="$1" -v b="$2" 'BEGIN { if (a + 0 > 0 && b != "?") printf "%.3f", b / a; else print "?" }'
+    }
     printf '%4s %3s %5s %4s | %9s %9s %6s | %9s %9s %6s | %9s %9s | %s\n' "$d" "$h" "$n" "$c" \
         "$f1" "$f2" "$(ratio "$f1" "$f2")" "$b1" "$b2" "$(ratio "$b1" "$b2")" "$m1" "$m2" \
         "MHA $k1, GQA $k2 (kv_heads $kv2)"
 done
-echo "(TFLOP/s, 4 d FLOPs a (query, key) pair a query head, 2.5x backward; MiB: the tensors Q, K, V,"
-echo " O, dO, dQ, dK, dV, L; check: flash_bench's CPU check of the first and last head)"
+echo "(TFLOP/s: 4 d FLOPs a (query, key) pair a query head, 2.5x backward; MiB: the tensors"
+echo " Q, K, V, O, dO, dQ, dK, dV, L; check: flash_bench's CPU check of its first and last head)"

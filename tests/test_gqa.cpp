@@ -73,7 +73,8 @@ std::vector<double> group_sum(const std::vector<W>& per_head, const AttentionSha
     const size_t head = size_t(s.kv_len) * s.head_dim;
     std::vector<double> sum(kv_elems(s), 0.0);
     for (size_t bh = 0; bh < size_t(s.batch) * s.heads; ++bh)
-        for (size_t e = 0; e < head; ++e) sum[bh / group * head + e] += double(per_head[bh * head + e]);
+        for (size_t e = 0; e < head; ++e)
+            sum[bh / group * head + e] += double(per_head[bh * head + e]);
     return sum;
 }
 
