@@ -8,7 +8,9 @@
 // In order: the constants and helpers the kernels use, the forward kernel, the two backward
 // kernels, the tile rule, the launchers. The argument checks: lib/checks.cpp. The names are the
 // papers' (Q_i, K_j, S_ij, m, l, Br, Bc, ...), and chapter 2's: NOTES.md's glossary lists them.
-// Layouts: Q, O, dQ, dO (B, H, q_len, d); K, V, dK, dV (B, H, kv_len, d); L (B, H, q_len).
+// Layouts: Q, O, dQ, dO (B, H, q_len, d); K, V, dK, dV (B, H_kv, kv_len, d); L (B, H, q_len).
+// Grouped-query attention (chapter 4): H = group H_kv, and query head h reads K/V head h / group.
+// With b H + h = bh, that K/V head is b H_kv + h / group = bh / group: one division, nothing else.
 #include "checks.h"
 #include "flash.h"
 #include "log2_units.h"
@@ -126,7 +128,8 @@ template <int D, int TPR>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
 flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
                      const float4* __restrict__ V, float4* __restrict__ O, float* __restrict__ L,
-                     int q_len, int kv_len, bool causal, int Bc, int Tr, float scale_log2) {
+                     int q_len, int kv_len, bool causal, int Bc, int Tr, int group,
+                     float scale_log2) {
     constexpr int Br = kThreads / TPR;                 // query rows per block
     constexpr int slice4 = D / 4 / TPR;                // float4s of a row that one thread holds
     // Shared memory: K_j, (Bc, D/4) float4s, then V_j, (Bc, D/4).
@@ -134,6 +137,7 @@ flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
     float4* V_j = K_j + Bc * (D / 4);
     const int i = Tr - 1 - blockIdx.x % Tr;            // line 3: for each Q_i (the grid)
     const size_t bh = blockIdx.x / Tr;                 // batch * heads + head
+    const size_t kv_bh = bh / group;                   // its K/V head (GQA: `group` heads share it)
     const int query = i * Br + threadIdx.x / TPR;      // this thread's row of Q_i
     const int part = threadIdx.x % TPR;                // which of the row's TPR threads it is
     const size_t offset = (bh * q_len + min(query, q_len - 1)) * (D / 4) + part;  // in Q and O
@@ -145,7 +149,7 @@ flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
     const int kv_end = flash_kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: keys it needs
     // Line 6: for each K_j, V_j, from its first key k0 = j Bc; line 7: load them.
     for (int k0 = 0; k0 < kv_end; k0 += Bc) {
-        load_tiles<D>(K_j, K, V_j, V, (bh * kv_len + k0) * (D / 4), min(Bc, kv_end - k0));
+        load_tiles<D>(K_j, K, V_j, V, (kv_bh * kv_len + k0) * (D / 4), min(Bc, kv_end - k0));
         // Two keys a step at d = 128 only: a tuning, measured in NOTES.md section 7.
         #pragma unroll(D == 128 ? 2 : 1)
         for (int kj = 0; kj < min(Bc, kv_end - k0); kj++) {  // lines 8-10, one key at a time
@@ -189,7 +193,7 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
                          const float4* __restrict__ V, const float4* __restrict__ O,
                          const float4* __restrict__ dO, const float* __restrict__ L,
                          float* __restrict__ Dsum, float4* __restrict__ dQ, int q_len, int kv_len,
-                         bool causal, int Tr, float scale_log2) {
+                         bool causal, int Tr, int group, float scale_log2) {
     constexpr int Br = kThreads / TPR;                 // query rows per block; Bc = Br keys per K_j
     constexpr int slice4 = D / 4 / TPR;
     // Shared memory: K_j, (Br, D/4) float4s, then V_j, (Br, D/4).
@@ -197,6 +201,7 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
     float4* V_j = K_j + Br * (D / 4);
     const int i = Tr - 1 - blockIdx.x % Tr;            // this block's Q tile
     const size_t bh = blockIdx.x / Tr;
+    const size_t kv_bh = bh / group;                   // its K/V head, as in the forward
     const int query = i * Br + threadIdx.x / TPR;
     const int part = threadIdx.x % TPR;
     const int last_key = flash_last_key(query, q_len, kv_len);
@@ -212,7 +217,7 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
     const int kv_end = flash_kv_end(i * Br, Br, q_len, kv_len, causal);
     // Line 5: for each K_j, V_j, from its first key k0 = j Br; line 6: load them.
     for (int k0 = 0; k0 < kv_end; k0 += Br) {
-        load_tiles<D>(K_j, K, V_j, V, (bh * kv_len + k0) * (D / 4), min(Br, kv_end - k0));
+        load_tiles<D>(K_j, K, V_j, V, (kv_bh * kv_len + k0) * (D / 4), min(Br, kv_end - k0));
         for (int kj = 0; kj < min(Br, kv_end - k0); kj++) {
             // Line 10: S_ij = Q_i K_j^T; line 13: dP_ij = dO_i V_j^T.
             const auto [s, dp] =
@@ -230,7 +235,10 @@ flash_backward_dq_kernel(const float4* __restrict__ Q, const float4* __restrict_
 // Kernel 2 of 2: dK and dV, in Algorithm 2's own order. One block per K/V tile (line 5's loop is
 // the grid), one key per TPR threads, with K_j, V_j, dK_j and dV_j in registers while Q_i and dO_i
 // stream through shared memory (line 8's loop); `key` is this thread's key, q0 the first query of
-// Q_i and `qi` a query's place within it. The slices of K_j, V_j, dK_j, dV_j and of the Q_i, dO_i
+// Q_i and `qi` a query's place within it. Grouped-query attention: a K/V head's dK_j, dV_j sum
+// over the group's query heads (each query head's P_ij, dS_ij are its own), so line 8's loop runs
+// over every (query head of the group, Q_i), one head after the other: the same registers, one
+// fixed order, no atomics. The slices of K_j, V_j, dK_j, dV_j and of the Q_i, dO_i
 // rows just read take about 220 registers: two blocks per SM, no spills.
 template <int D, int TPR>
 __global__ void __launch_bounds__(kThreads, kDkdvMinBlocksPerSM)
@@ -238,17 +246,17 @@ flash_backward_dkdv_kernel(const float4* __restrict__ Q, const float4* __restric
                            const float4* __restrict__ V, const float4* __restrict__ dO,
                            const float* __restrict__ L, const float* __restrict__ Dsum,
                            float4* __restrict__ dK, float4* __restrict__ dV, int q_len,
-                           int kv_len, bool causal, int Tc, float scale_log2) {
+                           int kv_len, bool causal, int Tc, int group, float scale_log2) {
     constexpr int Bc = kThreads / TPR;                 // keys per block; Br = Bc rows per Q_i
     constexpr int slice4 = D / 4 / TPR;
     // Shared memory: Q_i, (Bc, D/4) float4s, then dO_i, (Bc, D/4).
     extern __shared__ float4 Q_i[];
     float4* dO_i = Q_i + Bc * (D / 4);
     const int j = blockIdx.x % Tc;                     // line 5: for each K_j, V_j (the grid)
-    const size_t bh = blockIdx.x / Tc;
+    const size_t kv_bh = blockIdx.x / Tc;              // batch * kv_heads + K/V head
     const int key = j * Bc + threadIdx.x / TPR;        // this thread's row of K_j
     const int part = threadIdx.x % TPR;
-    const size_t offset = (bh * kv_len + min(key, kv_len - 1)) * (D / 4) + part;  // K, V, dK, dV
+    const size_t offset = (kv_bh * kv_len + min(key, kv_len - 1)) * (D / 4) + part;  // K, V, dK, dV
     float4 K_j[slice4];                                // line 6: load K_j, V_j
     float4 V_j[slice4];
     float4 dK_j[slice4] = {};                          // line 7: dK_j = 0, dV_j = 0
@@ -257,7 +265,9 @@ flash_backward_dkdv_kernel(const float4* __restrict__ Q, const float4* __restric
     for (int c = 0; c < slice4; c++) V_j[c] = V[offset + c * TPR];
     // Causal: Q tiles before the first query that sees the block's first key are skipped.
     const int q_begin = causal ? max(0, flash_first_query(j * Bc, q_len, kv_len)) : 0;
-    // Line 8: for each Q_i, from its first query q0; line 9: load Q_i and dO_i.
+    // Line 8: for each query head bh of the group and each of its Q_i, from its first query q0;
+    // line 9: load Q_i and dO_i.
+    for (size_t bh = kv_bh * group; bh < (kv_bh + 1) * group; bh++)
     for (int q0 = q_begin; q0 < q_len; q0 += Bc) {
         load_tiles<D>(Q_i, Q, dO_i, dO, (bh * q_len + q0) * (D / 4), min(Bc, q_len - q0));
         for (int qi = 0; qi < min(Bc, q_len - q0); qi++) {
@@ -357,7 +367,8 @@ static void launch_forward(const float* Q, const float* K, const float* V, float
     const int blocks = grid_blocks(s, s.q_len, tile.Br, "q_len");
     allow_shared(kernel, tile.shared_bytes);
     kernel<<<blocks, kThreads, tile.shared_bytes, stream>>>(
-        f4(Q), f4(K), f4(V), f4(O), L, s.q_len, s.kv_len, s.causal, tile.Bc, Tr, scale_log2_for(D));
+        f4(Q), f4(K), f4(V), f4(O), L, s.q_len, s.kv_len, s.causal, tile.Bc, Tr,
+        s.heads / flash_kv_heads(s), scale_log2_for(D));
     FLASH_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -401,7 +412,10 @@ static void launch_backward(const float* Q, const float* K, const float* V, cons
     const int Tr = (s.q_len + tile.Br - 1) / tile.Br;   // Q tiles per head
     const int Tc = (s.kv_len + tile.Bc - 1) / tile.Bc;  // K/V tiles per head
     const int q_blocks = grid_blocks(s, s.q_len, tile.Br, "q_len");
-    const int kv_blocks = grid_blocks(s, s.kv_len, tile.Bc, "kv_len");
+    AttentionShape kv_shape = s;                        // the dK, dV grid runs over the K/V heads
+    kv_shape.heads = flash_kv_heads(s);
+    const int kv_blocks = grid_blocks(kv_shape, s.kv_len, tile.Bc, "kv_len");
+    const int group = s.heads / flash_kv_heads(s);      // query heads a K/V head
     auto dq_kernel = flash_backward_dq_kernel<D, TPR>;
     auto dkdv_kernel = flash_backward_dkdv_kernel<D, TPR>;
     allow_shared(dq_kernel, tile.shared_bytes);
@@ -410,12 +424,12 @@ static void launch_backward(const float* Q, const float* K, const float* V, cons
     with_row_scratch(s, stream, [&](float* Dsum) {
         dq_kernel<<<q_blocks, kThreads, tile.shared_bytes, stream>>>(
             f4(Q), f4(K), f4(V), f4(O), f4(dO), L, Dsum, f4(dQ), s.q_len, s.kv_len, s.causal,
-            Tr, scale_log2);
+            Tr, group, scale_log2);
         const cudaError_t launched = cudaGetLastError();
         if (launched != cudaSuccess) return launched;
         dkdv_kernel<<<kv_blocks, kThreads, tile.shared_bytes, stream>>>(  // after dq_kernel
             f4(Q), f4(K), f4(V), f4(dO), L, Dsum, f4(dK), f4(dV), s.q_len, s.kv_len, s.causal,
-            Tc, scale_log2);
+            Tc, group, scale_log2);
         return cudaGetLastError();
     });
 }

@@ -200,7 +200,8 @@ template <typename T, int D, int Bc, int M>
 __global__ void __launch_bounds__(kFwdThreads)
 flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, T* __restrict__ O, float* __restrict__ L,
-                          int q_len, int kv_len, bool causal, int Tr, int HG, float scale_log2) {
+                          int q_len, int kv_len, bool causal, int Tr, int HG, int group,
+                          float scale_log2) {
     constexpr int Br = 16 * M * kWarps, ld = D + kPad;  // ld: shared row stride, in Ts
     // Shared memory: Q_i, (Br, ld); then K_j and V_j, (2, Bc, ld) each: two stages (line 7).
     extern __shared__ __align__(16) unsigned char shared[];
@@ -214,7 +215,10 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const int i = Tr - 1 - int(blockIdx.x % (HG * Tr)) / heads;
     const size_t bh = head0 + blockIdx.x % (HG * Tr) % heads;  // which (batch, head)
     const int query = i * Br + 16 * M * warp + threadIdx.x % 32 / 4;  // its rows: query + 8r
-    const size_t kv_head = bh * kv_len * D;            // this head's K and V start here
+    // This head's K and V start here: its K/V head's, bh / group (GQA: group query heads share
+    // one K/V head, flash.cu's layouts). Consecutive heads share it, and HG of them run together:
+    // the K/V tiles they read stay in L2.
+    const size_t kv_head = bh / group * kv_len * D;
     const int kv_end = flash_kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: keys needed
     // Keys every row of Q_i sees: a K/V tile below this needs no mask.
     const int kv_all = causal ? min(kv_end, flash_last_key(i * Br, q_len, kv_len) + 1) : kv_len;
@@ -316,6 +320,11 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 // dQ_i, and one thread of the block passes the turn on once all have. A block only ever waits for
 // blocks with lower tickets, which have started and so are running or done, and the lowest-ticket
 // block still running waits for nobody: no deadlock (NOTES.md section 14).
+// Grouped-query attention (GQA): a block is a (K/V head, j) and walks the Q tiles of each query
+// head of its group in turn; the turn counters, dQacc and D stay per query head. A dQ_i of query
+// head h is added to by the blocks of h's K/V head alone, exactly the blocks that added to it
+// without GQA, in the same order, and a block passes each turn before it waits for the next: the
+// argument above holds unchanged, whatever the number of query heads a block covers.
 
 // An (R x C) product split over W warps: a grid of R / rows by `across` tiles of `rows` x `cols`.
 // rows = 32 (two mma tiles, so every B fragment a warp loads feeds two mmas) where the columns then
@@ -401,7 +410,7 @@ __device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], i
         }
 }
 
-// The kernel. One block per (K/V tile j, batch*head), in ticket order. W warps, K/V tiles of Bc
+// The kernel. One block per (K/V tile j, K/V head), in ticket order. W warps, K/V tiles of Bc
 // keys, Q tiles of Br rows in two stages (cp.async). A thread's r-th row of a warp tile is
 // 16(r / 2) + g + 8(r % 2), its c-th column 8(c / 2) + 2t + c % 2 (lane = 4g + t). Two blocks an
 // SM where Q tiles have 64 rows at d <= 64: their warps hide each other's barriers and loads
@@ -413,7 +422,7 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                            const float* __restrict__ L, const float* __restrict__ Dsum,
                            float* __restrict__ dQacc, int* __restrict__ turns, int* next_ticket,
                            T* __restrict__ dK, T* __restrict__ dV, int q_len, int kv_len,
-                           bool causal, int Tc, int BH, int HG, float scale_log2) {
+                           bool causal, int Tc, int BH, int HG, int group, float scale_log2) {
     constexpr int ld = D + kPad, ldS = Br + kPad;
     using TS = WarpTile<Bc, Br, W>;                    // S^T, dP^T: keys x queries
     using TKV = WarpTile<Bc, D, W>;                    // dK_j, dV_j: keys x columns
@@ -429,18 +438,29 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     T* dS_T = P_T + Bc * ldS;
     float* L_i = reinterpret_cast<float*>(dS_T + Bc * ldS);
     float* D_i = L_i + 2 * Br;
-    // Ticket -> (head, K/V tile j): heads in groups of HG, each group's tiles from the right
-    // (causal: from the left, longest first), its heads taking turns. Line 5: for each K_j, V_j.
+    // Ticket -> (K/V head, K/V tile j): K/V heads (BH = batch * kv_heads of them) in groups of
+    // HG, each group's tiles from the right (causal: from the left, longest first), its heads
+    // taking turns. Line 5: for each K_j, V_j.
     const int ticket = block_ticket(next_ticket), head0 = ticket / (HG * Tc) * HG;
     const int heads = min(HG, BH - head0), slot = ticket % (HG * Tc);
     const int j = causal ? slot / heads : Tc - 1 - slot / heads;
-    const size_t bh = head0 + slot % heads;
+    const size_t kv_bh = head0 + slot % heads;         // batch * kv_heads + K/V head
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     const int Tr = (q_len + Br - 1) / Br;
-    const size_t q_head = bh * q_len * D, kv_head = bh * kv_len * D;
+    const size_t kv_head = kv_bh * kv_len * D;
     // Causal: Q tiles before the one holding the first query that sees key j Bc are skipped.
     const int i_first = causal ? max(0, flash_first_query(j * Bc, q_len, kv_len)) / Br : 0;
-    auto load_Q_tile = [&](int stage, int q0) {        // line 9: load Q_i, dO_i, L_i, D_i from q0
+    const int i0 = causal ? Tr - 1 : i_first, di = causal ? -1 : 1;  // Q tiles: causal, last first
+    // Line 8's loop, step n: the group's query heads one after another (GQA: group query heads
+    // read this K/V head, and dK_j, dV_j sum over all of them, in this fixed order, in
+    // registers), and each one's Q tiles. Without GQA (group = 1) the loop is over Q tiles only.
+    // (tiles >= 1: key j Bc < kv_len is seen by query q_len - 1 at least, so i_first < Tr.)
+    const int tiles = Tr - i_first, steps = group * tiles;  // Q tiles a query head; steps
+    const auto head_of = [&](int n) { return kv_bh * group + n / tiles; };  // its query head bh
+    const auto tile_of = [&](int n) { return i0 + di * (n % tiles); };       // its Q tile i
+    auto load_Q_tile = [&](int stage, int n) {         // line 9: load Q_i, dO_i, L_i, D_i of step n
+        const size_t bh = head_of(n), q_head = bh * q_len * D;
+        const int q0 = tile_of(n) * Br;
         load_rows_async<Br, D, 32 * W>(Q_i + stage * ld, Q + q_head, q0, q_len);
         load_rows_async<Br, D, 32 * W>(dO_i + stage * ld, dO + q_head, q0, q_len);
         load_floats_async<Br>(L_i + stage, L + bh * q_len, q0, q_len);
@@ -448,11 +468,12 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     };
     load_rows_async<Bc, D, 32 * W>(K_j, K + kv_head, j * Bc, kv_len);  // line 6: load K_j, V_j
     load_rows_async<Bc, D, 32 * W>(V_j, V + kv_head, j * Bc, kv_len);
-    const int i0 = causal ? Tr - 1 : i_first, di = causal ? -1 : 1;  // Q tiles: causal, last first
-    load_Q_tile(0, i0 * Br);
+    load_Q_tile(0, 0);
     float dK_j[TKV::M][TKV::cols / 8][4] = {}, dV_j[TKV::M][TKV::cols / 8][4] = {};  // line 7
     int* added = nullptr;                              // the turn of the dQ_i added to last
-    for (int n = 0, i = i0; n < Tr - i_first; n++, i += di) {  // line 8: for each Q_i
+    for (int n = 0; n < steps; n++) {                  // line 8: for each (query head, Q_i)
+        const size_t bh = head_of(n);                  // batch * heads + query head
+        const int i = tile_of(n);
         const int q0 = i * Br, fstage = n % 2 * Br, stage = fstage * ld;
         // Q_i has landed; the other stage, P^T and dS^T are free.
         commit_and_wait<0>();
@@ -466,7 +487,7 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // The turn of the dQ_i added to a step ago, passed on by one thread (a warp in turn), after
         // the barrier above: the adds have had time to land, so the release waits little.
         if (added && threadIdx.x == 32 * (i % W)) pass_turn(added);
-        if (n + 1 < Tr - i_first) load_Q_tile(Br - fstage, q0 + di * Br);  // line 9, a tile ahead
+        if (n + 1 < steps) load_Q_tile(Br - fstage, n + 1);  // line 9, a tile ahead
         // Row r of the warp's tile is key j Bc + k_w + 8r + g, which the queries first[r] ..
         // q_len - 1 see (none when it is past kv_len). 8r is written as the mma numbers rows,
         // 16(r / 2) + 8(r % 2), here and in acc_at below: nvcc compiles these two loops into other,
@@ -621,7 +642,8 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
     const int blocks = grid_blocks(s, s.q_len, tile.Br, "q_len");
     allow_shared(kernel, tile.shared_bytes);
     kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
-        Q, K, V, O, L, s.q_len, s.kv_len, s.causal, Tr, kFwdHeadGroup, scale_log2_for(D));
+        Q, K, V, O, L, s.q_len, s.kv_len, s.causal, Tr, kFwdHeadGroup,
+        s.heads / flash_kv_heads(s), scale_log2_for(D));
     FLASH_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -757,7 +779,10 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
                                  const FlashTile& tile, cudaStream_t stream) {
     auto kernel = flash_backward_fp16_kernel<T, D, bwd_warps(D, Bc), Bc, Br>;
     const int Tc = (s.kv_len + Bc - 1) / Bc;           // K/V tiles per head
-    const int blocks = grid_blocks(s, s.kv_len, Bc, "kv_len");
+    AttentionShape kv_shape = s;                       // one block per K/V tile of each K/V head
+    kv_shape.heads = flash_kv_heads(s);
+    const int blocks = grid_blocks(kv_shape, s.kv_len, Bc, "kv_len");
+    const int kv_group = s.heads / flash_kv_heads(s);  // query heads a K/V head (GQA)
     allow_shared(kernel, tile.shared_bytes);
     const float scale_log2 = scale_log2_for(D);
     const BwdScratch scratch(s);
@@ -783,7 +808,7 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
         kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
             Q, K, V, dO, L, Dsum, dQacc, turn, turn + turns, dK, dV, s.q_len, s.kv_len, s.causal,
-            Tc, int(rows / s.q_len), group, scale_log2);
+            Tc, s.batch * flash_kv_heads(s), group, kv_group, scale_log2);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
         flash_backward_dq_fp16_kernel<T, D><<<grid(scratch.dq / 4), 256, 0, stream>>>(
             dQacc, dQ, scratch.dq, s.q_len, s.kv_len, s.causal);

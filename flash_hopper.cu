@@ -50,7 +50,9 @@ __host__ __device__ constexpr int hopper_stages(int /* head_dim */) { return 3; 
 #define HOPPER_PERSISTENT 1
 #endif
 constexpr bool kPersistent = HOPPER_PERSISTENT;
-constexpr int kHopperHeadGroup = 16;                   // heads whose Q tiles go together (line 3)
+// Heads whose Q tiles go together (line 3). Under GQA the query heads of a K/V head are
+// consecutive, so 16 of them read 16 / group K/V heads, which then stay in L2.
+constexpr int kHopperHeadGroup = 16;
 
 // The hand-out, named barrier 1, where the producer's first warp, which has fetched a tile's
 // number, gives it to the consumer warpgroups, which take it as they start the tile.
@@ -76,7 +78,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                             const __grid_constant__ CUtensorMap K,
                             const __grid_constant__ CUtensorMap V, T* __restrict__ O,
                             float* __restrict__ L, int q_len, int kv_len, bool causal, int Tr,
-                            int tiles, int head_group, float scale_log2, int* next) {
+                            int tiles, int head_group, int group, float scale_log2, int* next) {
     constexpr int Br = 64 * Consumers, Stages = hopper_stages(D);
     extern __shared__ __align__(16) unsigned char shared[];
     // Q_i (Br rows), then the stages of K_j and V_j (Bc rows each), each as blocks of 64 columns,
@@ -117,8 +119,9 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                 if (kv.n >= Stages) mbar_wait(&empty[kv.stage()], kv.phase_before());
                 if (!issuer) continue;
                 mbar_expect_bytes(&full[kv.stage()], 2 * Bc * D * sizeof(T));
-                load_tile<Bc, D>(K_at(kv.stage()), K, j * Bc, bh, &full[kv.stage()]);
-                load_tile<Bc, D>(V_at(kv.stage()), V, j * Bc, bh, &full[kv.stage()]);
+                // K/V head bh / group: the group query heads of a K/V head (GQA) share it.
+                load_tile<Bc, D>(K_at(kv.stage()), K, j * Bc, bh / group, &full[kv.stage()]);
+                load_tile<Bc, D>(V_at(kv.stage()), V, j * Bc, bh / group, &full[kv.stage()]);
             }
             if (Tc <= Stages) handout<Consumers>();    // (all of its tiles issued)
             tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
@@ -273,9 +276,10 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
         const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_consumers(D)>;
         allow_shared(kernel, bytes);
         const size_t heads = size_t(s.batch) * s.heads;
+        const size_t kv_heads = size_t(s.batch) * flash_kv_heads(s);  // GQA: fewer K/V heads
         const CUtensorMap Qm = tensor_map(Q, heads, s.q_len, D, Br),
-                          Km = tensor_map(K, heads, s.kv_len, D, Bc),
-                          Vm = tensor_map(V, heads, s.kv_len, D, Bc);
+                          Km = tensor_map(K, kv_heads, s.kv_len, D, Bc),
+                          Vm = tensor_map(V, kv_heads, s.kv_len, D, Bc);
         const int blocks = kPersistent ? std::min(tiles, flash_device_props().multiProcessorCount)
                                        : tiles;
         with_scratch(sizeof(int), stream, [&](void* next) {  // the next tile to hand out
@@ -283,7 +287,8 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
             if (err != cudaSuccess) return err;
             kernel<<<blocks, kWarpgroup * (hopper_consumers(D) + 1), bytes, stream>>>(
                 Qm, Km, Vm, O, L, s.q_len, s.kv_len, s.causal, (s.q_len + Br - 1) / Br, tiles,
-                kHopperHeadGroup, scale_log2_for(D), static_cast<int*>(next));
+                kHopperHeadGroup, s.heads / flash_kv_heads(s), scale_log2_for(D),
+                static_cast<int*>(next));
             return cudaGetLastError();
         });
     });

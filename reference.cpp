@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -40,6 +41,12 @@ struct Sizes {
     double scale;
 };
 Sizes sizes_of(const AttentionShape& s) {
+    // The reference is multi-head attention only, on purpose: a test of grouped K/V heads runs it
+    // on K and V repeated to every query head (tests/test_gqa.cpp), sharing no indexing with the
+    // kernels. Refused, so that grouped tensors are never read as if they had every head.
+    require(flash_kv_heads(s) == s.heads,
+            "shape.kv_heads = " + std::to_string(s.kv_heads) + " is not supported by the CPU "
+            "reference; allowed values: 0 or heads (repeat K and V to every query head)");
     return {static_cast<size_t>(s.head_dim), static_cast<size_t>(s.q_len),
             static_cast<size_t>(s.kv_len),
             static_cast<size_t>(s.batch) * static_cast<size_t>(s.heads),

@@ -152,6 +152,7 @@ static FlashTile forward_tile(const cudaDeviceProp& prop, int dim, int tile_bc, 
 struct Options {
     int batch = 0;  // 0: derived from the device (default_batch)
     int heads = 16, seq = 2048, kv_seq = 0, dim = 64;  // kv_seq 0: = seq
+    int kv_heads = 0;  // K/V heads (grouped-query attention); 0: = heads
     bool causal = true;
     int tile_bc = 0, repeat = 20;  // tile_bc 0: the device-derived Bc
     bool protocol = false, standard = true, backward = true;
@@ -181,6 +182,10 @@ static const std::vector<Flag>& flags() {
         {"--heads", "N", true, "heads (default 16)", &Options::heads},
         {"--seq", "N", true, "query length q_len (default 2048)", &Options::seq},
         {"--kv-seq", "N", true, "key/value length kv_len (default: --seq)", &Options::kv_seq},
+        {"--kv-heads", "N", true,
+         "K/V heads, a divisor of --heads (grouped-query attention; 1: multi-query;\n"
+         "                  default: --heads); no standard baseline then (it has none)",
+         &Options::kv_heads},
         {"--dim", "N", true, "head_dim, one of " + flash_head_dims_string() + " (default 64)",
          &Options::dim, 1, [](Options& o, const char* v) {
              if (flash_head_dim_supported(o.dim)) return std::string();
@@ -292,6 +297,9 @@ static bool parse_args(int argc, char** argv, Options& opt, bool* help) {
         return false;
     }
     if (opt.kv_seq == 0) opt.kv_seq = opt.seq;
+    // Standard attention (standard.cu) reads one K/V head a query head: grouped heads run flash
+    // alone (run_demo says so).
+    if (opt.kv_heads != 0 && opt.kv_heads != opt.heads) opt.standard = false;
     return true;
 }
 
@@ -713,8 +721,10 @@ static bool check_against_reference(const RowResult& r, const Tensors<T>& t) {
     const bool backward = r.flash_bwd.ran;
     const size_t bh = size_t(s.batch) * s.heads, d = s.head_dim;
     const size_t nq = size_t(s.q_len) * d, nkv = size_t(s.kv_len) * d, nl = s.q_len;
+    const size_t group = size_t(s.heads / flash_kv_heads(s));  // query heads a K/V head (GQA)
     AttentionShape one = s;
     one.batch = one.heads = 1;
+    one.kv_heads = 0;
     std::vector<size_t> heads = {0};
     if (bh > 1) heads.push_back(bh - 1);
     printf("check against the CPU reference (double accumulation, on the %s inputs), tolerance\n  ",
@@ -729,8 +739,9 @@ static bool check_against_reference(const RowResult& r, const Tensors<T>& t) {
     fflush(stdout);  // the CPU reference takes a while on long sequences: say what is running
     bool all_ok = true;
     for (size_t head : heads) {
-        const auto q = copy_head(t.Q, head, nq), k = copy_head(t.K, head, nkv);
-        const auto v = copy_head(t.V, head, nkv);
+        // Query head `head` reads K/V head head / group (b H + h -> b H_kv + h / group).
+        const auto q = copy_head(t.Q, head, nq), k = copy_head(t.K, head / group, nkv);
+        const auto v = copy_head(t.V, head / group, nkv);
         std::vector<float> o(nq), l(nl), dout, dq(nq), dk(nkv), dv(nkv);
         attention_reference(q.data(), k.data(), v.data(), o.data(), l.data(), one);
         if (backward) {  // from the reference's own O and L: an independent witness
@@ -756,8 +767,10 @@ static bool check_against_reference(const RowResult& r, const Tensors<T>& t) {
                    standard ? l_tol + kRoundoffsO * u * scale_of(l) : l_tol);
             if (standard ? r.std_bwd.ran : backward) {
                 report("dQ", max_error(m.dQ, head, dq), grad_rel * scale_of(dq));
-                report("dK", max_error(m.dK, head, dk), grad_rel * scale_of(dk));
-                report("dV", max_error(m.dV, head, dv), grad_rel * scale_of(dv));
+                if (group == 1) {  // grouped: dK, dV sum the group (test_flash "[gqa]" checks)
+                    report("dK", max_error(m.dK, head, dk), grad_rel * scale_of(dk));
+                    report("dV", max_error(m.dV, head, dv), grad_rel * scale_of(dv));
+                }
             }
             printf("  %s\n", ok ? "ok" : "FAIL");
             all_ok = all_ok && ok;
@@ -997,10 +1010,17 @@ static int run_demo(const Bench& b, const Dtype& dt) {
     const Options& opt = b.opt;
     const FlashTile tile = forward_tile(b.prop, opt.dim, opt.tile_bc, dt);
     const int batch = opt.batch > 0 ? opt.batch : default_batch(b.prop, opt, tile);
-    const AttentionShape s{batch, opt.heads, opt.seq, opt.kv_seq, opt.dim, opt.causal};
+    const AttentionShape s{batch, opt.heads, opt.seq, opt.kv_seq, opt.dim, opt.causal,
+                           opt.kv_heads};
     validate_shape(s);
     printf("shape: batch %d, heads %d, q_len %d, kv_len %d, head_dim %d, causal %d, %s\n",
            s.batch, s.heads, s.q_len, s.kv_len, s.head_dim, int(s.causal), dt.name);
+    const bool grouped = flash_kv_heads(s) != s.heads;
+    if (grouped)
+        printf("grouped-query attention: %d K/V heads, %d query heads each; no standard "
+               "baseline (standard.cu reads a K/V head a query head); the CPU check covers O, L "
+               "and dQ (dK, dV sum a group: test_flash \"[gqa]\" checks them)\n",
+               flash_kv_heads(s), s.heads / flash_kv_heads(s));
     print_tiles(b.prop, s.head_dim, opt.tile_bc, dt, opt.backward);
     printf("timing: median of %d timed runs after warm-up (CUDA events)\n"
            "TFLOP/s counts 4 * head_dim FLOPs per (query, key) pair the mask lets through, per\n"
@@ -1012,6 +1032,16 @@ static int run_demo(const Bench& b, const Dtype& dt) {
     const bool check = macs_per_head <= kMaxCheckMacs;
     bool ok = true;
     list_rows<T>(b, dt, {s}, 0, [&](const RowResult& r, const Tensors<T>& t) {
+        // The tensors themselves (what GQA shrinks): Q, O (and dO, dQ) at every query head; K, V
+        // (and dK, dV) at the K/V heads; L.
+        const double per_q = double(q_elems(s)) * sizeof(T);
+        const double per_kv = double(kv_elems(s)) * sizeof(T);
+        const int n = opt.backward ? 4 : 2;  // tensors of each kind
+        printf("tensors: %.1f MiB: Q, O%s %.1f MiB each; K, V%s %.1f MiB each (%d K/V heads for "
+               "%d query heads); L %.1f MiB\n",
+               (n * (per_q + per_kv) + l_elems(s) * sizeof(float)) / kMiB,
+               opt.backward ? ", dO, dQ" : "", per_q / kMiB, opt.backward ? ", dK, dV" : "",
+               per_kv / kMiB, flash_kv_heads(s), s.heads, l_elems(s) * sizeof(float) / kMiB);
         printf("extra memory = device memory beyond inputs and outputs, measured (cudaMemGetInfo\n"
                "  and the memory pool's high watermark, so rounded up to allocation granularity)."
                "\n  Expected:\n  flash forward 0");
@@ -1071,10 +1101,11 @@ static std::string what_would_run(const Options& opt) {
         return std::string("the FlashAttention-2 benchmark protocol (") +
                (opt.dtype ? opt.dtype->name : "fp32, fp16 and bf16") + ")";
     char shape[200];
-    snprintf(shape, sizeof shape, "%s flash attention %s, %s%d heads, seq %d%s, head_dim %d, "
+    snprintf(shape, sizeof shape, "%s flash attention %s, %s%d heads%s, seq %d%s, head_dim %d, "
              "causal %d", (opt.dtype ? opt.dtype : kDtypes)->name,
              opt.backward ? "forward and backward" : "forward",
              opt.batch ? ("batch " + std::to_string(opt.batch) + ", ").c_str() : "", opt.heads,
+             opt.kv_heads ? (" (" + std::to_string(opt.kv_heads) + " K/V)").c_str() : "",
              opt.seq,
              opt.kv_seq != opt.seq ? (", kv_seq " + std::to_string(opt.kv_seq)).c_str() : "",
              opt.dim, int(opt.causal));

@@ -78,9 +78,8 @@ void validate_shape(const AttentionShape& s, HeadDims supported, size_t elem_byt
     require(s.kv_heads >= 0 && s.kv_heads <= s.heads && (s.kv_heads == 0 || s.heads % s.kv_heads == 0),
             "shape.kv_heads = " + std::to_string(s.kv_heads) + " is invalid; allowed values: 0 " +
                 "(= heads) or a divisor of heads = " + std::to_string(s.heads));
-    // Not yet: no kernel reads a K/V head for a group of query heads (chapter 4 will).
-    require(flash_kv_heads(s) == s.heads, "shape.kv_heads = " + std::to_string(s.kv_heads) +
-                                              " is not supported yet; allowed values: 0 or heads");
+    // (Grouped-query attention: query head h reads K/V head h / (heads / kv_heads); every
+    // chapter's kernels do, forward and backward.)
     // Q and O run along q_len, K and V along kv_len: bytes = batch * heads * len * head_dim *
     // elem_bytes, each product checked. (L, batch * heads * q_len floats, is smaller than Q.)
     const size_t bh = mul_checked(s.batch, s.heads, "batch * heads");

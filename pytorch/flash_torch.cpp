@@ -41,9 +41,11 @@ static std::string dims(const torch::Tensor& t) {
     return out + ")";
 }
 
-// The shape of q (B, H, q_len, d) and k (B, H, kv_len, d), after checking what flash.h cannot
+// The shape of q (B, H, q_len, d) and k (B, H_kv, kv_len, d), after checking what flash.h cannot
 // see: that every tensor is a contiguous 4-D CUDA tensor of one dtype on one device, and that
 // the sizes agree (flash.h's own checks then name anything out of range, e.g. the head dim).
+// Grouped-query attention as SDPA's enable_gqa=True: k and v may have H_kv heads, a divisor of
+// q's H; query head h then reads K/V head h / (H / H_kv).
 static AttentionShape shape_of(const char* fn, const std::vector<torch::Tensor>& ts,
                                const std::vector<std::string>& names, bool causal) {
     const torch::Tensor& q = ts[0];
@@ -60,9 +62,12 @@ static AttentionShape shape_of(const char* fn, const std::vector<torch::Tensor>&
         for (int64_t size : ts[i].sizes())
             if (size > INT_MAX) fail(what + " is " + dims(ts[i]) + ": a size exceeds INT_MAX");
     }
-    if (k.size(0) != q.size(0) || k.size(1) != q.size(1) || k.size(3) != q.size(3))
+    if (k.size(0) != q.size(0) || k.size(3) != q.size(3))
         fail(std::string(fn) + ": q is " + dims(q) + " and k is " + dims(k) +
-             ": batch, heads and head_dim must match");
+             ": batch and head_dim must match");
+    if (k.size(1) < 1 || q.size(1) % k.size(1) != 0)  // (a k of 0 heads is no kv_heads = 0)
+        fail(std::string(fn) + ": q is " + dims(q) + " and k is " + dims(k) +
+             ": k's heads must divide q's (grouped-query attention: H a multiple of H_kv)");
     for (size_t i = 0; i < ts.size(); i++) {
         if (ts[i].scalar_type() != q.scalar_type())
             fail(std::string(fn) + ": " + names[i] + " is " + name(ts[i].scalar_type()) +
@@ -70,10 +75,10 @@ static AttentionShape shape_of(const char* fn, const std::vector<torch::Tensor>&
         const torch::Tensor& like = names[i] == "k" || names[i] == "v" ? k : q;
         if (ts[i].sizes() != like.sizes())
             fail(std::string(fn) + ": " + names[i] + " is " + dims(ts[i]) + ", expected " +
-                 dims(like) + " (k and v: (B, H, kv_len, d); q, o, do: (B, H, q_len, d))");
+                 dims(like) + " (k and v: (B, H_kv, kv_len, d); q, o, do: (B, H, q_len, d))");
     }
     return AttentionShape{int(q.size(0)), int(q.size(1)), int(q.size(2)), int(k.size(2)),
-                          int(q.size(3)), causal};
+                          int(q.size(3)), causal, int(k.size(1))};
 }
 
 // Calls f with the tensors' element type: float, __half or __nv_bfloat16.

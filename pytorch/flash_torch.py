@@ -4,9 +4,12 @@
     o = flash_attention(q, k, v, causal=True)            # differentiable: o.backward(...) works
     o, lse = flash_attention_with_lse(q, k, v)           # lse: (batch, heads, q_len), float32
 
-q: (batch, heads, q_len, head_dim), k and v: (batch, heads, kv_len, head_dim), CUDA tensors of
-one dtype: float32 (chapter 1's kernels, CUDA cores), float16 or bfloat16 (chapter 2's, tensor
-cores, compute capability 8.0 or newer); head_dim 16, 32, 64, 96, 128 or 256; any lengths. The
+q: (batch, heads, q_len, head_dim), k and v: (batch, kv_heads, kv_len, head_dim), CUDA tensors of
+one dtype (kv_heads a divisor of heads: grouped-query attention, kv_heads = 1 multi-query, as
+F.scaled_dot_product_attention's enable_gqa=True; query head h reads K/V head
+h // (heads // kv_heads), and dk, dv sum over the query heads that share a K/V head): float32
+(chapter 1's kernels, CUDA cores), float16 or bfloat16 (chapter 2's, tensor cores, compute
+capability 8.0 or newer); head_dim 16, 32, 64, 96, 128 or 256; any lengths. The
 scale is 1/sqrt(head_dim), as in F.scaled_dot_product_attention.
 
 The causal mask is bottom-right aligned, as in FlashAttention-2 >= 2.1: query i sees key j iff

@@ -15,6 +15,7 @@ Without torch (>= flash_torch.MIN_TORCH, built with CUDA), a CUDA GPU, nvcc or n
 skips, the reason in one line. A kernel or binding that does not compile is an error, not a skip.
 """
 import math
+import re
 
 import pytest
 
@@ -449,13 +450,93 @@ def bad(**kw):
     (bad(q=torch.randn(2, 8, 64, device="cuda", dtype=torch.float16)), ["4-D"]),
     (bad(v=torch.randn(1, 2, 9, 64, device="cuda", dtype=torch.float16)), ["v", "expected"]),
     (bad(k=torch.randn(1, 3, 8, 64, device="cuda", dtype=torch.float16)), ["heads"]),
+    (bad(q=torch.randn(1, 6, 8, 64, device="cuda", dtype=torch.float16),
+         k=torch.randn(1, 4, 8, 64, device="cuda", dtype=torch.float16),
+         v=torch.randn(1, 4, 8, 64, device="cuda", dtype=torch.float16)), ["heads", "divide"]),
+    (bad(k=torch.randn(1, 0, 8, 64, device="cuda", dtype=torch.float16),
+         v=torch.randn(1, 0, 8, 64, device="cuda", dtype=torch.float16)), ["heads"]),
+    (bad(q=torch.randn(1, 4, 8, 64, device="cuda", dtype=torch.float16),
+         k=torch.randn(1, 2, 8, 64, device="cuda", dtype=torch.float16),
+         v=torch.randn(1, 1, 8, 64, device="cuda", dtype=torch.float16)), ["v", "expected"]),
     (bad(**{n: torch.randn(1, 2, 8, 48, device="cuda", dtype=torch.float16)
             for n in "qkv"}), ["head_dim", "16, 32, 64, 96, 128, 256"]),
     (bad(**{n: torch.randn(1, 2, 8, 48, device="cuda") for n in "qkv"}), ["head_dim"]),
-], ids=["cpu", "float64", "mixed-dtype", "3-D", "v-length", "heads", "head_dim-16bit",
-        "head_dim-fp32"])
+], ids=["cpu", "float64", "mixed-dtype", "3-D", "v-length", "heads", "gqa-not-a-divisor",
+        "gqa-no-kv-heads", "gqa-v-heads", "head_dim-16bit", "head_dim-fp32"])
 def test_bad_input_raises_value_error_with_the_message(args, words):
     with pytest.raises(ValueError) as e:
         flash_attention(**args)
     for w in words:
         assert w in str(e.value), f"{str(e.value)!r} does not name {w!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped-query attention (GQA) and multi-query attention (MQA): k and v with fewer heads than q,
+# heads a multiple, against F.scaled_dot_product_attention(..., enable_gqa=True) (torch >= 2.5).
+
+_TORCH = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+needs_enable_gqa = pytest.mark.skipif(
+    _TORCH < (2, 5), reason=f"torch {torch.__version__} has no scaled_dot_product_attention("
+    "enable_gqa=True), which the GQA tests compare against: it is new in torch 2.5")
+
+# (batch, heads, kv_heads, q_len, kv_len): groups 1, 2, 4, 8 and MQA, odd lengths, q_len != kv_len
+# both ways (causal with q_len > kv_len is left out: SDPA gives NaN in rows that see no key).
+GQA_SHAPES = [(2, 4, 4, 33, 33), (2, 8, 4, 100, 137), (1, 8, 2, 37, 100), (2, 8, 1, 129, 129),
+              (1, 6, 3, 65, 200), (2, 3, 1, 17, 17)]
+
+
+@needs_enable_gqa
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", GQA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa_matches_sdpa_with_enable_gqa(dtype, d, shape, causal):
+    """o, dq, dk, dv of the op with k, v of kv_heads heads against SDPA's enable_gqa=True in
+    float64 (math backend; causal: the bottom-right mask as a boolean attn_mask), lse against the
+    float64 reference on k, v repeated to every head. dk, dv sum over the group: their bound's
+    terms that count summed terms (sqrt(q_len): fp32's accumulation, and the floor) count
+    group * q_len of them (tests/test_gqa.cpp derives the same)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b, h, h_kv, nq, nk = shape
+    group = h // h_kv
+    label = f"{str(dtype).split('.')[-1]} GQA B,H,H_kv,Nq,Nk={shape} d={d} causal={causal}"
+    g = torch.Generator(device="cuda").manual_seed(hash((d, shape, causal)) % 2**31)
+    q = torch.randn(b, h, nq, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(b, h_kv, nk, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(b, h_kv, nk, d, device="cuda", generator=g).to(dtype)
+    do = torch.randn(b, h, nq, d, device="cuda", generator=g).to(dtype)
+    q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+    o, lse = flash_attention_with_lse(q_, k_, v_, causal=causal)
+    o.backward(do)
+    assert k_.grad.shape == k.shape and v_.grad.shape == v.shape, label
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        mask = sees(nq, nk, q.device) if causal else None
+        want_o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True)
+    want_o.backward(do.double())
+    # lse (SDPA gives none) from the float64 reference on k, v repeated to every query head.
+    kx, vx = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    _, want_lse, _ = reference(q, kx, vx, causal)
+    grad_rel, floor = check_against_reference(label, dtype, q, kx, vx, do, o, lse, want_o.detach(),
+                                              want_lse.detach(), [("dq", q_.grad, qd.grad)])
+    grow = (1 if dtype == torch.float32 else 8) * 32 * 2.0 ** -24 * (
+        math.sqrt(group * nq) - math.sqrt(nq))
+    for name, got, want in [("dk", k_.grad, kd.grad), ("dv", v_.grad, vd.grad)]:
+        assert got.dtype == dtype, f"{label}: {name} {got.dtype}"
+        check(name, got, want, (grad_rel + grow) * want.abs().max().item() +
+              floor * math.sqrt(group), label)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_gqa_gradients_are_bitwise_deterministic(dtype):
+    """dk, dv sum over each group in a fixed order (no atomics): three runs, the same bits."""
+    q, do = (torch.randn(2, 8, 300, 64, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, 257, 64, device="cuda", dtype=dtype) for _ in range(2))
+    runs = []
+    for _ in range(3):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        flash_attention(q_, k_, v_, causal=True).backward(do)
+        runs.append((q_.grad, k_.grad, v_.grad))
+    for again in runs[1:]:
+        for name, x, y in zip(("dq", "dk", "dv"), runs[0], again):
+            assert torch.equal(x, y), f"GQA {dtype}: {name} changed between identical runs"

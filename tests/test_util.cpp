@@ -19,8 +19,9 @@
 std::string describe(const AttentionShape& s) {
     std::ostringstream os;
     os << "shape (b=" << s.batch << ", h=" << s.heads << ", q_len=" << s.q_len
-       << ", kv_len=" << s.kv_len << ", d=" << s.head_dim << ", causal=" << (s.causal ? 1 : 0)
-       << ")";
+       << ", kv_len=" << s.kv_len << ", d=" << s.head_dim << ", causal=" << (s.causal ? 1 : 0);
+    if (s.kv_heads != 0) os << ", kv_heads=" << s.kv_heads;  // grouped K/V heads (GQA)
+    os << ")";
     return os.str();
 }
 
@@ -34,6 +35,8 @@ uint32_t seed_of(const AttentionShape& s, uint32_t salt) {
         h ^= static_cast<uint32_t>(v);
         h *= 16777619u;
     }
+    // Grouped K/V heads (GQA) mixed in only where set, so every other shape keeps its seed.
+    if (s.kv_heads != 0) h = (h ^ static_cast<uint32_t>(s.kv_heads)) * 16777619u;
     return h;
 }
 
@@ -165,7 +168,7 @@ Layout q_layout(const AttentionShape& s, size_t first_bh) {
     return {s.heads, s.q_len, s.head_dim, "i", first_bh};
 }
 Layout kv_layout(const AttentionShape& s, size_t first_bh) {
-    return {s.heads, s.kv_len, s.head_dim, "j", first_bh};
+    return {flash_kv_heads(s), s.kv_len, s.head_dim, "j", first_bh};  // K/V heads (GQA)
 }
 Layout l_layout(const AttentionShape& s, size_t first_bh) {
     return {s.heads, s.q_len, 1, "i", first_bh};

@@ -130,7 +130,8 @@ struct Format16 {
 // =============================================================================================
 // Shapes and random inputs
 
-// "shape (b=2, h=3, q_len=5, kv_len=7, d=16, causal=1)": how every failure names its shape.
+// "shape (b=2, h=3, q_len=5, kv_len=7, d=16, causal=1)": how every failure names its shape
+// (", kv_heads=1" before the ")" where the shape groups its K/V heads).
 std::string describe(const AttentionShape& s);
 
 // Rows at the top of each head that see no key: with causal masking and q_len > kv_len, query i
