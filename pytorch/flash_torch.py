@@ -47,7 +47,8 @@ _ROOT = os.path.dirname(_HERE)  # the repository root: flash.h and the chapters'
 # The library the extension links, relative to the repository root: each chapter's kernels (the
 # Makefile's LIB_OBJS) and every C++ or CUDA source in lib/ (what the chapters share). A library
 # source that lives elsewhere is added to this list, the one place that names them.
-LIBRARY_SOURCES = ["flash.cu", "flash_fp16.cu", "flash_hopper.cu"]
+LIBRARY_SOURCES = ["flash.cu", "flash_fp16.cu", "flash_hopper.cu", "flash_hopper_backward.cu",
+                   "flash_decode.cu"]
 INCLUDE_DIRS = [".", "lib"]
 
 
