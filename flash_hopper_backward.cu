@@ -106,8 +106,8 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
          *kv_full = empty + Stages;                    // full[s], empty[s] of stage s; K_j, V_j
     __shared__ int ticket;
     if (threadIdx.x == 0) {
+        mbar_init(kv_full, 1);                         // before init_barriers' fence covers it
         init_barriers(full, empty, Stages, 4 * C, 32);  // full: the producer warp's 32 lanes
-        mbar_init(kv_full, 1);
         ticket = atomicAdd(next_ticket, 1);
     }
     __syncthreads();
