@@ -36,7 +36,18 @@
 constexpr int kBwdConsumers = 2, kBwdBr = 64, kBwdStages = 2;
 __host__ __device__ constexpr int bwd_split(int d) { return d == 256 ? 2 : 1; }
 __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bwd_split(d); }
-constexpr int kBwdProducerRegs = 32, kBwdConsumerRegs = 240;  // 128 (32 + 2 x 240) = 65536
+// Registers a thread, set with setmaxnreg (the forward's pair at two consumers, as FlashAttention-3
+// has it). setmaxnreg only moves registers within the block's own: its 384 threads start with 168
+// each (65536 / 384, rounded down to a multiple of 8: ptxas -v), 64512 in all, and
+// 128 (24 + 2 x 240) = 64512. A producer keeping 32 gives back 1024 fewer than the consumers ask:
+// their setmaxnreg.inc then waits for them for ever, and every launch hangs.
+constexpr int kBwdProducerRegs = 24, kBwdConsumerRegs = 240;
+constexpr int kBwdThreads = kWarpgroup * (kBwdConsumers + 1);
+static_assert(kWarpgroup * (kBwdProducerRegs + kBwdConsumers * kBwdConsumerRegs) <=
+                      kBwdThreads * (65536 / kBwdThreads / 8 * 8) &&
+                  kBwdProducerRegs >= 24 && kBwdConsumerRegs <= 256 &&
+                  kBwdProducerRegs % 8 == 0 && kBwdConsumerRegs % 8 == 0,
+              "setmaxnreg asks for more registers than the block starts with");
 
 // The ordered add (chapter 2's, NOTES.md section 14): wait_turn lets a warp on once the turn
 // counter says every block before it has added to this dQ_i (lane 0 polls with a relaxed load,
@@ -75,7 +86,7 @@ __device__ __forceinline__ void keep(const uint32_t (&a)[K][4]) {
 // of Q_i and dO_i (Br rows), each as blocks of 64 columns in the 128-byte swizzle; dS^T (Bc x Br,
 // swizzled as TMA would) twice; the stages' L_i and D_i; the mbarriers.
 template <typename T, int D, int Split>
-__global__ void __launch_bounds__(kWarpgroup * (kBwdConsumers + 1), 1)
+__global__ void __launch_bounds__(kBwdThreads, 1)
 flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                              const __grid_constant__ CUtensorMap K,
                              const __grid_constant__ CUtensorMap V,
@@ -95,8 +106,8 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
          *kv_full = empty + Stages;                    // full[s], empty[s] of stage s; K_j, V_j
     __shared__ int ticket;
     if (threadIdx.x == 0) {
+        mbar_init(kv_full, 1);                         // before init_barriers' fence covers it
         init_barriers(full, empty, Stages, 4 * C, 32);  // full: the producer warp's 32 lanes
-        mbar_init(kv_full, 1);
         ticket = atomicAdd(next_ticket, 1);
     }
     __syncthreads();
@@ -397,7 +408,7 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
             flash_backward_hopper_dot_kernel<T, D>
                 <<<grid(rows * (D / 8)), 256, 0, stream>>>(O, dO, Dsum, rows);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
-            kernel<<<blocks, kWarpgroup * (kBwdConsumers + 1), bytes, stream>>>(
+            kernel<<<blocks, kBwdThreads, bytes, stream>>>(
                 Qm, Km, Vm, dOm, L, Dsum, dQacc, turn, turn + turns, dK, dV, s.q_len, s.kv_len,
                 s.causal, Tc, BH, s.heads / flash_kv_heads(s), HG, scale_log2_for(D));
             if ((err = cudaGetLastError()) != cudaSuccess) return err;

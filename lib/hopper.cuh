@@ -85,8 +85,10 @@ __device__ __forceinline__ void load_tile(T* to, const CUtensorMap& map, int fir
 }
 
 // setmaxnreg (PTX ISA, "Miscellaneous Instructions: setmaxnreg"): a warpgroup gives back registers
-// (inc = false) or takes them (true) up to R a thread. The block starts with 65536 / its threads
-// (168 a thread with 2 consumers, 128 with 3) and the sums stay within 65536.
+// (inc = false) or takes them (true) up to R a thread, from and to a pool of the block's own. The
+// block starts with 65536 / its threads, rounded down to a multiple of 8 (168 a thread with 2
+// consumers, 384 threads: 64512 in all; 128 with 3), and the sums must stay within that start, not
+// within 65536: an inc that the decs have not paid for waits for ever (a hang).
 template <bool Inc, int R>
 __device__ __forceinline__ void setmaxnreg() {
     if constexpr (Inc) HOPPER_ONLY(asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)));
