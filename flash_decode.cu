@@ -49,9 +49,9 @@ __host__ __device__ constexpr int decode_Bc(int D) { return D <= 128 ? 64 : 32; 
 // Mistral) take the 4-row kernel, which fits 128 registers a thread, so that 2 blocks (16 warps)
 // share an SM; the 8-row kernel needs more and runs 1 block an SM.
 __host__ __device__ constexpr int decode_blocks_per_sm(int kR) { return kR <= 4 ? 2 : 1; }
-// Warp-loads of K and of V a lane issues before it waits for the first (the unrolling below):
-// 4 at kR = 4, 2 at kR = 8 (registers again).
-__host__ __device__ constexpr int decode_unroll(int kR) { return kR <= 4 ? 4 : 2; }
+// Warp-loads of K and of V a lane issues before it waits for the first (the unrolling below): 4
+// (8 of 16 bytes a lane in flight; kR = 8 then takes ~250 registers, no spill).
+constexpr int kUnroll = 4;
 
 // Shared memory of a block: the end's merge of its warps, kSplitWarps partial (O, m, l) of kR rows.
 __host__ __device__ constexpr size_t decode_shared_bytes(int D, int kR) {
@@ -101,7 +101,8 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y) {
 //    registers, 16 bytes a lane. Lane layout: kLanesPerKey = D / 8 lanes share a key row, 8
 //    elements each (d = 128: 16 lanes, so one warp-load brings 2 rows, 512 bytes).
 //  - Each lane issues all kU loads of K and of V of an iteration before it uses the first, so a
-//    warp has kU * 1 KiB on its way (4 KiB at kR = 4), a block 8 times that, 16 warps an SM 64 KiB.
+//    warp has kU * 1 KiB = 4 KiB on its way, a block 32 KiB, an SM 64 KiB (kR = 4: 2 blocks; the
+//    8-row kernel, 1 block, 32 KiB).
 //  - q . k: each lane multiplies its 8 elements with Q's (held in registers, fp32, pre-scaled by
 //    log2(e) / sqrt(d) so that the scores are in log2 units and exp is exp2), then the
 //    kLanesPerKey lanes of the key add their sums with log2(kLanesPerKey) __shfl_xor_sync steps.
@@ -119,7 +120,7 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     constexpr int Bc = decode_Bc(D);
     constexpr int kLanesPerKey = D / 8;                    // 8, 16, 32 at d = 64, 128, 256
     constexpr int kKeysPerLoad = 32 / kLanesPerKey;        // key rows a warp-load brings: 4, 2, 1
-    constexpr int kU = decode_unroll(kR);                  // warp-loads in flight an iteration
+    constexpr int kU = kUnroll;                            // warp-loads in flight an iteration
     constexpr int kWarpKeys = kU * kKeysPerLoad;           // keys a warp takes an iteration
     static_assert(D % 8 == 0 && 32 % kLanesPerKey == 0, "a key row is whole 16-byte lanes");
     extern __shared__ __align__(16) float merge[];
