@@ -20,8 +20,9 @@
 // 4 d flops a query row (2 d for q.k, 2 d for p v). At R rows a block that is R flops a byte; an
 // H100 moves ~3.3 TB/s and does ~60 Tflop/s of fp32 FMA, 18 flops a byte, so up to R = 8 rows the
 // CUDA cores keep up with memory and tensor cores would buy nothing. Hence: no mma here, fp32 all
-// the way (S, P and O), and the effort goes into keeping bytes in flight: 16-byte cp.async copies,
-// kStages tiles of K and V under way per block, a few blocks an SM.
+// the way (S, P and O), and the effort goes into keeping bytes in flight: each warp loads its own
+// keys straight into registers, 16 bytes a lane, several loads issued before the first is used,
+// 16 warps an SM (the split kernel's comment has the arithmetic).
 #include "checks.h"
 #include "flash.h"
 #include "log2_units.h"
@@ -32,59 +33,49 @@
 #include <string>
 #include <type_traits>
 
-// cp.async needs compute capability 8.0; an older target compiles the kernels to a trap, and the
-// launcher refuses such GPUs before anything runs (as chapter 2 does).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define DECODE_SM80_ASM(...) __trap()
-#pragma nv_diag_suppress 177
-#else
-#define DECODE_SM80_ASM(...) asm volatile(__VA_ARGS__)
-#endif
-
 namespace {
 
-constexpr int kThreads = 128;  // 4 warps a block
-constexpr int kWarps = kThreads / 32;
-constexpr int kRows = 8;       // query rows a block: group * q_len rows are cut into blocks of 8
-// K/V tiles in shared memory: kStages - 1 in flight while one is used. An experiment knob, as
-// chapter 2's FLASH_FP16_PAD (make clean all DEFINES=-DFLASH_DECODE_STAGES=2): 2 stages take 70
-// KiB a block at d = 128 instead of 110, the split rule (from the shared memory) follows.
-#ifndef FLASH_DECODE_STAGES
-#define FLASH_DECODE_STAGES 3
-#endif
-constexpr int kStages = FLASH_DECODE_STAGES;
-static_assert(kStages >= 2, "a tile in flight while one is used");
-constexpr int kPad = 8;        // elements of padding a shared-memory row (bank conflicts: below)
-static_assert(kRows % kWarps == 0, "each warp owns kRows / kWarps rows' softmax statistics");
+constexpr int kThreads = 128;                    // the combine kernel's block
+constexpr int kSplitThreads = 256;               // the split kernel's block: 8 warps
+constexpr int kSplitWarps = kSplitThreads / 32;
+constexpr int kRows = 8;  // query rows a block: group * q_len rows are cut into blocks of 8
 
-// Keys a tile: 64 up to d = 128, 32 at d = 256, so a stage (K and V) is 16 to 33 KiB.
+// Keys a tile, the unit the splits are counted in (flash_decode_choose_splits): 64 up to d = 128,
+// 32 at d = 256.
 __host__ __device__ constexpr int decode_Bc(int D) { return D <= 128 ? 64 : 32; }
-// The threads that share one key's dot products (each a slice of d): kThreads / Bc.
-__host__ __device__ constexpr int decode_parts(int D) { return kThreads / decode_Bc(D); }
 
-// Shared memory of a block: kStages tiles of K and of V (rows padded), the block's Q rows (fp32,
-// pre-scaled), the partial scores S (one slice a part), and a float per row twice (alpha, 1/l).
-__host__ __device__ constexpr size_t decode_shared_bytes(int D) {
-    return size_t(2) * kStages * decode_Bc(D) * (D + kPad) * 2 +  // K, V tiles (2-byte elements)
-           sizeof(float) * (size_t(kRows) * D +                    // Q
-                            size_t(decode_parts(D)) * kRows * decode_Bc(D) +  // S parts, then P
-                            2 * kRows);                            // alpha, 1/l
+// The split kernel is compiled for blocks of at most kR rows, kR = 4 or 8 (its registers hold Q
+// and O of kR rows): the smallest that holds min(8, group * q_len). Groups of 4 at q_len 1 (Llama,
+// Mistral) take the 4-row kernel, which fits 128 registers a thread, so that 2 blocks (16 warps)
+// share an SM; the 8-row kernel needs more and runs 1 block an SM.
+__host__ __device__ constexpr int decode_blocks_per_sm(int kR) { return kR <= 4 ? 2 : 1; }
+// Warp-loads of K and of V a lane issues before it waits for the first (the unrolling below): 4
+// (8 of 16 bytes a lane in flight; kR = 8 then takes ~250 registers, no spill).
+constexpr int kUnroll = 4;
+
+// Shared memory of a block: the end's merge of its warps, kSplitWarps partial (O, m, l) of kR rows.
+__host__ __device__ constexpr size_t decode_shared_bytes(int D, int kR) {
+    return sizeof(float) * kSplitWarps * (size_t(kR) * D + 2 * kR);
 }
 
-// Two elements of T as two floats; 8 elements (16 bytes) as eight.
+// Two elements of T as two floats; 8 elements (16 bytes, as loaded) as eight.
 __device__ __forceinline__ float2 float2_of(__half2 h) { return __half22float2(h); }
 __device__ __forceinline__ float2 float2_of(__nv_bfloat162 h) { return __bfloat1622float2(h); }
 template <typename T>
-__device__ __forceinline__ void eight_floats(const T* p, float* f) {
+__device__ __forceinline__ void eight_floats(uint4 raw, float* f) {
     using T2 = typename std::conditional<std::is_same<T, __half>::value, __half2,
                                          __nv_bfloat162>::type;
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
     const T2* pairs = reinterpret_cast<const T2*>(&raw);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const float2 v = float2_of(pairs[k]);
         f[2 * k] = v.x, f[2 * k + 1] = v.y;
     }
+}
+// 16 bytes from global memory through the read-only path (K, V and Q are never written here).
+template <typename T>
+__device__ __forceinline__ uint4 load16(const T* p) {
+    return __ldg(reinterpret_cast<const uint4*>(p));
 }
 template <typename T>
 __device__ __forceinline__ void store_pair(T* p, float x, float y) {
@@ -94,61 +85,48 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y) {
         *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
 }
 
-// Keys [first, first + Bc) of one K/V head (len keys, rows of D) into a shared tile, 16 bytes per
-// cp.async; keys at or past len are zero-filled (source size 0): a padding row of V must be 0, not
-// garbage, since P = 0 times a NaN is NaN.
-template <int D, typename T>
-__device__ __forceinline__ void load_tile_async(T* tile, const T* src, int first, int len) {
-    constexpr int Bc = decode_Bc(D);
-    for (int x = threadIdx.x; x < Bc * D / 8; x += kThreads) {
-        const int row = x / (D / 8), col = x % (D / 8) * 8;
-        const bool inside = first + row < len;
-        const unsigned to = unsigned(__cvta_generic_to_shared(tile + row * (D + kPad) + col));
-        DECODE_SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to),
-                        "l"(src + size_t(inside ? first + row : 0) * D + col),
-                        "r"(inside ? 16 : 0));
-    }
-}
-__device__ __forceinline__ void commit() { DECODE_SM80_ASM("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void wait_until_in_flight() {
-    DECODE_SM80_ASM("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // ---------------------------------------------------------------------------------------------
 // The split kernel: block (b, kv head, split, chunk) runs the forward loop of FlashAttention-2
 // (Algorithm 1, lines 5-12: S = Q K_j^T, m, P~ = exp(S - m), l, O rescaled and += P~ V_j) for the
-// rows [chunk * kRows, +kRows) of its K/V group over the key tiles of its split, and writes
-// O_s = O / l and L_s = m + log l (line 12-13, per split). blockIdx.x = chunk + chunks * (split +
-// splits * (kv head + kv_heads * b)): the chunks of one split (rows beyond 8 of a large group)
-// are neighbours, so the second reads the split's K and V from L2.
+// rows [chunk * kRows, +kRows) of its K/V group over the keys of its split, and writes O_s = O / l
+// and L_s = m + log l (lines 12-13, per split). blockIdx.x = chunk + chunks * (split + splits *
+// (kv head + kv_heads * b)): the chunks of one split (rows beyond 8 of a large group) are
+// neighbours, so the second reads the split's K and V from L2.
 //
-// Thread layouts, each chosen for conflict-free shared memory:
-//  S = Q K^T: thread t takes key t % Bc and slice t / Bc of d (a warp: 32 keys, one slice, so Q's
-//    element is one broadcast and the 32 K rows, 272 bytes apart at d = 128, fall in distinct
-//    banks); the slices' sums meet in shared memory.
-//  softmax: warp w owns rows w, w + kWarps, ...: their m and l live in its registers.
-//  O += P V: thread t owns columns 2 (t % (D/2)) and +1 of rows t / (D/2) + k (256 / D) (a warp
-//    reads 32 consecutive pairs of one V row).
-// (__launch_bounds__'s 2: two blocks an SM, which is what shared memory allows at d = 128; without
-// it nvcc 13 held the kernel to 64 registers and spilled.)
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2)
+// Decode reads every byte of K and V once and does little with it, so the loop is built to keep
+// many bytes on their way from memory (bandwidth x latency: ~4 TB/s x ~1 us = ~4 MB over the
+// GPU, ~32 KiB an SM) and to spend few instructions on each:
+//  - No shared memory and no __syncthreads in the loop: every warp takes keys of its own (the
+//    split's keys dealt out kWarpKeys at a time, warp after warp) and loads them straight into
+//    registers, 16 bytes a lane. Lane layout: kLanesPerKey = D / 8 lanes share a key row, 8
+//    elements each (d = 128: 16 lanes, so one warp-load brings 2 rows, 512 bytes).
+//  - Each lane issues all kU loads of K and of V of an iteration before it uses the first, so a
+//    warp has kU * 1 KiB = 4 KiB on its way, a block 32 KiB, an SM 64 KiB (kR = 4: 2 blocks; the
+//    8-row kernel, 1 block, 32 KiB).
+//  - q . k: each lane multiplies its 8 elements with Q's (held in registers, fp32, pre-scaled by
+//    log2(e) / sqrt(d) so that the scores are in log2 units and exp is exp2), then the
+//    kLanesPerKey lanes of the key add their sums with log2(kLanesPerKey) __shfl_xor_sync steps.
+//  - Each group of kLanesPerKey lanes keeps its own online softmax (m, l and its 8 columns of O,
+//    for every row): no exchange between key rows in the loop, one rescale per kU keys.
+//  - At the end the partials meet through the same logsumexp identity as the combine's: first the
+//    groups of a warp (shuffles), then the warps (shared memory, in warp order: deterministic).
+template <typename T, int D, int kR>
+__global__ void __launch_bounds__(kSplitThreads, decode_blocks_per_sm(kR))
 flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, float* __restrict__ Os,
                           float* __restrict__ Ls, int heads, int kv_heads, int q_len, int kv_len,
                           bool causal, int splits, int chunks, int tiles_per_split,
                           float scale_log2) {
-    constexpr int Bc = decode_Bc(D), kParts = decode_parts(D), kSlice = D / kParts;
-    constexpr int kRowGroups = kThreads / (D / 2), kRowsPerThread = kRows / kRowGroups;
-    static_assert(kSlice % 8 == 0 && kRows % kRowGroups == 0, "layouts");
-    extern __shared__ __align__(16) unsigned char shared[];
-    T* Ks = reinterpret_cast<T*>(shared);                           // [kStages][Bc][D + kPad]
-    T* Vs = Ks + kStages * Bc * (D + kPad);                         // [kStages][Bc][D + kPad]
-    float* Qs = reinterpret_cast<float*>(Vs + kStages * Bc * (D + kPad));  // [kRows][D]
-    float* Ss = Qs + kRows * D;           // [kParts][kRows][Bc]: partial scores; part 0 then P
-    float* alpha_s = Ss + kParts * kRows * Bc;  // [kRows]: the tile's rescale exp(m_old - m_new)
-    float* inv_l = alpha_s + kRows;             // [kRows]: 1 / l at the end (0 where l = 0)
+    constexpr int Bc = decode_Bc(D);
+    constexpr int kLanesPerKey = D / 8;                    // 8, 16, 32 at d = 64, 128, 256
+    constexpr int kKeysPerLoad = 32 / kLanesPerKey;        // key rows a warp-load brings: 4, 2, 1
+    constexpr int kU = kUnroll;                            // warp-loads in flight an iteration
+    constexpr int kWarpKeys = kU * kKeysPerLoad;           // keys a warp takes an iteration
+    static_assert(D % 8 == 0 && 32 % kLanesPerKey == 0, "a key row is whole 16-byte lanes");
+    extern __shared__ __align__(16) float merge[];
+    float* Ow = merge;                          // [kSplitWarps][kR][D]: each warp's O
+    float* mw = Ow + kSplitWarps * kR * D;      // [kSplitWarps][kR]: its m
+    float* lw = mw + kSplitWarps * kR;          // [kSplitWarps][kR]: its l
 
     int id = blockIdx.x;
     const int chunk = id % chunks;
@@ -158,7 +136,7 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const int kvh = id % kv_heads, b = id / kv_heads;
     const int group = heads / kv_heads;
     const int row0 = chunk * kRows;  // the block's first row of the group's group * q_len
-    const int R = min(kRows, group * q_len - row0);
+    const int R = min(kRows, group * q_len - row0);  // <= kR: the launcher's choice of kR
     // The group's rows are contiguous in Q, O and L: heads kvh * group .. +group - 1, q_len rows
     // each. Row r of the block is query i = (row0 + r) % q_len of its head.
     const size_t first_row = (size_t(b) * heads + size_t(kvh) * group) * q_len + row0;
@@ -166,158 +144,156 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const T* Kh = K + (size_t(b) * kv_heads + kvh) * size_t(kv_len) * D;
     const T* Vh = V + (size_t(b) * kv_heads + kvh) * size_t(kv_len) * D;
 
-    // This split's key tiles: [tile0, tile_end), a whole number of Bc-key tiles (none for a split
-    // past the last key).
+    // This split's keys: [k0, k1), a whole number of Bc-key tiles (none for a split past the
+    // last key); the last tile stops at kv_len.
     const int tiles = (kv_len + Bc - 1) / Bc;
     const int tile0 = min(split * tiles_per_split, tiles);  // no overflow: launcher bounds it
-    const int n = min(tile0 + tiles_per_split, tiles) - tile0;
-
-    // Start the first kStages - 1 tiles on their way, then stage Q (as fp32, times
-    // log2(e) / sqrt(d): scores come out in log2 units, the exponentials as exp2).
-    for (int st = 0; st < kStages - 1; ++st) {
-        if (st < n) {
-            load_tile_async<D>(Ks + st * Bc * (D + kPad), Kh, (tile0 + st) * Bc, kv_len);
-            load_tile_async<D>(Vs + st * Bc * (D + kPad), Vh, (tile0 + st) * Bc, kv_len);
-        }
-        commit();
-    }
-    for (int e = threadIdx.x; e < R * D; e += kThreads)
-        Qs[e] = float(Q[first_row * D + e]) * scale_log2;
+    const int k0 = tile0 * Bc, k1 = min(min(tile0 + tiles_per_split, tiles) * Bc, kv_len);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float m[kRows / kWarps], l[kRows / kWarps];  // rows warp + k * kWarps: max and sum (log2)
-#pragma unroll
-    for (int k = 0; k < kRows / kWarps; ++k) m[k] = -INFINITY, l[k] = 0.f;
-    const int col = 2 * (threadIdx.x % (D / 2)), rg = threadIdx.x / (D / 2);
-    float acc[kRowsPerThread][2] = {};  // O (unnormalised) of rows rg + k * kRowGroups
+    const int g = lane / kLanesPerKey;       // which key row of a warp-load is this lane's
+    const int c0 = lane % kLanesPerKey * 8;  // its 8 columns of d
 
-    for (int it = 0; it < n; ++it) {
-        // Tile it has landed (for every thread: the barrier), and every thread is done with the
-        // buffer the next copy overwrites (tile it - 1's).
-        wait_until_in_flight<kStages - 2>();
-        __syncthreads();
-        const int next = it + kStages - 1;
-        if (next < n) {
-            load_tile_async<D>(Ks + next % kStages * Bc * (D + kPad), Kh, (tile0 + next) * Bc,
-                               kv_len);
-            load_tile_async<D>(Vs + next % kStages * Bc * (D + kPad), Vh, (tile0 + next) * Bc,
-                               kv_len);
+    // The lane's slice of Q (fp32, times log2(e) / sqrt(d)), its group's running m and l (log2
+    // units), its slice of O (unnormalised), and each row's key bound: row r counts key j iff
+    // j < end[r] (kv_len, the causal mask: query i sees j <= flash_last_key(i, ...), and the
+    // split's end). Rows past R are zeros, computed and never written.
+    float q[kR][8], o[kR][8], m[kR], l[kR];
+    int end[kR];
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+        m[r] = -INFINITY, l[r] = 0.f, end[r] = k1;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) q[r][e] = 0.f, o[r][e] = 0.f;
+        if (r < R) {
+            eight_floats<T>(load16(Q + (first_row + r) * D + c0), q[r]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) q[r][e] *= scale_log2;
+            if (causal) end[r] = min(k1, flash_last_key((row0 + r) % q_len, q_len, kv_len) + 1);
         }
-        commit();  // (an empty group near the end keeps the wait's count right)
-        const T* Kt = Ks + it % kStages * Bc * (D + kPad);
-        const T* Vt = Vs + it % kStages * Bc * (D + kPad);
-        const int key0 = (tile0 + it) * Bc;
+    }
 
-        {  // S = Q K_j^T (line 8), slice `part` of d for key jj, every row at once
-            const int jj = threadIdx.x % Bc, part = threadIdx.x / Bc;
-            float s[kRows] = {};
+    // The loop over this warp's keys: iteration it takes keys [base, base + kWarpKeys), base =
+    // k0 + (it * kSplitWarps + warp) * kWarpKeys, so the block's 8 warps read neighbouring rows.
+    // (base is the same for every lane: the loop, and the shuffles in it, are warp-uniform.)
+    for (int base = k0 + warp * kWarpKeys; base < k1; base += kSplitWarps * kWarpKeys) {
+        // 1. Every load of the iteration first (K and V, 16 bytes a lane each), then the math:
+        //    the loads' latencies overlap. A key at or past k1 is not read; its K and V are 0.
+        uint4 Kraw[kU], Vraw[kU];
 #pragma unroll
-            for (int c = 0; c < kSlice; c += 8) {
-                float kf[8];
-                eight_floats(Kt + jj * (D + kPad) + part * kSlice + c, kf);
-#pragma unroll
-                for (int r = 0; r < kRows; ++r)
-                    if (r < R) {
-                        const float4 q0 = *reinterpret_cast<const float4*>(
-                            Qs + r * D + part * kSlice + c);
-                        const float4 q1 = *reinterpret_cast<const float4*>(
-                            Qs + r * D + part * kSlice + c + 4);
-                        s[r] += q0.x * kf[0] + q0.y * kf[1] + q0.z * kf[2] + q0.w * kf[3] +
-                                q1.x * kf[4] + q1.y * kf[5] + q1.z * kf[6] + q1.w * kf[7];
-                    }
+        for (int u = 0; u < kU; ++u) {
+            const int j = base + u * kKeysPerLoad + g;
+            Kraw[u] = Vraw[u] = make_uint4(0, 0, 0, 0);
+            if (j < k1) {
+                Kraw[u] = load16(Kh + size_t(j) * D + c0);
+                Vraw[u] = load16(Vh + size_t(j) * D + c0);
             }
-#pragma unroll
-            for (int r = 0; r < kRows; ++r)
-                if (r < R) Ss[(part * kRows + r) * Bc + jj] = s[r];
         }
-        __syncthreads();
 
-        // Online softmax (lines 9-10): the slices summed in a fixed order, the causal mask
-        // (bottom-right: query i sees key j iff j <= flash_last_key(i, ...)) and kv_len applied,
-        // m_new = max(m, rowmax S), P~ = exp2(S - m_new), l = exp2(m - m_new) l + rowsum P~.
+        // 2. S = Q K_j^T (line 8): 8 products a lane, summed over the key's lanes by a butterfly
+        //    of shuffles (every lane of the key ends with the same sum, bit for bit), then the
+        //    mask: -inf where the row does not count key j.
+        float S[kU][kR];
 #pragma unroll
-        for (int k = 0; k < kRows / kWarps; ++k) {
-            const int r = warp + k * kWarps;
-            if (r >= R) continue;  // warp-uniform
-            const int i = (row0 + r) % q_len;
-            const int last = causal ? flash_last_key(i, q_len, kv_len) : kv_len - 1;
-            float s[Bc / 32], tile_max = -INFINITY;
+        for (int u = 0; u < kU; ++u) {
+            const int j = base + u * kKeysPerLoad + g;
+            float Kf[8];
+            eight_floats<T>(Kraw[u], Kf);
 #pragma unroll
-            for (int u = 0; u < Bc / 32; ++u) {
-                const int jj = lane + 32 * u, j = key0 + jj;
-                float sum = 0.f;
+            for (int r = 0; r < kR; ++r) {
+                float dot = 0.f;
 #pragma unroll
-                for (int part = 0; part < kParts; ++part) sum += Ss[(part * kRows + r) * Bc + jj];
-                s[u] = j < kv_len && j <= last ? sum : -INFINITY;
-                tile_max = fmaxf(tile_max, s[u]);
+                for (int e = 0; e < 8; ++e) dot += q[r][e] * Kf[e];
+#pragma unroll
+                for (int off = kLanesPerKey / 2; off > 0; off /= 2)
+                    dot += __shfl_xor_sync(0xffffffffu, dot, off);
+                S[u][r] = j < end[r] ? dot : -INFINITY;
             }
+        }
+
+        // 3. Online softmax (lines 9-10), once for the kU keys of this lane's group: m_new = max(m,
+        //    S), P~ = exp2(S - m_new), l = exp2(m - m_new) l + rowsum P~, O rescaled by the same.
 #pragma unroll
-            for (int off = 16; off > 0; off /= 2)
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
-            const float m_new = fmaxf(m[k], tile_max);
+        for (int r = 0; r < kR; ++r) {
+            float m_new = m[r];
+#pragma unroll
+            for (int u = 0; u < kU; ++u) m_new = fmaxf(m_new, S[u][r]);
             // A row that has seen no key yet has m_new = -inf: subtract 0 instead, so that
             // exp2(-inf - -inf) = NaN never happens (P~ = exp2(-inf) = 0, alpha = 0 * 0).
             const float m_use = m_new == -INFINITY ? 0.f : m_new;
-            float tile_sum = 0.f;
+            const float alpha = exp2_ftz(m[r] - m_use);
+            l[r] *= alpha;
 #pragma unroll
-            for (int u = 0; u < Bc / 32; ++u) {
-                const float p = exp2_ftz(s[u] - m_use);
-                Ss[r * Bc + lane + 32 * u] = p;  // part 0's slot: P~, for O += P~ V below
-                tile_sum += p;
+            for (int e = 0; e < 8; ++e) o[r][e] *= alpha;
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
+                S[u][r] = exp2_ftz(S[u][r] - m_use);  // S becomes P~
+                l[r] += S[u][r];
             }
-#pragma unroll
-            for (int off = 16; off > 0; off /= 2)
-                tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, off);
-            const float alpha = exp2_ftz(m[k] - m_use);
-            l[k] = alpha * l[k] + tile_sum;
-            m[k] = m_new;
-            if (lane == 0) alpha_s[r] = alpha;
+            m[r] = m_new;
         }
-        __syncthreads();
 
-        // O = diag(alpha) O + P~ V_j (line 10), 4 keys at a time (P~ as one float4).
+        // 4. O += P~ V_j (line 10): the lane's 8 columns, each row, each key.
 #pragma unroll
-        for (int k = 0; k < kRowsPerThread; ++k) {
-            const int r = rg + k * kRowGroups;
-            if (r < R) acc[k][0] *= alpha_s[r], acc[k][1] *= alpha_s[r];
-        }
-        for (int jj = 0; jj < Bc; jj += 4) {
-            float2 v[4];
+        for (int u = 0; u < kU; ++u) {
+            float Vf[8];
+            eight_floats<T>(Vraw[u], Vf);
 #pragma unroll
-            for (int u = 0; u < 4; ++u)
-                v[u] = float2_of(*reinterpret_cast<const typename std::conditional<
-                                     std::is_same<T, __half>::value, __half2,
-                                     __nv_bfloat162>::type*>(Vt + (jj + u) * (D + kPad) + col));
+            for (int r = 0; r < kR; ++r)
 #pragma unroll
-            for (int k = 0; k < kRowsPerThread; ++k) {
-                const int r = rg + k * kRowGroups;
-                if (r >= R) continue;
-                const float4 p = *reinterpret_cast<const float4*>(Ss + r * Bc + jj);
-                acc[k][0] += p.x * v[0].x + p.y * v[1].x + p.z * v[2].x + p.w * v[3].x;
-                acc[k][1] += p.x * v[0].y + p.y * v[1].y + p.z * v[2].y + p.w * v[3].y;
-            }
+                for (int e = 0; e < 8; ++e) o[r][e] += S[u][r] * Vf[e];
         }
     }
 
-    // The split's results (lines 12-13 over this split's keys): L_s = (m + log2 l) ln 2 in
-    // natural log (-inf where the row saw no key of this split: l = 0), O_s = O / l (0 there).
+    // The warp's kKeysPerLoad groups merge, pairwise by shuffles (NOTES chapter 4's identity with
+    // two parts): m = max(m_a, m_b), l = exp2(m_a - m) l_a + exp2(m_b - m) l_b, and O alike.
 #pragma unroll
-    for (int k = 0; k < kRows / kWarps; ++k) {
-        const int r = warp + k * kWarps;
-        if (r < R && lane == 0) {
-            Ls[size_t(split) * rows_total + first_row + r] =
-                l[k] > 0.f ? (m[k] + log2f(l[k])) * kLn2 : -INFINITY;
-            inv_l[r] = l[k] > 0.f ? 1.f / l[k] : 0.f;
+    for (int off = kLanesPerKey; off < 32; off *= 2) {
+#pragma unroll
+        for (int r = 0; r < kR; ++r) {
+            const float m_b = __shfl_xor_sync(0xffffffffu, m[r], off);
+            const float l_b = __shfl_xor_sync(0xffffffffu, l[r], off);
+            const float m_new = fmaxf(m[r], m_b);
+            const float m_use = m_new == -INFINITY ? 0.f : m_new;  // both empty: weights 0
+            const float a = exp2_ftz(m[r] - m_use), w = exp2_ftz(m_b - m_use);
+            l[r] = a * l[r] + w * l_b;
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                o[r][e] = a * o[r][e] + w * __shfl_xor_sync(0xffffffffu, o[r][e], off);
+            m[r] = m_new;
+        }
+    }
+    // The warp's (m, l, O), from its first group's lanes, into shared memory.
+    if (lane < kLanesPerKey) {
+#pragma unroll
+        for (int r = 0; r < kR; ++r) {
+            float* dst = Ow + (warp * kR + r) * D + c0;
+            *reinterpret_cast<float4*>(dst) = make_float4(o[r][0], o[r][1], o[r][2], o[r][3]);
+            *reinterpret_cast<float4*>(dst + 4) = make_float4(o[r][4], o[r][5], o[r][6], o[r][7]);
+            if (lane == 0) mw[warp * kR + r] = m[r], lw[warp * kR + r] = l[r];
         }
     }
     __syncthreads();
+
+    // The warps merge, in warp order, and the split's results are written (lines 12-13 over this
+    // split's keys): O_s = O / l (0 where the rows saw no key of this split: l = 0), L_s = (m +
+    // log2 l) ln 2 in natural log (-inf there).
+    for (int x = threadIdx.x; x < R * D; x += kSplitThreads) {
+        const int r = x / D, c = x % D;
+        float m_all = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < kRowsPerThread; ++k) {
-        const int r = rg + k * kRowGroups;
-        if (r >= R) continue;
-        float2 o{acc[k][0] * inv_l[r], acc[k][1] * inv_l[r]};
-        *reinterpret_cast<float2*>(Os + ((size_t(split) * rows_total + first_row + r) * D + col)) =
-            o;
+        for (int w = 0; w < kSplitWarps; ++w) m_all = fmaxf(m_all, mw[w * kR + r]);
+        const float m_use = m_all == -INFINITY ? 0.f : m_all;
+        float l_all = 0.f, o_all = 0.f;
+#pragma unroll
+        for (int w = 0; w < kSplitWarps; ++w) {
+            const float a = exp2_ftz(mw[w * kR + r] - m_use);
+            l_all += a * lw[w * kR + r];
+            o_all += a * Ow[(w * kR + r) * D + c];
+        }
+        const size_t out = size_t(split) * rows_total + first_row + r;
+        Os[out * D + c] = l_all > 0.f ? o_all / l_all : 0.f;
+        if (c == 0) Ls[out] = l_all > 0.f ? (m_all + log2f(l_all)) * kLn2 : -INFINITY;
     }
 }
 
@@ -356,10 +332,16 @@ flash_decode_combine_kernel(const float* __restrict__ Os, const float* __restric
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-size_t shared_bytes_for(int head_dim) {
+// The split kernel's rows a block (kR = 4 or 8, see decode_blocks_per_sm) for this shape.
+int rows_kernel_for(const AttentionShape& s) {
+    const int rows = std::min(kRows, s.heads / flash_kv_heads(s) * s.q_len);
+    return rows <= 4 ? 4 : 8;
+}
+// Shared memory of a split block at this head dim (the 8-row kernel's, the larger, when kR is 0).
+size_t shared_bytes_for(int head_dim, int kR = 8) {
     size_t bytes = 0;
     dispatch_head_dim<kFlashDecodeHeadDims>(head_dim, [&](auto dim) {
-        bytes = decode_shared_bytes(decltype(dim)::value);
+        bytes = decode_shared_bytes(decltype(dim)::value, kR);
     });
     return bytes;
 }
@@ -381,7 +363,7 @@ void require_decode_shape(const AttentionShape& s, const char* fn) {
 void require_decode_device(const cudaDeviceProp& prop, int head_dim, const char* fn) {
     if (prop.major < 8)
         throw std::runtime_error(std::string(fn) + " needs a GPU of compute capability 8.0 or " +
-                                 "newer (cp.async); " + prop.name + " is " +
+                                 "newer; " + prop.name + " is " +
                                  std::to_string(prop.major) + "." + std::to_string(prop.minor));
     if (shared_bytes_for(head_dim) > prop.sharedMemPerBlockOptin)
         throw std::runtime_error(std::string(fn) + ": device " + prop.name + " has too little " +
@@ -413,11 +395,16 @@ void decode_launch(const T* Q, const T* K, const T* V, T* O, float* L, const Att
         cudaError_t err = cudaSuccess;
         dispatch_head_dim<kFlashDecodeHeadDims>(s.head_dim, [&](auto dim) {
             constexpr int D = decltype(dim)::value;
-            auto split_kernel = flash_decode_split_kernel<T, D>;
-            allow_shared(split_kernel, decode_shared_bytes(D));
-            split_kernel<<<blocks, kThreads, decode_shared_bytes(D), stream>>>(
-                Q, K, V, Os, Ls, s.heads, flash_kv_heads(s), s.q_len, s.kv_len, s.causal, splits,
-                chunks_of(s), tiles_per_split, scale_log2_for(D));
+            auto run_split = [&](auto kernel, size_t shared) {
+                allow_shared(kernel, shared);
+                kernel<<<blocks, kSplitThreads, shared, stream>>>(
+                    Q, K, V, Os, Ls, s.heads, flash_kv_heads(s), s.q_len, s.kv_len, s.causal,
+                    splits, chunks_of(s), tiles_per_split, scale_log2_for(D));
+            };
+            if (rows_kernel_for(s) == 4)
+                run_split(flash_decode_split_kernel<T, D, 4>, decode_shared_bytes(D, 4));
+            else
+                run_split(flash_decode_split_kernel<T, D, 8>, decode_shared_bytes(D, 8));
             err = cudaGetLastError();
             if (err != cudaSuccess) return;
             constexpr size_t kRowsPerBlock = kThreads / (D / 4);
@@ -449,14 +436,17 @@ void decode_call(const char* fn, const T* Q, const T* K, const T* V, T* O, float
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// The split rule (flash.h): enough blocks for about two waves of the GPU, each split whole tiles
-// and at least kMinTilesPerSplit of them (so that a split's fixed costs, its Q, its partial O_s
-// written and read again by the combine, stay small beside its K and V), never more splits than
-// that allows, at least 1.
+// The split rule (flash.h): enough blocks for about four waves of the GPU (a wave: the blocks
+// resident at once, 2 or 1 an SM as the registers of the kernel's kR allow; with four, the last
+// wave's idle SMs cost little), each split whole tiles and at least kMinTilesPerSplit of them (so
+// that a split's fixed costs, its Q, its partial O_s written and read again by the combine, stay
+// small beside its K and V), never more splits than that allows, at least 1.
 int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape& s) {
-    constexpr int kWaves = 2, kMinTilesPerSplit = 4;
-    const size_t per_block = shared_bytes_for(s.head_dim) + prop.reservedSharedMemPerBlock;
-    const int resident = std::max<int>(1, int(prop.sharedMemPerMultiprocessor / per_block));
+    constexpr int kWaves = 4, kMinTilesPerSplit = 4;
+    const int kR = rows_kernel_for(s);
+    const size_t per_block = shared_bytes_for(s.head_dim, kR) + prop.reservedSharedMemPerBlock;
+    const int resident = std::max<int>(
+        1, std::min<int>(decode_blocks_per_sm(kR), int(prop.sharedMemPerMultiprocessor / per_block)));
     const long long want = (long long)kWaves * prop.multiProcessorCount * resident;
     const long long units = (long long)s.batch * flash_kv_heads(s) * chunks_of(s);
     const int Bc = bc_for(s.head_dim);

@@ -15,6 +15,18 @@ echo "== build" | tee "$LOGS/build.log"
 timeout 300 make -j16 test_flash flash_decode_bench CPPFLAGS=-I.deps/include >>"$LOGS/build.log" 2>&1 \
     || { echo "build FAILED (tail of $LOGS/build.log):"; tail -30 "$LOGS/build.log"; exit 1; }
 
+echo "== ptxas: the split kernels' registers and spills at sm_90 (nvcc 13.0 gave: 4-row kernels 128"
+echo "   registers, 2 blocks an SM, 4-16 bytes spilled; 8-row kernels ~250, none)"
+probe=$(mktemp -d)
+timeout 120 nvcc -std=c++17 -O3 -I. -Ilib -arch=sm_90 -Xptxas -v -c flash_decode.cu \
+    -o "$probe/probe.o" >"$LOGS/ptxas.log" 2>&1 || echo "ptxas probe FAILED: see $LOGS/ptxas.log"
+rm -rf "$probe"
+awk '/Compiling entry function/ { n = match($0, /split_kernelI[^E]*ELi[0-9]+E/);
+                                  f = n ? substr($0, RSTART + 13, RLENGTH - 13) : "" }
+     /spill stores/ && f != "" { sp = $5 " B spilled" }
+     /Used [0-9]+ registers/ && f != "" { print "  " f ": " $5 " registers, " sp; f = "" }' \
+    "$LOGS/ptxas.log" | tee "$LOGS/ptxas-summary.txt"
+
 echo "== ./test_flash [decode]"
 timeout 150 ./test_flash "[decode]" >"$LOGS/test-decode.log" 2>&1
 tests=$?
@@ -36,6 +48,7 @@ timeout 150 python3 lab/decode-sdpa.py --csv "$LOGS/sdpa.csv" >"$LOGS/sdpa.log" 
 echo
 echo "================ summary"
 echo "tests [decode]: exit $tests; the rest of the default suite: exit $rest"
+grep -h "Li128ELi4E" "$LOGS/ptxas-summary.txt" | sed 's/^/ptxas d = 128, 4 rows: /' 
 grep -E "FAILED|failed" "$LOGS/test-decode.log" | head -5
 grep -E "test cases|assertions" "$LOGS/test-decode.log" | tail -2
 head -2 "$LOGS/decode-bench.log"
