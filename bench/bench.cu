@@ -91,6 +91,10 @@ struct FlashApi {
                        int Bc, cudaStream_t);
     void (*backward)(const T* Q, const T* K, const T* V, const T* O, const T* dO, const float* L,
                      T* dQ, T* dK, T* dV, const AttentionShape&, cudaStream_t);
+    // Chapter 2's forward and backward whatever the GPU (--chapter2; the _ampere calls), so that
+    // one Hopper times both chapters; nullptr for fp32 (chapter 1 has no other).
+    decltype(forward) forward_ch2;
+    decltype(backward) backward_ch2;
 };
 
 // One element type: what runs and how its results are read. `api`, its entry points, also names
@@ -116,16 +120,18 @@ static const Dtype kDtypes[] = {
      0, false, "FP32 peak", 0, 0, 2, flash_choose_tile, flash_choose_tile_backward,
      [](int, int) { return true; }, "its D buffer, B*H*q_len floats",
      [](const AttentionShape& s) { return l_elems(s) * sizeof(float); },
-     FlashApi<float>{flash_forward, flash_forward_bc, flash_backward}},
+     FlashApi<float>{flash_forward, flash_forward_bc, flash_backward, nullptr, nullptr}},
     {"fp16", "its tensor cores (fp16 mma.sync, fp32 sums)", 8, true, "FP16 tensor peak", 11, 1, 4,
      flash_choose_tile_fp16, flash_choose_tile_fp16_backward,
      [](int bc, int d) { return bc == 32 || bc == 64 || (bc == 128 && d <= 64); },
      "dQ in fp32, D, turn counters", flash_backward_fp16_scratch_bytes,
-     FlashApi<__half>{flash_forward_fp16, flash_forward_fp16_bc, flash_backward_fp16}},
+     FlashApi<__half>{flash_forward_fp16, flash_forward_fp16_bc, flash_backward_fp16,
+                      flash_forward_fp16_ampere, flash_backward_fp16_ampere}},
     {"bf16", "its tensor cores (bf16 mma.sync, fp32 sums)", 8, true, "BF16 tensor peak", 8, 1, 4,
      flash_choose_tile_fp16, flash_choose_tile_fp16_backward, nullptr,
      "dQ in fp32, D, turn counters", flash_backward_fp16_scratch_bytes,
-     FlashApi<__nv_bfloat16>{flash_forward_bf16, nullptr, flash_backward_bf16}},
+     FlashApi<__nv_bfloat16>{flash_forward_bf16, nullptr, flash_backward_bf16,
+                             flash_forward_bf16_ampere, flash_backward_bf16_ampere}},
 };
 
 // Calls f(T{}) with dt's C++ element type T, so that f can instantiate its templates at T.
@@ -156,6 +162,7 @@ struct Options {
     bool causal = true;
     int tile_bc = 0, repeat = 20;  // tile_bc 0: the device-derived Bc
     bool protocol = false, standard = true, backward = true;
+    bool chapter2 = false;  // --chapter2: the _ampere calls, chapter 2 on any GPU
     const Dtype* dtype = nullptr;  // --dtype; without it the demo runs fp32, --protocol each type
     std::string csv;
 };
@@ -233,6 +240,10 @@ static const std::vector<Flag>& flags() {
          [](Options& o, const char*) { o.standard = false; return std::string(); }},
         {"--no-backward", nullptr, false, "skip the backward pass", nullptr, 0,
          [](Options& o, const char*) { o.backward = false; return std::string(); }},
+        {"--chapter2", nullptr, false,
+         "fp16, bf16: chapter 2's kernels (the _ampere calls) even where chapter 3\n"
+         "                  runs (compute capability 9.0), to time the two side by side", nullptr, 0,
+         [](Options& o, const char*) { o.chapter2 = true; return std::string(); }},
     };
     return table;
 }
@@ -639,6 +650,9 @@ static RowResult bench_row(const Bench& b, const Dtype& dt, const AttentionShape
                            Tensors<T>& t, double budget_s, int repeat) {
     const FlashApi<T>& api = std::get<FlashApi<T>>(dt.api);
     const bool backward = b.opt.backward;
+    if (b.opt.chapter2 && !api.forward_ch2)
+        throw std::invalid_argument("--chapter2 needs --dtype fp16 or bf16 (fp32 is chapter 1)");
+    const bool ch2 = b.opt.chapter2;
     const double fwd_flops = forward_flops(s), bwd_flops = 2.5 * fwd_flops;
     Outputs<T> &f = t.flash, &st = t.standard;
     RowResult r;
@@ -655,12 +669,14 @@ static RowResult bench_row(const Bench& b, const Dtype& dt, const AttentionShape
     };
     measure(r.flash_fwd, MemProbe(), fwd_flops, 0, [&] {  // it leaves O, L for the backward
         if (b.opt.tile_bc > 0) api.forward_bc(t.Q, t.K, t.V, f.O, f.L, s, b.opt.tile_bc, 0);
+        else if (ch2) api.forward_ch2(t.Q, t.K, t.V, f.O, f.L, s, 0);
         else api.forward(t.Q, t.K, t.V, f.O, f.L, s, 0);
         LAUNCH_CHECK();
     });
     if (backward)
         measure(r.flash_bwd, MemProbe(), bwd_flops, 0, [&] {
-            api.backward(t.Q, t.K, t.V, f.O, t.dO, f.L, f.dQ, f.dK, f.dV, s, 0);
+            (ch2 ? api.backward_ch2 : api.backward)(t.Q, t.K, t.V, f.O, t.dO, f.L, f.dQ, f.dK, f.dV,
+                                                     s, 0);
             LAUNCH_CHECK();
         });
     if (!b.opt.standard) return r;
