@@ -108,8 +108,8 @@ GqaTolerances gqa_tolerances(const Problem<T>& m, const Outputs<float>& got,
     return t;
 }
 
-// Problem p (grouped) on the GPU: the forward of `kernel` (and with_gradients the backward, the
-// type's one kernel), every output poisoned with NaN first (GpuAttention), against the reference
+// Problem p (grouped) on the GPU: the forward of `kernel` (and with_gradients its backward: the
+// same chapter's), every output poisoned with NaN first (GpuAttention), against the reference
 // on repeated_kv(p). Returns the GPU's outputs.
 template <typename T>
 Outputs<float> check_gqa_on_gpu(const Problem<T>& p, bool with_gradients, Kernel kernel) {
@@ -120,7 +120,7 @@ Outputs<float> check_gqa_on_gpu(const Problem<T>& p, bool with_gradients, Kernel
                      << kernel.name() << "; " << group << " query heads a K/V head");
     GpuAttention<T> gpu(p);  // K, V (and dK, dV) of kv_elems(s): the grouped heads only
     gpu.forward(kernel);
-    if (with_gradients) gpu.backward();
+    if (with_gradients) gpu.backward(kernel);
     const Outputs<float> got = gpu.outputs(with_gradients);
     const Problem<T> m = repeated_kv(p);
     const Problem<Reference<T>> exact = converted<Reference<T>>(m);
@@ -142,8 +142,8 @@ Outputs<float> check_gqa_on_gpu(const Problem<T>& p, bool with_gradients, Kernel
     return got;
 }
 
-// The forward kernels of T to run: chapter 1's for fp32; for fp16 and bf16 chapter 2's, and
-// chapter 3's at its head dims on a GPU of compute capability 9.0 (hopper_or_warn says when not).
+// The kernels of T to run, forward and backward: chapter 1's for fp32; for fp16 and bf16 chapter
+// 2's, and chapter 3's at its head dims on a GPU of compute capability 9.0 (hopper_or_warn says when not).
 template <typename T>
 std::vector<Kernel> forward_kernels(int d) {
     if constexpr (std::is_same<T, float>::value) return {Kernel::public_call()};
@@ -169,12 +169,13 @@ TEMPLATE_TEST_CASE("GQA and MQA: the forward matches the reference on K and V re
 
 TEMPLATE_TEST_CASE("GQA and MQA: the backward matches the reference, dK and dV summed over each "
                    "group", "[gpu][gqa][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
-    // The public forward (for the kernels' own O and L), then the type's backward: chapter 1's or
-    // chapter 2's, whose blocks each run a (K/V head, K/V tile) over every query head of the group.
-    // d = 64 and 128 (fp32: 32 and 128); 256 in the next test.
+    // Each chapter's forward and backward (forward_kernels: chapter 1 for fp32; chapter 2, and 3
+    // on a Hopper), whose blocks each run a (K/V head, K/V tile) over every query head of the
+    // group. d = 64 and 128 (fp32: 32 and 128); 256 in the next test.
     const int d = GENERATE(values<int>({std::is_same<TestType, float>::value ? 32 : 64, 128}));
     const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, kGqaLengths)));
-    check_gqa_on_gpu(rounded_problem<TestType>(s, 4100), true, Kernel::public_call());
+    const auto p = rounded_problem<TestType>(s, 4100);
+    for (const Kernel& kernel : forward_kernels<TestType>(d)) check_gqa_on_gpu(p, true, kernel);
 }
 
 TEMPLATE_TEST_CASE("GQA at head dim 256 and on a longer sequence, forward and backward",
@@ -184,7 +185,8 @@ TEMPLATE_TEST_CASE("GQA at head dim 256 and on a longer sequence, forward and ba
     const AttentionShape s = GENERATE(AttentionShape{1, 8, 300, 257, 256, true, 2},
                                       AttentionShape{1, 8, 513, 700, 64, false, 2},
                                       AttentionShape{2, 4, 400, 400, 128, true, 1});
-    check_gqa_on_gpu(rounded_problem<TestType>(s, 4200), true, Kernel::public_call());
+    const auto p = rounded_problem<TestType>(s, 4200);
+    for (const Kernel& kernel : forward_kernels<TestType>(s.head_dim)) check_gqa_on_gpu(p, true, kernel);
 }
 
 TEMPLATE_TEST_CASE("GQA: O, L and dQ are bitwise those of multi-head attention on K and V repeated",
