@@ -250,8 +250,8 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             }
         wgmma_commit();
         wgmma_wait<0>(dV_j), written(dK_j);            // lines 12, 16 done: stage, A fragments free
-        keep(P), keep(dS);
-        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);
+        keep(P), keep(dS), __syncwarp();               // the warp's reads of L_i, D_i all done
+        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);  // before its one arrival
         // Every warpgroup's dS^T is in, and the last tile's dQ_i adds are issued: its turn passes
         // on (chapter 2: a step late, so that the release waits little).
         named_barrier(2, kWarpgroup * C);
