@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Chapter 4 on a GPU (issue 30, part 2: split-KV decoding): build, the [decode] tests, the decode
+# Chapter 4 on a GPU (split-KV decoding): build, the [decode] tests, the decode
 # benchmark at the floor's shapes (fp16, d = 128, 32 query heads over 8 K/V heads, q_len = 1,
 # kv_len 4k, 8k, 32k, 128k, batch 1, 8, 32) and SDPA at the same shapes, then a compact table.
 # About 4 minutes on an H100: the build, the [decode] tests, the rest of the default suite (about
