@@ -18,6 +18,7 @@
 #include "checks.h"
 #include "flash.h"
 #include "log2_units.h"
+#include "ordered_add.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -364,31 +365,8 @@ __device__ __forceinline__ void store_tile(T* out, float (*acc)[N / 8][4], float
                 pair_of<T>(acc_at(acc, r, 2 * n) * scale, acc_at(acc, r, 2 * n + 1) * scale);
 }
 
-// The ordered add (above). block_ticket: this block's place in the order, for every thread.
-__device__ __forceinline__ int block_ticket(int* next) {
-    __shared__ int ticket;
-    if (threadIdx.x == 0) ticket = atomicAdd(next, 1);
-    __syncthreads();
-    return ticket;
-}
-// Lane 0 spins until *turn == mine, then the warp goes on together. It polls with ld.relaxed (an
-// acquire load would invalidate the SM's L1 each time), then reads once more with ld.acquire
-// (PTX ISA, "Memory Consistency Model"): the adds the blocks before made, before they passed the
-// turn, are then in memory before any of ours.
-__device__ __forceinline__ void wait_turn(const int* turn, int mine) {
-    int now = mine - 1;
-    while (threadIdx.x % 32 == 0 && now != mine)
-        asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
-    if (threadIdx.x % 32 == 0)
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
-    __syncwarp();
-}
-// Passes the turn on (one thread, after a barrier that follows the block's adds); red.release:
-// every write ordered before it (the other threads' adds, through the barrier) lands first. The
-// release waits for them: a round trip to L2 for the thread's warp.
-__device__ __forceinline__ void pass_turn(int* turn) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
-}
+// The ordered add (above): block_ticket, wait_turn and pass_turn, in lib/ordered_add.cuh (chapter
+// 3's backward adds its dQ in the same order, with the same three).
 // One warp's tile of dQ_i (2M rows of 8 a thread, N columns) into dQacc, here at the thread's
 // first element (row g, column 2t; row stride D; `rows` rows from there to the tensor's end): the
 // first block in the order stores, the others add (a red: the add happens in L2, nothing comes
@@ -773,6 +751,50 @@ size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
     return BwdScratch(s).bytes();
 }
 
+// The passes around a backward kernel (lib/checks.h), chapter 3's too: the scratch as BwdScratch
+// lays it out, its turns and ticket zeroed, line 4 (D) before the kernel, dQ = dQacc / sqrt(d)
+// after it.
+template <typename T>
+static void backward_passes(const T* O, const T* dO, T* dQ, const AttentionShape& s,
+                            cudaStream_t stream, const BackwardKernel& kernel) {
+    const BwdScratch scratch(s);
+    const size_t rows = scratch.rows, turns = scratch.turns;
+    // Element-wise passes: 256 threads a block, at most 64 blocks an SM's worth (grid-stride).
+    const int sms = flash_device_props().multiProcessorCount;
+    const auto grid = [&](size_t n) { return int(std::min<size_t>((n + 255) / 256, 64 * sms)); };
+    dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
+        constexpr int D = decltype(dim)::value;
+        with_scratch(scratch.bytes(), stream, [&](void* memory) {  // laid out as BwdScratch says
+            BackwardScratch m;
+            m.dQacc = static_cast<float*>(memory);
+            m.turns = reinterpret_cast<int*>(m.dQacc + scratch.dq);
+            m.next_ticket = m.turns + turns;
+            m.D = reinterpret_cast<float*>(m.next_ticket + 1);
+            // Zero bytes are the int 0: cudaMemsetAsync is right here (it would not be for a
+            // float other than 0). dQacc needs no zeroing: each dQ_i's first block stores.
+            cudaError_t err = cudaMemsetAsync(m.turns, 0, (turns + 1) * sizeof(int), stream);
+            if (err != cudaSuccess) return err;
+            flash_backward_dot_fp16_kernel<T, D>
+                <<<grid(rows * dot_threads(D)), 256, 0, stream>>>(O, dO, m.D, rows);
+            if ((err = cudaGetLastError()) != cudaSuccess) return err;
+            if ((err = kernel(m)) != cudaSuccess) return err;
+            flash_backward_dq_fp16_kernel<T, D><<<grid(scratch.dq / 4), 256, 0, stream>>>(
+                m.dQacc, dQ, scratch.dq, s.q_len, s.kv_len, s.causal);
+            return cudaGetLastError();
+        });
+    });
+}
+void flash_backward_passes(const __half* O, const __half* dO, __half* dQ,
+                           const AttentionShape& s, cudaStream_t stream,
+                           const BackwardKernel& kernel) {
+    backward_passes(O, dO, dQ, s, stream, kernel);
+}
+void flash_backward_passes(const __nv_bfloat16* O, const __nv_bfloat16* dO, __nv_bfloat16* dQ,
+                           const AttentionShape& s, cudaStream_t stream,
+                           const BackwardKernel& kernel) {
+    backward_passes(O, dO, dQ, s, stream, kernel);
+}
+
 template <typename T, int D, int Bc, int Br>
 static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                  const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
@@ -784,34 +806,15 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     const int blocks = grid_blocks(kv_shape, s.kv_len, Bc, "kv_len");
     const int kv_group = s.heads / flash_kv_heads(s);  // query heads a K/V head (GQA)
     allow_shared(kernel, tile.shared_bytes);
-    const float scale_log2 = scale_log2_for(D);
-    const BwdScratch scratch(s);
-    const size_t rows = scratch.rows, turns = scratch.turns;
     // Every K/V tile of a head adds to a dQ_i after the one before it in the order: interleaving
     // heads' tiles keeps those of one head further apart in time, 4 without a mask; under the mask
     // 32, so that a wave holds few tiles of a head, all starting at its last Q tile (NOTES.md
     // section 14).
     const int group = s.causal ? 32 : 4;
-    // Element-wise passes: 256 threads a block, at most 64 blocks an SM's worth (grid-stride).
-    const int sms = flash_device_props().multiProcessorCount;
-    const auto grid = [&](size_t n) { return int(std::min<size_t>((n + 255) / 256, 64 * sms)); };
-    with_scratch(scratch.bytes(), stream, [&](void* memory) {  // laid out as BwdScratch says
-        float* dQacc = static_cast<float*>(memory);
-        int* turn = reinterpret_cast<int*>(dQacc + scratch.dq);
-        float* Dsum = reinterpret_cast<float*>(turn + turns + 1);
-        // Zero bytes are the int 0: cudaMemsetAsync is right here (it would not be for a float
-        // other than 0). dQacc needs no zeroing: each dQ_i's first block stores.
-        cudaError_t err = cudaMemsetAsync(turn, 0, (turns + 1) * sizeof(int), stream);
-        if (err != cudaSuccess) return err;
-        flash_backward_dot_fp16_kernel<T, D>
-            <<<grid(rows * dot_threads(D)), 256, 0, stream>>>(O, dO, Dsum, rows);
-        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    flash_backward_passes(O, dO, dQ, s, stream, [&](const BackwardScratch& m) {
         kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
-            Q, K, V, dO, L, Dsum, dQacc, turn, turn + turns, dK, dV, s.q_len, s.kv_len, s.causal,
-            Tc, s.batch * flash_kv_heads(s), group, kv_group, scale_log2);
-        if ((err = cudaGetLastError()) != cudaSuccess) return err;
-        flash_backward_dq_fp16_kernel<T, D><<<grid(scratch.dq / 4), 256, 0, stream>>>(
-            dQacc, dQ, scratch.dq, s.q_len, s.kv_len, s.causal);
+            Q, K, V, dO, L, m.D, m.dQacc, m.turns, m.next_ticket, dK, dV, s.q_len, s.kv_len,
+            s.causal, Tc, s.batch * flash_kv_heads(s), group, kv_group, scale_log2_for(D));
         return cudaGetLastError();
     });
 }

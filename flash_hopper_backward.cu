@@ -19,14 +19,14 @@
 #include "flash.h"
 #include "hopper.cuh"
 #include "log2_units.h"
+#include "ordered_add.cuh"  // block_ticket, wait_turn, pass_turn: chapter 2's
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
-#include <type_traits>
 
 // The tile. Q tiles of Br = 64 rows (one wgmma's M); two consumer warpgroups. Up to d = 128 each
 // owns 64 keys of a K/V tile of Bc = 128 and holds all d columns of their dK_j and dV_j (d floats a
@@ -49,21 +49,6 @@ static_assert(kWarpgroup * (kBwdProducerRegs + kBwdConsumers * kBwdConsumerRegs)
                   kBwdProducerRegs % 8 == 0 && kBwdConsumerRegs % 8 == 0,
               "setmaxnreg asks for more registers than the block starts with");
 
-// The ordered add (chapter 2's, NOTES.md section 14): wait_turn lets a warp on once the turn
-// counter says every block before it has added to this dQ_i (lane 0 polls with a relaxed load,
-// then reads once with acquire: their adds are then visible); pass_turn (red.release, one thread
-// after a barrier that follows the block's adds) hands the turn on.
-__device__ __forceinline__ void wait_turn(const int* turn, int mine) {
-    int now = mine - 1;
-    while (threadIdx.x % 32 == 0 && now != mine)
-        asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
-    if (threadIdx.x % 32 == 0)
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
-    __syncwarp();
-}
-__device__ __forceinline__ void pass_turn(int* turn) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
-}
 // Accumulators set by ordinary instructions (zeros) are written before this point, so that the
 // wgmma_fence after it covers them (else ptxas injects a fence of its own at every wgmma).
 template <int N>
@@ -104,13 +89,11 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     float* LD = reinterpret_cast<float*>(dS_s + 2 * Bc * Br);  // stage s: L_i, then D_i
     auto *full = reinterpret_cast<uint64_t*>(LD + Stages * 2 * Br), *empty = full + Stages,
          *kv_full = empty + Stages;                    // full[s], empty[s] of stage s; K_j, V_j
-    __shared__ int ticket;
     if (threadIdx.x == 0) {
         mbar_init(kv_full, 1);                         // before init_barriers' fence covers it
         init_barriers(full, empty, Stages, 4 * C, 32);  // full: the producer warp's 32 lanes
-        ticket = atomicAdd(next_ticket, 1);
     }
-    __syncthreads();
+    const int ticket = block_ticket(next_ticket);      // its barrier publishes the mbarriers too
     // Ticket -> (kv head, K/V tile j), chapter 2's order: heads in groups of HG, each group's tiles
     // from the right (causal: from the left, longest first), its heads taking turns. Line 5.
     const int head0 = ticket / (HG * Tc) * HG, heads = min(HG, BH - head0);
@@ -308,54 +291,6 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     }
 }
 
-// Line 4, before the kernel: D = rowsum(dO o O), fp32, over the B*H*q_len rows; d / 8 threads a
-// row, 16 bytes each, their sums meeting over shuffles (chapter 2's pass, at d = 64..256).
-template <typename T>
-__device__ __forceinline__ float2 float2_of_bits(uint32_t bits) {
-    if constexpr (std::is_same<T, __half>::value)
-        return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-    else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-}
-template <typename T, int D>
-__global__ void flash_backward_hopper_dot_kernel(const T* __restrict__ O, const T* __restrict__ dO,
-                                                 float* __restrict__ Dsum, size_t rows) {
-    constexpr int TPR = D / 8;                         // 8, 16 or 32: a warp holds whole rows
-    const size_t stride = size_t(gridDim.x) * blockDim.x / TPR;
-    // The warp's first row decides whether it goes on: all lanes stay together for the shuffles.
-    for (size_t q = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) / TPR;
-         q - q % (32 / TPR) < rows; q += stride) {
-        const int c = threadIdx.x % TPR * 8;
-        float sum = 0.f;
-        if (q < rows) {
-            const uint4 o = *reinterpret_cast<const uint4*>(O + q * D + c);
-            const uint4 g = *reinterpret_cast<const uint4*>(dO + q * D + c);
-            const uint32_t ob[4] = {o.x, o.y, o.z, o.w}, gb[4] = {g.x, g.y, g.z, g.w};
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float2 a = float2_of_bits<T>(ob[k]), b = float2_of_bits<T>(gb[k]);
-                sum += a.x * b.x + a.y * b.y;
-            }
-        }
-#pragma unroll
-        for (int x = TPR / 2; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
-        if (q < rows && c == 0) Dsum[q] = sum;
-    }
-}
-// After the kernel: dQ = dQacc / sqrt(d) in T, 4 elements a thread a step; a row that sees no key
-// (causal, q_len > kv_len) was never added to and gets 0.
-template <typename T, int D>
-__global__ void flash_backward_hopper_dq_kernel(const float* __restrict__ dQacc,
-                                                T* __restrict__ dQ, size_t elems, int q_len,
-                                                int kv_len, bool causal) {
-    for (size_t x = 4 * (blockIdx.x * size_t(blockDim.x) + threadIdx.x); x < elems;
-         x += 4 * size_t(gridDim.x) * blockDim.x) {
-        const bool seen = !causal || flash_last_key(int(x / D % q_len), q_len, kv_len) >= 0;
-        const float4 a = seen ? *reinterpret_cast<const float4*>(dQacc + x) : float4{};
-        const uint2 out{pair_bits<T>(a.x * rsqrtf(D), a.y * rsqrtf(D)),
-                        pair_bits<T>(a.z * rsqrtf(D), a.w * rsqrtf(D))};
-        *reinterpret_cast<uint2*>(dQ + x) = out;
-    }
-}
 #undef HOPPER_ONLY
 
 // ---------------------------------------------------------------------------------------------
@@ -370,9 +305,8 @@ static_assert(bwd_hopper_shared_bytes(64) <= 227 * 1024 &&
                   bwd_hopper_shared_bytes(256) <= 227 * 1024,
               "a block past 227 KiB");
 
-// The scratch, laid out as chapter 2's (flash_backward_fp16_scratch_bytes, the same on every
-// GPU): dQacc (B*H*q_len*d floats), the turns (B*H*ceil(q_len / 64) ints used of the
-// B*H*ceil(q_len / 32) there), the ticket, D (B*H*q_len floats).
+// The launch: chapter 2's passes around the kernel (flash_backward_passes, lib/checks.h: its
+// scratch, its D pass before, its dQ = dQacc / sqrt(d) after), the kernel between them.
 template <typename T>
 static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                    const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
@@ -386,34 +320,19 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
         kv_shape.heads = flash_kv_heads(s);
         const int blocks = grid_blocks(kv_shape, s.kv_len, Bc, "kv_len");
         const int Tc = (s.kv_len + Bc - 1) / Bc, BH = s.batch * flash_kv_heads(s);
-        const size_t rows = l_elems(s), q_heads = rows / s.q_len, dq = q_elems(s);
-        const size_t turns = q_heads * ((s.q_len + Br - 1) / Br);
+        const size_t q_heads = l_elems(s) / s.q_len;
         const CUtensorMap Qm = tensor_map(Q, q_heads, s.q_len, D, Br),
                           dOm = tensor_map(dO, q_heads, s.q_len, D, Br),
                           Km = tensor_map(K, size_t(BH), s.kv_len, D, Bc),
                           Vm = tensor_map(V, size_t(BH), s.kv_len, D, Bc);
         // Interleaving heads' tiles keeps one head's tiles apart in time (chapter 2's groups).
         const int HG = s.causal ? 32 : 4;
-        const int sms = flash_device_props().multiProcessorCount;
-        const auto grid = [&](size_t n) {
-            return int(std::min<size_t>((n + 255) / 256, 64 * sms));
-        };
-        with_scratch(flash_backward_fp16_scratch_bytes(s), stream, [&](void* memory) {
-            float* dQacc = static_cast<float*>(memory);
-            int* turn = reinterpret_cast<int*>(dQacc + dq);
-            float* Dsum = reinterpret_cast<float*>(turn + turns + 1);
-            // Zero bytes are the int 0; dQacc needs no zeroing: each dQ_i's first block stores.
-            cudaError_t err = cudaMemsetAsync(turn, 0, (turns + 1) * sizeof(int), stream);
-            if (err != cudaSuccess) return err;
-            flash_backward_hopper_dot_kernel<T, D>
-                <<<grid(rows * (D / 8)), 256, 0, stream>>>(O, dO, Dsum, rows);
-            if ((err = cudaGetLastError()) != cudaSuccess) return err;
+        // The kernel's turns: one a (query head, Q tile of 64), within the passes' B*H*ceil(q_len
+        // / 32).
+        flash_backward_passes(O, dO, dQ, s, stream, [&](const BackwardScratch& m) {
             kernel<<<blocks, kBwdThreads, bytes, stream>>>(
-                Qm, Km, Vm, dOm, L, Dsum, dQacc, turn, turn + turns, dK, dV, s.q_len, s.kv_len,
-                s.causal, Tc, BH, s.heads / flash_kv_heads(s), HG, scale_log2_for(D));
-            if ((err = cudaGetLastError()) != cudaSuccess) return err;
-            flash_backward_hopper_dq_kernel<T, D><<<grid(dq / 4), 256, 0, stream>>>(
-                dQacc, dQ, dq, s.q_len, s.kv_len, s.causal);
+                Qm, Km, Vm, dOm, L, m.D, m.dQacc, m.turns, m.next_ticket, dK, dV, s.q_len,
+                s.kv_len, s.causal, Tc, BH, s.heads / flash_kv_heads(s), HG, scale_log2_for(D));
             return cudaGetLastError();
         });
     });

@@ -5,7 +5,8 @@
 // everywhere else; flash_backward_fp16 / _bf16 the same, by the same rule (chapter 3's backward:
 // flash_hopper_backward.cu). Every other public call is one chapter's own and lives in it:
 // chapter 1's in flash.cu, chapter 2's (_ampere, _bc) in flash_fp16.cu, chapter 3's (_hopper) in
-// flash_hopper.cu and flash_hopper_backward.cu; no chapter calls another.
+// flash_hopper.cu and flash_hopper_backward.cu; no chapter calls another's public calls (chapter
+// 3's backward runs chapter 2's passes around its kernel, flash_backward_passes: lib/checks.h).
 //
 // Built with FLASH_NO_HOPPER (the Makefile sets it when nvcc has no sm_90a target, CUDA before
 // 12.0, and then leaves flash_hopper.cu out), chapter 2 runs on every GPU and chapter 3's own

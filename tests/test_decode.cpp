@@ -93,27 +93,52 @@ const std::vector<std::pair<int, int>> kGroups = {{3, 3}, {8, 2}, {16, 2}, {8, 1
 
 // q_len 1..8 (odd and even, the bound), kv_len from 1 past the tile edges (64 keys a tile at
 // d <= 128) to 4099, causal and not, every group, d = 128; batch 2 up to 1000 keys. The
-// reference's work stays under a second a type.
-std::vector<AttentionShape> decode_grid() {
+// reference's work, heads * q_len * kv_len * d and the K/V heads repeated to heads in double, is
+// mostly kv_len 4099's: the default run takes 4099 for every group at q_len 1 without the mask
+// (one query sees every key either way) and q_len 8 with it; `make stress` the rest of 4099
+// (stress = true).
+std::vector<AttentionShape> decode_grid(bool stress) {
     std::vector<AttentionShape> shapes;
     for (int q_len : {1, 2, 3, 5, 8})
         for (int kv_len : {1, 5, 63, 64, 65, 1000, 4099})
             for (const auto& g : kGroups)
-                for (bool causal : {false, true})
+                for (bool causal : {false, true}) {
+                    const bool in_default =
+                        kv_len < 4099 || (q_len == 1 && !causal) || (q_len == 8 && causal);
+                    if (in_default == stress) continue;
                     shapes.push_back(decode_shape(kv_len <= 1000 ? 2 : 1, g.first, g.second,
                                                   q_len, kv_len, 128, causal));
+                }
     return shapes;
 }
-// The other head dims (64; 256, whose tile is 32 keys), fewer lengths.
-std::vector<AttentionShape> decode_head_dim_grid() {
+// The other head dims (64; 256, whose tile is 32 keys), fewer lengths. At d = 256 the default run
+// takes kv_len 1000 at q_len 4 only, `make stress` at q_len 1 and 8 (stress = true): those are
+// the costly shapes for the reference.
+std::vector<AttentionShape> decode_head_dim_grid(bool stress) {
     std::vector<AttentionShape> shapes;
     for (int d : {64, 256})
         for (int q_len : {1, 4, 8})
-            for (int kv_len : {1, 31, 33, 65, 1000})
+            for (int kv_len : {1, 31, 33, 65, 1000}) {
+                if ((d == 256 && kv_len == 1000 && q_len != 4) != stress) continue;
                 for (const auto& g : {std::make_pair(8, 2), std::make_pair(8, 1)})
                     for (bool causal : {false, true})
                         shapes.push_back(decode_shape(2, g.first, g.second, q_len, kv_len, d,
                                                       causal));
+            }
+    return shapes;
+}
+// Past 100k keys: one batch, 4 query heads over 1 K/V head (MQA) and 8 over 2, q_len 1 and 8,
+// causal and not (stress = true: `make stress`). The reference's work is heads * q_len * kv_len
+// * d, but generating 100003 keys of K and V and repeating them to every query head, in double,
+// costs seconds a shape: the default run takes one shape of fewer heads, 2 over 1 (MQA, q_len 8,
+// causal: several rows a block, the mask's edge in the last split).
+std::vector<AttentionShape> long_decode_shapes(bool stress) {
+    if (!stress) return {decode_shape(1, 2, 1, 8, 100003, 128, true)};
+    std::vector<AttentionShape> shapes;
+    for (int q_len : {1, 8})
+        for (bool causal : {false, true})
+            for (const auto& g : {std::make_pair(4, 1), std::make_pair(8, 2)})
+                shapes.push_back(decode_shape(1, g.first, g.second, q_len, 100003, 128, causal));
     return shapes;
 }
 
@@ -206,24 +231,37 @@ TEMPLATE_TEST_CASE("The decode refuses bad input, naming the field, outputs unto
 
 TEMPLATE_TEST_CASE("The decode matches the reference over q_len 1..8, kv_len 1..4099, every group",
                    "[gpu][decode][fp16][bf16]", fp16, bf16) {
-    const AttentionShape s = GENERATE(from_range(decode_grid()));
+    const AttentionShape s = GENERATE(from_range(decode_grid(false)));
+    check_decode<TestType>(s, 4000, 0);
+}
+TEMPLATE_TEST_CASE("The decode matches the reference at kv_len 4099 over the rest of the grid",
+                   "[gpu][decode][fp16][bf16][.stress]", fp16, bf16) {
+    // The rest of the grid above (the same inputs: the same salt).
+    const AttentionShape s = GENERATE(from_range(decode_grid(true)));
     check_decode<TestType>(s, 4000, 0);
 }
 
 TEMPLATE_TEST_CASE("The decode matches the reference at head dims 64 and 256",
                    "[gpu][decode][fp16][bf16]", fp16, bf16) {
-    const AttentionShape s = GENERATE(from_range(decode_head_dim_grid()));
+    const AttentionShape s = GENERATE(from_range(decode_head_dim_grid(false)));
+    check_decode<TestType>(s, 4100, 0);
+}
+TEMPLATE_TEST_CASE("The decode matches the reference at head dim 256, kv_len 1000, q_len 1 and 8",
+                   "[gpu][decode][fp16][bf16][.stress]", fp16, bf16) {
+    // The rest of the grid above (the same salt).
+    const AttentionShape s = GENERATE(from_range(decode_head_dim_grid(true)));
     check_decode<TestType>(s, 4100, 0);
 }
 
 TEMPLATE_TEST_CASE("The decode matches the reference beyond 100k keys",
                    "[gpu][decode][long][fp16][bf16]", fp16, bf16) {
-    // One batch, 4 query heads over 1 K/V head (MQA) and 8 over 2: the reference's work is
-    // heads * q_len * kv_len * d, a second or two.
-    const int q_len = GENERATE(1, 8);
-    const bool causal = GENERATE(false, true);
-    const auto g = GENERATE(std::make_pair(4, 1), std::make_pair(8, 2));
-    const AttentionShape s = decode_shape(1, g.first, g.second, q_len, 100003, 128, causal);
+    const AttentionShape s = GENERATE(from_range(long_decode_shapes(false)));
+    check_decode<TestType>(s, 4200, 0);
+}
+TEMPLATE_TEST_CASE("The decode matches the reference beyond 100k keys, every group, q_len and mask",
+                   "[gpu][decode][long][fp16][bf16][.stress]", fp16, bf16) {
+    // The shapes this test had before the default run took the short one above (the same salt).
+    const AttentionShape s = GENERATE(from_range(long_decode_shapes(true)));
     check_decode<TestType>(s, 4200, 0);
 }
 

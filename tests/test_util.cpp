@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 
@@ -492,12 +494,22 @@ bool public_forward_runs_hopper(int head_dim) {
            head_dim_in(head_dim, kFlashHopperHeadDims);
 }
 
+// Fetched once a device: cudaGetDeviceProperties costs a millisecond or more a call (CUTLASS and
+// cuDF measured 1 to 10 ms), and every wait for the GPU asks (gpu_call: does the public call run
+// chapter 3?), thousands of times a run.
 cudaDeviceProp current_device_props() {
+    static std::mutex lock;
+    static std::map<int, cudaDeviceProp> fetched;
     int dev = 0;
-    cudaDeviceProp prop;
     FLASH_CUDA_CHECK(cudaGetDevice(&dev));
-    FLASH_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    return prop;
+    const std::lock_guard<std::mutex> hold(lock);
+    auto it = fetched.find(dev);
+    if (it == fetched.end()) {
+        cudaDeviceProp prop;
+        FLASH_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+        it = fetched.emplace(dev, prop).first;
+    }
+    return it->second;
 }
 
 bool hopper_or_warn() {

@@ -889,7 +889,8 @@ std::vector<Kernel> backward_kernels(int head_dim) {
     return {Kernel::chapter2()};
 }
 
-// The device's properties (of the current device), for the tests that depend on its shared memory.
+// The device's properties (of the current device), for the tests that depend on its shared memory
+// (fetched once a device, then kept).
 cudaDeviceProp current_device_props();
 // Chapter 3's tests start with `if (!hopper_or_warn()) return;`: true on a GPU of compute
 // capability 9.0; elsewhere a WARN that says the test is skipped and why, then false (Catch2 v2
