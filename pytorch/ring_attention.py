@@ -49,6 +49,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,17 +148,22 @@ class Exchange:
         self.send, self.recv = list(send), list(recv)
 
 
+def _acc(t):
+    """The accumulators' dtype: fp32 (float64 for float64 inputs, the CPU tests' exact runs)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _spec(t, n):
     """(shape, dtype) of a tensor like t with n positions along dim 2."""
     return ((t.shape[0], t.shape[1], n, t.shape[3]), t.dtype)
 
 
 def _forward_steps(q, k, v, causal, rank, world, lens, attend):
-    """Rank's forward: yields world - 1 Exchanges, returns (O, L) in fp32. attend(q, k, v,
+    """Rank's forward: yields world - 1 Exchanges, returns (O, L) in fp32 (_acc). attend(q, k, v,
     causal) -> (o, lse) is the kernel (flash_torch's forward, or a reference in the tests)."""
     n = [a + b for a, b in lens]
-    o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+    o = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=_acc(q), device=q.device)
     kv = (k, v)
     for step in range(world):
         src = (rank - step) % world                 # whose K/V part is in hand
@@ -177,7 +183,7 @@ def _backward_steps(q, k, v, o, do, lse, causal, rank, world, lens, grad):
     dv in fp32 (dk, dv of rank's own K/V part, summed over every rank's queries). grad(q, k, v,
     o, do, lse, causal) -> (dq, dk, dv) is the kernel's backward."""
     n = [a + b for a, b in lens]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
     kv = (k, v)
     for step in range(world):
         src = (rank - step) % world
@@ -191,8 +197,8 @@ def _backward_steps(q, k, v, o, do, lse, causal, rank, world, lens, grad):
             dq[:, :, rows] += dq_s
             shares.append((keys, dk_s, dv_s))
         if step == 0:                               # our own part: the accumulators start here
-            dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
-            dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=q.device)
+            dk = torch.zeros(kv[0].shape, dtype=_acc(q), device=q.device)
+            dv = torch.zeros(kv[1].shape, dtype=_acc(q), device=q.device)
         else:                                       # src's, from the ranks before us on the ring
             dk, dv = dkv_handle.wait()
         for keys, dk_s, dv_s in shares:
