@@ -2,7 +2,6 @@
 of torch.distributed (NCCL) ranks around this project's kernels (flash_torch.py).
 
     import torch.distributed as dist
-from torch.autograd.function import once_differentiable
     from ring_attention import ring_attention, shard, unshard
     dist.init_process_group("nccl")                      # torchrun, one process a GPU
     q, k, v = (shard(t, rank, world) for t in (Q, K, V))  # this rank's part of the sequence
