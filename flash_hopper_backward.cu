@@ -91,8 +91,8 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
          *kv_full = empty + Stages;                    // full[s], empty[s] of stage s; K_j, V_j
     if (threadIdx.x == 0) {
         mbar_init(kv_full, 1);                         // before init_barriers' fence covers it
-        init_barriers(full, empty, Stages, 4 * C, 32);  // full: the producer warp's 32 lanes
-    }
+        init_barriers(full, empty, Stages, 128 * C, 32);  // empty: each consumer thread's
+    }                                                  // arrival; full: the producer's 32 lanes'
     const int ticket = block_ticket(next_ticket);      // its barrier publishes the mbarriers too
     // Ticket -> (kv head, K/V tile j), chapter 2's order: heads in groups of HG, each group's tiles
     // from the right (causal: from the left, longest first), its heads taking turns. Line 5.
@@ -233,8 +233,11 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             }
         wgmma_commit();
         wgmma_wait<0>(dV_j), written(dK_j);            // lines 12, 16 done: stage, A fragments free
-        keep(P), keep(dS), __syncwarp();               // the warp's reads of L_i, D_i all done
-        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);  // before its one arrival
+        // Every consumer thread gives the stage back itself, so that its own reads of L_i, D_i
+        // (the producer's plain stores) are ordered before the refill by its own arrival: one
+        // lane's after a __syncwarp orders them too, but racecheck follows only a thread's own.
+        keep(P), keep(dS);
+        mbar_arrive(&empty[s]);
         // Every warpgroup's dS^T is in, and the last tile's dQ_i adds are issued: its turn passes
         // on (chapter 2: a step late, so that the release waits little).
         named_barrier(2, kWarpgroup * C);
