@@ -8,7 +8,7 @@
 #     then, time only, the decode against the number of splits (NOTES section 21, exercise 4).
 # Run from the repository root:  OUT=/some/dir bash lab/gpu-profile.sh   (logs under $OUT or lab/out)
 # (Written before a GPU was at hand: not yet run; fix what its first run shows.)
-# Each ncu report is also printed as text: the details page, then the source page's hottest lines.
+# Each ncu report is also kept as text: its details page (a few lines printed) and its source page (CSV).
 set -u
 OUT=${OUT:-lab/out}
 mkdir -p "$OUT"
