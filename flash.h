@@ -179,8 +179,9 @@ void flash_decode_bf16_splits(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                               const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
                               const AttentionShape& shape, int splits, cudaStream_t stream = 0);
 // The splits the calls without _splits take on this device (a pure host function, unit-tested on
-// the CPU): about two waves of blocks (the device's SMs times the blocks its shared memory holds,
-// twice) over the blocks one split makes (batch * kv_heads * ceil(heads / kv_heads * q_len / 8)),
+// the CPU): one wave of blocks (the device's SMs times the blocks an SM holds at once), and no
+// fewer blocks than SMs, over the blocks one split makes (batch * kv_heads * ceil(heads / kv_heads
+// * q_len / 8)),
 // each split a whole number of 64-key tiles (32 at head_dim 256) and at least 4 of them, so that
 // the partials' traffic stays small beside K and V; at least 1.
 int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape& shape);

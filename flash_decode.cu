@@ -436,24 +436,25 @@ void decode_call(const char* fn, const T* Q, const T* K, const T* V, T* O, float
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// The split rule (flash.h): enough blocks for about four waves of the GPU (a wave: the blocks
-// resident at once, 2 or 1 an SM as the registers of the kernel's kR allow; with four, the last
-// wave's idle SMs cost little), each split whole tiles and at least kMinTilesPerSplit of them (so
-// that a split's fixed costs, its Q, its partial O_s written and read again by the combine, stay
-// small beside its K and V), never more splits than that allows, at least 1.
+// The split rule (flash.h): one wave of blocks (the blocks resident at once, 2 or 1 an SM as the
+// registers of the kernel's kR allow), and never fewer blocks than SMs; each split whole tiles and
+// at least kMinTilesPerSplit of them (so that a split's fixed costs, its Q, its partial O_s
+// written and read again by the combine, stay small beside its K and V), at least 1. More waves
+// cost more: on an H200 at batch 1, 32k keys, 32 splits (one wave) took 56 us and 128 (four) 93
+// us, each block then too short to hide its first loads (lab/data/decode-splits-h200.txt).
 int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape& s) {
-    constexpr int kWaves = 4, kMinTilesPerSplit = 4;
+    constexpr int kMinTilesPerSplit = 4;
     const int kR = rows_kernel_for(s);
     const size_t per_block = shared_bytes_for(s.head_dim, kR) + prop.reservedSharedMemPerBlock;
     const int resident = std::max<int>(
         1, std::min<int>(decode_blocks_per_sm(kR), int(prop.sharedMemPerMultiprocessor / per_block)));
-    const long long want = (long long)kWaves * prop.multiProcessorCount * resident;
+    const long long wave = (long long)prop.multiProcessorCount * resident;
     const long long units = (long long)s.batch * flash_kv_heads(s) * chunks_of(s);
     const int Bc = bc_for(s.head_dim);
     const long long tiles = (s.kv_len + Bc - 1) / Bc;
     const long long most = std::max<long long>(1, tiles / kMinTilesPerSplit);
-    long long splits = std::min((want + units - 1) / units, most);
-    splits = std::max<long long>(1, splits);
+    const long long fill = std::max(wave / units, (prop.multiProcessorCount + units - 1) / units);
+    const long long splits = std::max<long long>(1, std::min(fill, most));
     // The same blocks' work with no split left short: tiles per split, then splits again.
     const long long per_split = (tiles + splits - 1) / splits;
     return int((tiles + per_split - 1) / per_split);
