@@ -58,6 +58,21 @@ __host__ __device__ constexpr size_t decode_shared_bytes(int D, int kR) {
     return sizeof(float) * kSplitWarps * (size_t(kR) * D + 2 * kR);
 }
 
+// Programmatic dependent launch (compute capability 9.0; the launcher asks for it only there): the
+// split kernel lets the combine kernel be launched while its own blocks still run, and the
+// combine's threads wait (griddepcontrol.wait) until the split kernel has finished and its writes
+// are visible. The combine's launch then hides behind the split kernel's last blocks.
+__device__ __forceinline__ void let_next_kernel_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Two elements of T as two floats; 8 elements (16 bytes, as loaded) as eight.
 __device__ __forceinline__ float2 float2_of(__half2 h) { return __half22float2(h); }
 __device__ __forceinline__ float2 float2_of(__nv_bfloat162 h) { return __bfloat1622float2(h); }
@@ -127,6 +142,7 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     float* Ow = merge;                          // [kSplitWarps][kR][D]: each warp's O
     float* mw = Ow + kSplitWarps * kR * D;      // [kSplitWarps][kR]: its m
     float* lw = mw + kSplitWarps * kR;          // [kSplitWarps][kR]: its l
+    let_next_kernel_launch();
 
     int id = blockIdx.x;
     const int chunk = id % chunks;
@@ -298,35 +314,63 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 }
 
 // ---------------------------------------------------------------------------------------------
-// The combine kernel: row by row, L = Lmax + log sum_s exp(L_s - Lmax) and O = sum_s exp(L_s - L)
-// O_s, summed in the order s = 0, 1, ... (deterministic), O rounded to T once. Subtracting Lmax
-// keeps every exp <= 1; a row with every L_s = -inf saw no key at all: O = 0, L = -inf.
-// D / 4 threads a row, 4 columns each (16-byte loads of O_s).
+// The combine kernel: a warp a row. L = Lmax + log sum_s exp(L_s - Lmax) and O = sum_s exp(L_s -
+// L) O_s, O rounded to T once. Subtracting Lmax keeps every exp <= 1; a row with every L_s = -inf
+// saw no key at all: O = 0, L = -inf. The splits are dealt out to the lanes (lane k takes s = k,
+// k + 32, ...): each lane reads its own L_s, and the warp agrees on Lmax and the sum by shuffles.
+// Then O, 32 splits at a time: lane k computes split s0 + k's weight, and every lane, for its D / 32
+// columns, adds the 32 splits' w O_s in the order s = s0, s0 + 1, ..., each weight passed along
+// by a shuffle. Same order on every call: deterministic. (Each lane reading every L_s itself, one
+// split after another, kept one load from L2 in flight at a time: 12 us at batch 1, 32 splits,
+// more than the split kernel's reading of 8k keys; lab/chapter4.md.)
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
 flash_decode_combine_kernel(const float* __restrict__ Os, const float* __restrict__ Ls,
                             T* __restrict__ O, float* __restrict__ L, size_t rows, int splits) {
-    constexpr int kPerRow = D / 4;
-    const size_t row = size_t(blockIdx.x) * (kThreads / kPerRow) + threadIdx.x / kPerRow;
-    const int x = threadIdx.x % kPerRow * 4;
-    if (row >= rows) return;
+    constexpr int kCols = D / 32;  // a lane's columns of the row: 2, 4, 8 at d = 64, 128, 256
+    const size_t row = size_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32, c0 = lane * kCols;
+    wait_for_previous_kernel();  // the split kernel's O_s and L_s (see let_next_kernel_launch)
+    if (row >= rows) return;     // the whole warp
     float Lmax = -INFINITY;
-    for (int s = 0; s < splits; ++s) Lmax = fmaxf(Lmax, Ls[size_t(s) * rows + row]);
-    float4 o{0.f, 0.f, 0.f, 0.f};
+    for (int s = lane; s < splits; s += 32) Lmax = fmaxf(Lmax, Ls[size_t(s) * rows + row]);
+    for (int off = 16; off > 0; off /= 2) Lmax = fmaxf(Lmax, __shfl_xor_sync(~0u, Lmax, off));
+    float o[kCols] = {};
     float Lrow = -INFINITY;
     if (Lmax != -INFINITY) {
         float sum = 0.f;
-        for (int s = 0; s < splits; ++s) sum += expf(Ls[size_t(s) * rows + row] - Lmax);
-        Lrow = Lmax + logf(sum);
-        for (int s = 0; s < splits; ++s) {
-            const float w = expf(Ls[size_t(s) * rows + row] - Lrow);  // exp(-inf) = 0: no key
-            const float4 os = *reinterpret_cast<const float4*>(Os + (size_t(s) * rows + row) * D + x);
-            o.x += w * os.x, o.y += w * os.y, o.z += w * os.z, o.w += w * os.w;
+        for (int s = lane; s < splits; s += 32) sum += expf(Ls[size_t(s) * rows + row] - Lmax);
+        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(~0u, sum, off);
+        Lrow = Lmax + logf(sum);  // the butterfly gives every lane the same bits
+        for (int s0 = 0; s0 < splits; s0 += 32) {
+            const int s = s0 + lane;  // this lane's split; exp(-inf) = 0: a split with no key
+            const float w_lane = s < splits ? expf(Ls[size_t(s) * rows + row] - Lrow) : 0.f;
+            // kBatch splits' O_s at a time, their loads all issued before the first is used (64
+            // floats a lane in flight); past the last split, weight 0 and the last split's O_s
+            // (finite) read again, so that no load waits on a branch.
+            constexpr int kBatch = 64 / kCols;  // 32, 16, 8
+            for (int k0 = 0; k0 < 32 && s0 + k0 < splits; k0 += kBatch) {
+                float2 v[kBatch][kCols / 2];
+#pragma unroll
+                for (int k = 0; k < kBatch; ++k) {
+                    const int sk = min(s0 + k0 + k, splits - 1);
+                    const float* os = Os + (size_t(sk) * rows + row) * D + c0;
+#pragma unroll
+                    for (int e = 0; e < kCols / 2; ++e) v[k][e] = reinterpret_cast<const float2*>(os)[e];
+                }
+#pragma unroll
+                for (int k = 0; k < kBatch; ++k) {
+                    const float w = __shfl_sync(~0u, w_lane, k0 + k);
+#pragma unroll
+                    for (int e = 0; e < kCols / 2; ++e)
+                        o[2 * e] += w * v[k][e].x, o[2 * e + 1] += w * v[k][e].y;
+                }
+            }
         }
     }
-    store_pair(O + row * D + x, o.x, o.y);
-    store_pair(O + row * D + x + 2, o.z, o.w);
-    if (x == 0) L[row] = Lrow;
+#pragma unroll
+    for (int e = 0; e < kCols; e += 2) store_pair(O + row * D + c0 + e, o[e], o[e + 1]);
+    if (lane == 0) L[row] = Lrow;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -381,8 +425,8 @@ int split_blocks(const AttentionShape& s, int splits) {
 }
 
 template <typename T>
-void decode_launch(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape& s,
-                   int splits, cudaStream_t stream) {
+void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* V, T* O, float* L,
+                   const AttentionShape& s, int splits, cudaStream_t stream) {
     const int blocks = split_blocks(s, splits);
     const int Bc = bc_for(s.head_dim);
     const int tiles = (s.kv_len + Bc - 1) / Bc;
@@ -407,11 +451,21 @@ void decode_launch(const T* Q, const T* K, const T* V, T* O, float* L, const Att
                 run_split(flash_decode_split_kernel<T, D, 8>, decode_shared_bytes(D, 8));
             err = cudaGetLastError();
             if (err != cudaSuccess) return;
-            constexpr size_t kRowsPerBlock = kThreads / (D / 4);
-            const size_t combine_blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-            flash_decode_combine_kernel<T, D><<<unsigned(combine_blocks), kThreads, 0, stream>>>(
-                Os, Ls, O, L, rows, splits);
-            err = cudaGetLastError();
+            // The combine (a warp a row), as a programmatic dependent launch where the device has
+            // it (compute capability 9.0).
+            constexpr size_t kRowsPerBlock = kThreads / 32;
+            cudaLaunchConfig_t config = {};
+            config.gridDim = dim3(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock));
+            config.blockDim = dim3(kThreads);
+            config.stream = stream;
+            cudaLaunchAttribute early;
+            early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            early.val.programmaticStreamSerializationAllowed = 1;
+            config.attrs = &early;
+            config.numAttrs = prop.major >= 9 ? 1 : 0;
+            err = cudaLaunchKernelEx(&config, flash_decode_combine_kernel<T, D>, Os, Ls, O, L, rows,
+                                     splits);
+            if (err == cudaSuccess) err = cudaGetLastError();
         });
         return err;
     });
@@ -477,13 +531,13 @@ size_t flash_decode_scratch_bytes(const AttentionShape& s, int splits) {
 void flash_decode_launch(const cudaDeviceProp& prop, const __half* Q, const __half* K,
                          const __half* V, __half* O, float* L, const AttentionShape& s,
                          int splits, cudaStream_t stream) {
-    decode_launch(Q, K, V, O, L, s, splits > 0 ? splits : flash_decode_choose_splits(prop, s),
+    decode_launch(prop, Q, K, V, O, L, s, splits > 0 ? splits : flash_decode_choose_splits(prop, s),
                   stream);
 }
 void flash_decode_launch(const cudaDeviceProp& prop, const __nv_bfloat16* Q,
                          const __nv_bfloat16* K, const __nv_bfloat16* V, __nv_bfloat16* O,
                          float* L, const AttentionShape& s, int splits, cudaStream_t stream) {
-    decode_launch(Q, K, V, O, L, s, splits > 0 ? splits : flash_decode_choose_splits(prop, s),
+    decode_launch(prop, Q, K, V, O, L, s, splits > 0 ? splits : flash_decode_choose_splits(prop, s),
                   stream);
 }
 
