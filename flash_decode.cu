@@ -19,10 +19,12 @@
 // Decode is memory-bound: each key brings 2 d elements (its K and V rows, 4 d bytes) and costs
 // 4 d flops a query row (2 d for q.k, 2 d for p v). At R rows a block that is R flops a byte; an
 // H100 moves ~3.3 TB/s and does ~60 Tflop/s of fp32 FMA, 18 flops a byte, so up to R = 8 rows the
-// CUDA cores keep up with memory and tensor cores would buy nothing. Hence: no mma here, fp32 all
-// the way (S, P and O), and the effort goes into keeping bytes in flight: each warp loads its own
-// keys straight into registers, 16 bytes a lane, several loads issued before the first is used,
-// 16 warps an SM (the split kernel's comment has the arithmetic).
+// CUDA cores keep up with memory. Hence: no mma here, fp32 all the way (S, P and O). (The SMs do
+// issue an instruction in ~70% of their cycles at R = 4, ncu says; yet the same loop on
+// mma.sync, ~10x fewer instructions a key, was no faster on an H200, 2-7% slower at batch 8 and
+// 32: lab/patches/decode-mma.patch, lab/chapter4.md.) The effort goes into keeping bytes in
+// flight: each warp streams its own keys through a two-step ring in shared memory, the next
+// step's loads on their way while it computes on this one (the split kernel's comment).
 #include "checks.h"
 #include "flash.h"
 #include "log2_units.h"
@@ -47,16 +49,47 @@ __host__ __device__ constexpr int decode_Bc(int D) { return D <= 128 ? 64 : 32; 
 // The split kernel is compiled for blocks of at most kR rows, kR = 4 or 8 (its registers hold Q
 // and O of kR rows): the smallest that holds min(8, group * q_len). Groups of 4 at q_len 1 (Llama,
 // Mistral) take the 4-row kernel, which fits 128 registers a thread, so that 2 blocks (16 warps)
-// share an SM; the 8-row kernel needs more and runs 1 block an SM.
+// share an SM (if their shared memory fits too: kRingBytes below); the 8-row kernel needs more
+// and runs 1 block an SM.
 __host__ __device__ constexpr int decode_blocks_per_sm(int kR) { return kR <= 4 ? 2 : 1; }
-// Warp-loads of K and of V a lane issues before it waits for the first (the unrolling below): 4
-// (8 of 16 bytes a lane in flight; kR = 8 then takes ~250 registers, no spill).
+// Warp-loads of K and of V a lane issues for one step of its loop (the unrolling below): 4, 16
+// bytes each, 128 bytes a lane, 4 KiB a warp.
 constexpr int kUnroll = 4;
+// Each warp streams its keys through a ring of kStages such steps in shared memory (cp.async), a
+// slot a lane: kStages - 1 steps on their way while it computes on one. 2 stages: 8 KiB a warp,
+// 64 KiB a block, so 2 blocks share an SM on an H100 (228 KiB) or an A100 (164 KiB), 1 on sm_86
+// or sm_89 (100 KiB). 3 stages (make clean all DEFINES=-DFLASH_DECODE_STAGES=3, 96 KiB a block)
+// were no faster on an H200, and 4 (1 block an SM) slower; lab/chapter4.md.
+#ifndef FLASH_DECODE_STAGES
+#define FLASH_DECODE_STAGES 2
+#endif
+constexpr int kStages = FLASH_DECODE_STAGES;
+constexpr size_t kRingBytes = size_t(kSplitWarps) * kStages * 2 * kUnroll * 32 * 16;
 
-// Shared memory of a block: the end's merge of its warps, kSplitWarps partial (O, m, l) of kR rows.
+// Shared memory of a block: the warps' rings, which the end's merge of the warps' partial (O, m, l)
+// of kR rows then reuses.
 __host__ __device__ constexpr size_t decode_shared_bytes(int D, int kR) {
-    return sizeof(float) * kSplitWarps * (size_t(kR) * D + 2 * kR);
+    const size_t merge = sizeof(float) * kSplitWarps * (size_t(kR) * D + 2 * kR);
+    return merge > kRingBytes ? merge : kRingBytes;
 }
+
+// cp.async (compute capability 8.0): 16 bytes from global memory into shared memory, not through
+// registers; when `inside` is false it writes 16 zero bytes instead (source size 0): a key past
+// the split's end is a finite 0 (0 * NaN would be NaN). A thread commits the copies it has issued
+// as a group, and waits until at most N of its groups are in flight; its own copies are then
+// visible to it. (A build for an older GPU compiles them to a trap; the API refuses such a GPU.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define SM80_ASM(...) __trap()
+#else
+#define SM80_ASM(...) asm volatile(__VA_ARGS__)
+#endif
+__device__ __forceinline__ void cp_async_16(void* to, const void* from, bool inside) {
+    SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                 unsigned(__cvta_generic_to_shared(to))), "l"(from), "r"(inside ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { SM80_ASM("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { SM80_ASM("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Programmatic dependent launch (compute capability 9.0; the launcher asks for it only there): the
 // split kernel lets the combine kernel be launched while its own blocks still run, and the
@@ -109,15 +142,17 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y) {
 // neighbours, so the second reads the split's K and V from L2.
 //
 // Decode reads every byte of K and V once and does little with it, so the loop is built to keep
-// many bytes on their way from memory (bandwidth x latency: ~4 TB/s x ~1 us = ~4 MB over the
-// GPU, ~32 KiB an SM) and to spend few instructions on each:
-//  - No shared memory and no __syncthreads in the loop: every warp takes keys of its own (the
-//    split's keys dealt out kWarpKeys at a time, warp after warp) and loads them straight into
-//    registers, 16 bytes a lane. Lane layout: kLanesPerKey = D / 8 lanes share a key row, 8
-//    elements each (d = 128: 16 lanes, so one warp-load brings 2 rows, 512 bytes).
-//  - Each lane issues all kU loads of K and of V of an iteration before it uses the first, so a
-//    warp has kU * 1 KiB = 4 KiB on its way, a block 32 KiB, an SM 64 KiB (kR = 4: 2 blocks; the
-//    8-row kernel, 1 block, 32 KiB).
+// bytes on their way from memory while it computes, and to spend few instructions on each:
+//  - No __syncthreads in the loop: every warp takes keys of its own (the split's keys dealt out
+//    kWarpKeys at a time, warp after warp), 16 bytes a lane. Lane layout: kLanesPerKey = D / 8
+//    lanes share a key row, 8 elements each (d = 128: 16 lanes, so one warp-load brings 2 rows,
+//    512 bytes).
+//  - A lane's loads go to its own slots of its warp's ring in shared memory (cp.async), and it
+//    reads back only what it copied itself: no barrier, not even __syncwarp. Step n + 1's copies
+//    are issued before step n's math, so the memory works while the warp computes. (This
+//    kernel's first version loaded straight into registers: each step's loads issued, then
+//    waited for, then the math. On an H200 the ring was ~3% faster at batch 8 and 32 from 8k
+//    keys, up to 6% at batch 1; lab/chapter4.md.)
 //  - q . k: each lane multiplies its 8 elements with Q's (held in registers, fp32, pre-scaled by
 //    log2(e) / sqrt(d) so that the scores are in log2 units and exp is exp2), then the
 //    kLanesPerKey lanes of the key add their sums with log2(kLanesPerKey) __shfl_xor_sync steps.
@@ -138,10 +173,12 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     constexpr int kU = kUnroll;                            // warp-loads in flight an iteration
     constexpr int kWarpKeys = kU * kKeysPerLoad;           // keys a warp takes an iteration
     static_assert(D % 8 == 0 && 32 % kLanesPerKey == 0, "a key row is whole 16-byte lanes");
-    extern __shared__ __align__(16) float merge[];
-    float* Ow = merge;                          // [kSplitWarps][kR][D]: each warp's O
-    float* mw = Ow + kSplitWarps * kR * D;      // [kSplitWarps][kR]: its m
-    float* lw = mw + kSplitWarps * kR;          // [kSplitWarps][kR]: its l
+    extern __shared__ __align__(16) uint4 shared[];
+    // [kSplitWarps][kStages][2 kU][32]: each warp's ring, a stage's kU K slots, then kU V slots
+    uint4* ring = shared + threadIdx.x / 32 * kStages * 2 * kU * 32 + threadIdx.x % 32;
+    float* Ow = reinterpret_cast<float*>(shared);  // after the loop: [kSplitWarps][kR][D] O,
+    float* mw = Ow + kSplitWarps * kR * D;         // [kSplitWarps][kR] m and
+    float* lw = mw + kSplitWarps * kR;             // [kSplitWarps][kR] l of each warp
     let_next_kernel_launch();
 
     int id = blockIdx.x;
@@ -170,6 +207,29 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const int g = lane / kLanesPerKey;       // which key row of a warp-load is this lane's
     const int c0 = lane % kLanesPerKey * 8;  // its 8 columns of d
 
+    // Step n of the warp's loop takes keys [base, base + kWarpKeys), base = k0 + (n * kSplitWarps
+    // + warp) * kWarpKeys, so the block's 8 warps read neighbouring rows (base is the same for
+    // every lane: the loop, and the shuffles in it, are warp-uniform), and its copies go to stage
+    // n % kStages. copy(base, stage): the lane's 16 bytes of K and of V of each of those keys
+    // into its slots of the stage, zeros for a key at or past k1; one group of copies a step,
+    // empty past the last. The ring's first kStages - 1 steps are issued before Q is read.
+    constexpr int kStep = kSplitWarps * kWarpKeys;
+    auto copy = [&](int base, int stage) {
+        if (base < k1) {
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
+                const int j = base + u * kKeysPerLoad + g;
+                const size_t from = size_t(j < k1 ? j : 0) * D + c0;
+                cp_async_16(ring + (stage * 2 * kU + u) * 32, Kh + from, j < k1);
+                cp_async_16(ring + (stage * 2 * kU + kU + u) * 32, Vh + from, j < k1);
+            }
+        }
+        cp_async_commit();
+    };
+    const int first = k0 + warp * kWarpKeys;
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) copy(first + st * kStep, st);  // the ring's prologue
+
     // The lane's slice of Q (fp32, times log2(e) / sqrt(d)), its group's running m and l (log2
     // units), its slice of O (unnormalised), and each row's key bound: row r counts key j iff
     // j < end[r] (kv_len, the causal mask: query i sees j <= flash_last_key(i, ...), and the
@@ -189,22 +249,20 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         }
     }
 
-    // The loop over this warp's keys: iteration it takes keys [base, base + kWarpKeys), base =
-    // k0 + (it * kSplitWarps + warp) * kWarpKeys, so the block's 8 warps read neighbouring rows.
-    // (base is the same for every lane: the loop, and the shuffles in it, are warp-uniform.)
-    for (int base = k0 + warp * kWarpKeys; base < k1; base += kSplitWarps * kWarpKeys) {
-        // 1. Every load of the iteration first (K and V, 16 bytes a lane each), then the math:
-        //    the loads' latencies overlap. A key at or past k1 is not read; its K and V are 0.
+    int stage = 0;  // step n's stage, n % kStages: advanced in one place, below
+    for (int base = first; base < k1; base += kStep) {
+        // 1. This lane's copies of this step have landed (at most kStages - 2 younger groups in
+        //    flight); read them, then refill the stage the previous step used with the step
+        //    kStages - 1 ahead.
+        cp_async_wait<kStages - 2>();
         uint4 Kraw[kU], Vraw[kU];
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
-            const int j = base + u * kKeysPerLoad + g;
-            Kraw[u] = Vraw[u] = make_uint4(0, 0, 0, 0);
-            if (j < k1) {
-                Kraw[u] = load16(Kh + size_t(j) * D + c0);
-                Vraw[u] = load16(Vh + size_t(j) * D + c0);
-            }
+            Kraw[u] = ring[(stage * 2 * kU + u) * 32];
+            Vraw[u] = ring[(stage * 2 * kU + kU + u) * 32];
         }
+        copy(base + (kStages - 1) * kStep, stage == 0 ? kStages - 1 : stage - 1);
+        stage = stage == kStages - 1 ? 0 : stage + 1;
 
         // 2. S = Q K_j^T (line 8): 8 products a lane, summed over the key's lanes by a butterfly
         //    of shuffles (every lane of the key ends with the same sum, bit for bit), then the
@@ -279,7 +337,10 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             m[r] = m_new;
         }
     }
-    // The warp's (m, l, O), from its first group's lanes, into shared memory.
+    // The warp's (m, l, O), from its first group's lanes, into shared memory, over the rings:
+    // once every warp is done with its ring (no copy is in flight: the last groups are empty).
+    cp_async_wait<0>();
+    __syncthreads();
     if (lane < kLanesPerKey) {
 #pragma unroll
         for (int r = 0; r < kR; ++r) {
@@ -491,7 +552,8 @@ void decode_call(const char* fn, const T* Q, const T* K, const T* V, T* O, float
 
 // ---------------------------------------------------------------------------------------------
 // The split rule (flash.h): one wave of blocks (the blocks resident at once, 2 or 1 an SM as the
-// registers of the kernel's kR allow), and never fewer blocks than SMs; each split whole tiles and
+// registers of the kernel's kR and the shared memory of its rings allow), and never fewer blocks
+// than SMs; each split whole tiles and
 // at least kMinTilesPerSplit of them (so that a split's fixed costs, its Q, its partial O_s
 // written and read again by the combine, stay small beside its K and V), at least 1. More waves
 // cost more: on an H200 at batch 1, 32k keys, 32 splits (one wave) took 56 us and 128 (four) 93

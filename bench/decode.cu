@@ -1,12 +1,12 @@
 // decode.cu (flash_decode_bench): chapter 4's timing. For each decode shape (fp16, q_len = 1 by
 // default, 32 query heads over 8 K/V heads, d = 128), the median time of flash_decode_fp16 (CUDA
 // events around each call, after warm-up, with L2 flushed before every call so that K and V come
-// from memory), the bytes of K and V read once over that time (GB/s), and the device's own copy
+// from memory: by a memset, or with --flush read by reading a buffer, see Flush below), the bytes of K and V read once over that time (GB/s), and the device's own copy
 // bandwidth measured in the same run (cudaMemcpyAsync device to device of 1 GiB: bytes read plus
 // bytes written over its median time), and the fraction of it the decode reaches. Issue 30's floor:
 // >= 0.70 from kv_len 32k, >= 0.50 at 8k.
 //   ./flash_decode_bench [--kv-len 4096,8192,...] [--batch 1,8,32] [--q-len 1] [--heads 32]
-//                        [--kv-heads 8] [--splits N] [--bf16] [--csv FILE]
+//                        [--kv-heads 8] [--splits N] [--bf16] [--flush write|read] [--csv FILE]
 #include "checks.h"
 #include "flash.h"
 
@@ -42,15 +42,46 @@ struct Timer {
     }
 };
 
-// The median over `reps` timed calls of f (after `warm` untimed ones), L2 flushed before each
-// (a memset of a buffer larger than any L2).
+// Reads n 16-byte words and writes nothing unless their xor is a value the byte fill below never
+// gives (so that the reads cannot be left out): the L2 flush that leaves no dirty line behind.
+__global__ void read_through(const uint4* p, size_t n, unsigned* sink) {
+    unsigned x = 0;
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+         i += size_t(gridDim.x) * blockDim.x) {
+        const uint4 v = p[i];
+        x ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (x == 0x12345678u) *sink = x;
+}
+
+// The L2 flush before each timed call, over a buffer larger than any L2. write (the default): a
+// memset of it, which leaves the L2 full of dirty lines that the timed call's first misses must
+// write back to memory; read: read_through over it (filled once), which leaves the L2 clean and
+// holding none of the call's data. The first is what the figures in NOTES use; the second shows
+// what those write-backs cost a call that reads little (lab/chapter4.md).
+struct Flush {
+    void* buffer;
+    size_t bytes;
+    bool read;
+    unsigned* sink;
+    void operator()(int r) const {
+        if (!read) {
+            FLASH_CUDA_CHECK(cudaMemsetAsync(buffer, r & 0xff, bytes));
+            return;
+        }
+        read_through<<<1024, 256>>>(static_cast<const uint4*>(buffer), bytes / 16, sink);
+        FLASH_CUDA_CHECK(cudaGetLastError());
+    }
+};
+
+// The median over `reps` timed calls of f (after `warm` untimed ones), L2 flushed before each.
 template <typename F>
-double median_ms(F f, int warm, int reps, void* flush, size_t flush_bytes) {
+double median_ms(F f, int warm, int reps, const Flush& flush) {
     Timer t;
     for (int r = 0; r < warm; ++r) f();
     std::vector<float> ms;
     for (int r = 0; r < reps; ++r) {
-        FLASH_CUDA_CHECK(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
+        flush(r);
         FLASH_CUDA_CHECK(cudaEventRecord(t.start));
         f();
         FLASH_CUDA_CHECK(cudaEventRecord(t.stop));
@@ -68,7 +99,7 @@ double median_ms(F f, int warm, int reps, void* flush, size_t flush_bytes) {
 int main(int argc, char** argv) {
     std::vector<int> kv_lens = {4096, 8192, 32768, 131072}, batches = {1, 8, 32};
     int q_len = 1, heads = 32, kv_heads = 8, d = 128, splits = 0;
-    bool bf16 = false;
+    bool bf16 = false, read_flush = false;
     const char* csv = nullptr;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
@@ -82,9 +113,12 @@ int main(int argc, char** argv) {
         else if (a == "--splits") splits = std::atoi(v), ++i;
         else if (a == "--bf16") bf16 = true;
         else if (a == "--csv") csv = v, ++i;
+        else if (a == "--flush" && (std::strcmp(v, "read") == 0 || std::strcmp(v, "write") == 0))
+            read_flush = std::strcmp(v, "read") == 0, ++i;
         else {
             std::fprintf(stderr, "usage: %s [--kv-len L,..] [--batch B,..] [--q-len N] [--heads H] "
-                                 "[--kv-heads G] [--head-dim D] [--splits S] [--bf16] [--csv F]\n",
+                                 "[--kv-heads G] [--head-dim D] [--splits S] [--bf16] [--flush write|read] "
+                                 "[--csv F]\n",
                          argv[0]);
             return 2;
         }
@@ -99,20 +133,25 @@ int main(int argc, char** argv) {
         // The copy bandwidth: 1 GiB device to device, read and written: 2 GiB of traffic.
         const size_t copy_bytes = size_t(1) << 30, flush_bytes = size_t(512) << 20;
         void *a = nullptr, *b = nullptr, *flush = nullptr;
+        unsigned* sink = nullptr;
         FLASH_CUDA_CHECK(cudaMalloc(&a, copy_bytes));
         FLASH_CUDA_CHECK(cudaMalloc(&b, copy_bytes));
         FLASH_CUDA_CHECK(cudaMalloc(&flush, flush_bytes));
+        FLASH_CUDA_CHECK(cudaMalloc(&sink, sizeof(unsigned)));
         FLASH_CUDA_CHECK(cudaMemset(a, 1, copy_bytes));
+        FLASH_CUDA_CHECK(cudaMemset(flush, 0x5A, flush_bytes));
+        // The copy is timed after the write flush whatever --flush says: the same yardstick.
         const double copy_ms = median_ms(
             [&] { FLASH_CUDA_CHECK(cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice)); },
-            3, 15, flush, flush_bytes);
+            3, 15, Flush{flush, flush_bytes, false, sink});
         const double copy_gbs = 2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9;
         FLASH_CUDA_CHECK(cudaFree(a));
         FLASH_CUDA_CHECK(cudaFree(b));
         std::printf("device: %s (%d SMs); D2D copy bandwidth %.0f GB/s (1 GiB, read + written)\n",
                     prop.name, prop.multiProcessorCount, copy_gbs);
-        std::printf("decode %s, d = %d, %d query heads over %d K/V heads, q_len = %d\n",
-                    bf16 ? "bf16" : "fp16", d, heads, kv_heads, q_len);
+        std::printf("decode %s, d = %d, %d query heads over %d K/V heads, q_len = %d; L2 flushed by "
+                    "%s\n", bf16 ? "bf16" : "fp16", d, heads, kv_heads, q_len,
+                    read_flush ? "reading (clean)" : "writing (dirty)");
         std::printf("%6s %8s %7s %10s %9s %9s %9s\n", "batch", "kv_len", "splits", "time_us",
                     "KV_GB/s", "copy_GB/s", "fraction");
         FILE* out = csv ? std::fopen(csv, "w") : nullptr;
@@ -148,7 +187,7 @@ int main(int argc, char** argv) {
                                                  static_cast<__half*>(V), static_cast<__half*>(O),
                                                  L, s, used);
                 };
-                const double ms = median_ms(call, 3, 21, flush, flush_bytes);
+                const double ms = median_ms(call, 3, 21, Flush{flush, flush_bytes, read_flush, sink});
                 const double gbs = 2.0 * kv_bytes / (ms * 1e-3) / 1e9;
                 std::printf("%6d %8d %7d %10.1f %9.0f %9.0f %9.2f\n", batch, kv_len, used,
                             ms * 1e3, gbs, copy_gbs, gbs / copy_gbs);
@@ -160,6 +199,7 @@ int main(int argc, char** argv) {
             }
         if (out) std::fclose(out);
         FLASH_CUDA_CHECK(cudaFree(flush));
+        FLASH_CUDA_CHECK(cudaFree(sink));
     } catch (const std::exception& e) {
         std::fprintf(stderr, "flash_decode_bench: %s\n", e.what());
         return 1;

@@ -6,7 +6,7 @@ kv_len 4k, 8k, 32k, 128k. Each SDPA backend that runs (flash, efficient, cudnn, 
 time of CUDA events around each call after warm-up, L2 flushed before every call (as
 flash_decode_bench does), and K and V's bytes over it (GB/s). Prints one line a shape and backend,
 then the best backend a shape. Needs torch >= 2.5 (enable_gqa).
-    python3 lab/decode-sdpa.py [--csv FILE]
+    python3 lab/decode-sdpa.py [--flush write|read] [--csv FILE]
 """
 import argparse
 import sys
@@ -23,13 +23,16 @@ BACKENDS = [("flash", "FLASH_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"),
             ("cudnn", "CUDNN_ATTENTION"), ("math", "MATH")]
 
 
-def median_ms(fn, flush, warm=3, reps=21):
+def median_ms(fn, flush, read_flush=False, warm=3, reps=21):
     for _ in range(warm):
         fn()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for r in range(reps):
-        flush.fill_(r & 0xFF)
+        if read_flush:  # the L2 left clean (flash_decode_bench --flush read)
+            flush.sum(dtype=torch.int64)
+        else:  # the L2 left full of dirty lines (the default, as flash_decode_bench's)
+            flush.fill_(r & 0xFF)
         start.record()
         fn()
         stop.record()
@@ -44,6 +47,8 @@ def main():
     ap.add_argument("--csv")
     ap.add_argument("--kv-len", default="4096,8192,32768,131072")
     ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--flush", choices=["write", "read"], default="write",
+                    help="flush L2 by writing a buffer (default) or by reading one")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode-sdpa.py: no CUDA GPU; nothing to time")
@@ -53,7 +58,7 @@ def main():
     flush = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"SDPA fp16, d = {d}, {heads} query heads over {kv_heads} K/V heads, q_len = 1, "
-          "enable_gqa=True")
+          f"enable_gqa=True; L2 flushed by {'reading' if args.flush == 'read' else 'writing'}")
     print(f"{'batch':>6} {'kv_len':>8} {'backend':>10} {'time_us':>10} {'KV_GB/s':>9}")
     rows = []
     for batch in map(int, args.batch.split(",")):
@@ -73,7 +78,7 @@ def main():
                 try:
                     with sdpa_kernel([backend]):
                         fn = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                        ms = median_ms(fn, flush)
+                        ms = median_ms(fn, flush, args.flush == "read")
                 except Exception as e:  # not supported here, or out of memory
                     print(f"{batch:>6} {kv_len:>8} {name:>10} {'does not run':>20} "
                           f"({str(e).splitlines()[0][:60]})")
