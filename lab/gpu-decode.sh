@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Chapter 4 on a GPU (split-KV decoding): build, the [decode] tests, the decode
 # benchmark at the floor's shapes (fp16, d = 128, 32 query heads over 8 K/V heads, q_len = 1,
-# kv_len 4k, 8k, 32k, 128k, batch 1, 8, 32) and SDPA at the same shapes, then a compact table.
+# kv_len 4k, 8k, 32k, 128k, batch 1, 8, 32) and SDPA at the same shapes, each with the L2 flushed
+# by writing (dirty, the default) and by reading (clean), then a compact table.
 # About 4 minutes on an H100: the build, the [decode] tests, the rest of the default suite (about
 # a minute), the two timings. Logs under $OUT (else gpu-logs/decode).
 #   bash lab/gpu-decode.sh
@@ -16,7 +17,7 @@ timeout 300 make -j16 test_flash flash_decode_bench CPPFLAGS=-I.deps/include >>"
     || { echo "build FAILED (tail of $LOGS/build.log):"; tail -30 "$LOGS/build.log"; exit 1; }
 
 echo "== ptxas: the split kernels' registers and spills at sm_90 (nvcc 13.0 gave: 4-row kernels 128"
-echo "   registers, 2 blocks an SM, 4-16 bytes spilled; 8-row kernels ~250, none)"
+echo "   registers, 2 blocks an SM, none spilled; 8-row kernels 238-250, none)"
 probe=$(mktemp -d)
 timeout 120 nvcc -std=c++17 -O3 -I. -Ilib -arch=sm_90 -Xptxas -v -c flash_decode.cu \
     -o "$probe/probe.o" >"$LOGS/ptxas.log" 2>&1 || echo "ptxas probe FAILED: see $LOGS/ptxas.log"
@@ -40,10 +41,14 @@ rest=$?
 [ $rest = 0 ] || status=1
 tail -2 "$LOGS/test-rest.log"
 
-echo "== flash_decode_bench"
-timeout 120 ./flash_decode_bench --csv "$LOGS/decode.csv" >"$LOGS/decode-bench.log" 2>&1 || status=1
-echo "== SDPA"
-timeout 150 python3 lab/decode-sdpa.py --csv "$LOGS/sdpa.csv" >"$LOGS/sdpa.log" 2>&1 || status=1
+for flush in write read; do
+    echo "== flash_decode_bench --flush $flush"
+    timeout 120 ./flash_decode_bench --flush $flush --csv "$LOGS/decode-$flush.csv" \
+        >"$LOGS/decode-bench-$flush.log" 2>&1 || status=1
+    echo "== SDPA --flush $flush"
+    timeout 150 python3 lab/decode-sdpa.py --flush $flush --csv "$LOGS/sdpa-$flush.csv" \
+        >"$LOGS/sdpa-$flush.log" 2>&1 || status=1
+done
 
 echo
 echo "================ summary"
@@ -51,13 +56,15 @@ echo "tests [decode]: exit $tests; the rest of the default suite: exit $rest"
 grep -h "Li128ELi4E" "$LOGS/ptxas-summary.txt" | sed 's/^/ptxas d = 128, 4 rows: /' 
 grep -E "FAILED|failed" "$LOGS/test-decode.log" | head -5
 grep -E "test cases|assertions" "$LOGS/test-decode.log" | tail -2
-head -2 "$LOGS/decode-bench.log"
-python3 - "$LOGS/decode.csv" "$LOGS/sdpa.csv" <<'PY'
+head -1 "$LOGS/decode-bench-write.log"
+for flush in write read; do
+echo "-- L2 flushed by ${flush}ing"
+python3 - "$LOGS/decode-$flush.csv" "$LOGS/sdpa-$flush.csv" <<'PY'
 import csv, sys
 try:
     ours = list(csv.DictReader(open(sys.argv[1])))
 except OSError:
-    sys.exit("no decode.csv: see decode-bench.log")
+    sys.exit("no decode csv: see decode-bench-*.log")
 best = {}
 try:
     for r in csv.DictReader(open(sys.argv[2])):
@@ -77,4 +84,5 @@ for r in ours:
     print(f"{r['batch']:>5} {kv:>7} {r['splits']:>6} {float(r['time_us']):>8.1f} "
           f"{float(r['kv_gbs']):>6.0f} {frac:>5.2f} {ok:>5} {sd:>13} {sp:>7}")
 PY
+done
 exit $status
