@@ -7,7 +7,7 @@
 #     heads over 8 K/V heads, 8k and 32k keys: memory throughput, bytes in flight, stalls by line;
 #     then, time only, the decode against the number of splits (NOTES section 21, exercise 4).
 # Run from the repository root:  OUT=/some/dir bash lab/gpu-profile.sh   (logs under $OUT or lab/out)
-# (Written before a GPU was at hand: not yet run; fix what its first run shows.)
+# First run on an H200: lab/data/hopper-backward-ncu-h200.txt (the backward), lab/chapter4.md (the decode).
 # Each ncu report is also kept as text: its details page (a few lines printed) and its source page (CSV).
 set -u
 OUT=${OUT:-lab/out}
