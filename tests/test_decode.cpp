@@ -283,6 +283,23 @@ TEMPLATE_TEST_CASE("The decode is right for every split count, splits that see n
         check_decode<TestType>(s, 4300, splits);
 }
 
+// The decode's share of `make sanitize` (compute-sanitizer slows kernels 10-100x): three small
+// shapes that still cover what its two kernels do: the 4-row and the 8-row split kernel, rows
+// in several blocks, a partial last tile, a split that sees no key, every head dim, the causal
+// mask, the device's split count and a caller's.
+TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the decode matches the reference",
+                   "[gpu][sanitize][decode][fp16][bf16]", fp16, bf16) {
+    struct Case {
+        AttentionShape s;
+        int splits;  // 0: the device's choice
+    };
+    const Case c = GENERATE(Case{decode_shape(1, 8, 2, 1, 300, 128, false), 0},  // 4 rows
+                            // MQA, 24 rows (3 blocks of 8), 6 tiles over 7 splits: one empty
+                            Case{decode_shape(2, 8, 1, 3, 333, 64, true), 7},
+                            Case{decode_shape(1, 4, 2, 5, 100, 256, true), 2});  // 10 rows
+    check_decode<TestType>(c.s, 4500, c.splits);
+}
+
 TEMPLATE_TEST_CASE("The decode gives bitwise identical O and L on every call",
                    "[gpu][decode][determinism][fp16][bf16]", fp16, bf16) {
     // The device's split count and a caller's many, with a long kv_len: the merge's order is fixed.
