@@ -20,9 +20,9 @@
 // 4 d flops a query row (2 d for q.k, 2 d for p v). At R rows a block that is R flops a byte; an
 // H100 moves ~3.3 TB/s and does ~60 Tflop/s of fp32 FMA, 18 flops a byte, so up to R = 8 rows the
 // CUDA cores keep up with memory. Hence: no mma here, fp32 all the way (S, P and O). (The SMs do
-// issue an instruction in ~70% of their cycles at R = 4, ncu says; yet the same loop on
-// mma.sync, ~10x fewer instructions a key, was no faster on an H200, 2-7% slower at batch 8 and
-// 32: lab/patches/decode-mma.patch, lab/chapter4.md.) The effort goes into keeping bytes in
+// issue an instruction in ~2/3 of their cycles at R = 4, ncu says; yet the same loop on
+// mma.sync, ~10x fewer instructions a key, was no faster on an H200, up to 7% slower at batch 8
+// and 32: lab/patches/decode-mma.patch, lab/chapter4.md.) The effort goes into keeping bytes in
 // flight: each warp streams its own keys through a two-step ring in shared memory, the next
 // step's loads on their way while it computes on this one (the split kernel's comment).
 #include "checks.h"
