@@ -27,6 +27,9 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#ifndef BWD_TURN_LATE
+#define BWD_TURN_LATE 0
+#endif
 
 // The tile. Q tiles of Br = 64 rows (one wgmma's M); two consumer warpgroups. Up to d = 128 each
 // owns 64 keys of a K/V tile of Bc = 128 and holds all d columns of their dK_j and dV_j (d floats a
@@ -36,6 +39,15 @@
 constexpr int kBwdConsumers = 2, kBwdBr = 64, kBwdStages = 2;
 __host__ __device__ constexpr int bwd_split(int d) { return d == 256 ? 2 : 1; }
 __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bwd_split(d); }
+// dQ_i (Br x d, fp32) leaves the consumers 64 columns (a chunk) at a time, through shared-memory
+// buffers (Br x 64 floats, 16 KiB each) to the dQ writer warp (write_dq, below). Who computes
+// which chunk: at d = 128 each consumer one (64 columns), with a buffer of its own; at d = 64
+// (32 columns each would be narrower than the transposed wgmma reads) the consumers take turns,
+// tile by tile, tile n in buffer n % 2; at d = 256 the first consumer all four, one after another
+// through the one buffer that fits beside two stages. Each buffer has one user, so that the
+// parity of its barriers' phases tells the user which use it waits for.
+__host__ __device__ constexpr int bwd_dq_buffers(int d) { return d == 256 ? 1 : 2; }
+__host__ __device__ constexpr int bwd_dq_chunks(int d) { return d / 64; }
 // Registers a thread, set with setmaxnreg (the forward's pair at two consumers, as FlashAttention-3
 // has it). setmaxnreg only moves registers within the block's own: its 384 threads start with 168
 // each (65536 / 384, rounded down to a multiple of 8: ptxas -v), 64512 in all, and
@@ -65,6 +77,50 @@ __device__ __forceinline__ void keep(const uint32_t (&a)[K][4]) {
         asm volatile("" ::"r"(a[k][0]), "r"(a[k][1]), "r"(a[k][2]), "r"(a[k][3]));
 }
 
+// The dQ writer (the producer warpgroup's second warp; FlashAttention-3's way to add dQ): chunk by
+// chunk, in the order the consumers fill them (tile n's chunks c = 0 .. Chunks - 1, chunk q = n
+// Chunks + c in buffer q % Bufs), lane 0 adds the chunk into dQacc with one TMA reduce-add per 32
+// columns (the first block in the order stores instead) and gives the buffer back once the TMA
+// has read it. The order across blocks is chapter 2's: before a tile's first chunk the warp waits
+// for the block's turn at that (query head, Q tile), and once the tile's adds are complete it
+// passes the turn on. The consumers never wait for a turn, and never issue an atomic.
+template <int D, typename TileAt>
+__device__ void write_dq(const CUtensorMap& dQacc, const float* dQ_s, uint64_t* full,
+                         uint64_t* empty, int* turns, int Tr, int tiles, int mine, TileAt tile_at) {
+    constexpr int Chunks = bwd_dq_chunks(D), Bufs = bwd_dq_buffers(D), Br = kBwdBr;
+#if BWD_TURN_LATE
+    int* prev = nullptr;
+#endif
+    for (int n = 0, q = 0; n < tiles; n++) {
+        const auto [bh, i] = tile_at(n);
+        int* turn = turns + size_t(bh) * Tr + i;
+        for (int c = 0; c < Chunks; c++, q++) {
+            mbar_wait(&full[q % Bufs], q / Bufs % 2);  // the chunk is in its buffer
+#if BWD_TURN_LATE
+            if (c == 0 && prev && threadIdx.x % 32 == 0)
+                bulk_wait<0>(), fence_proxy_async_global(), pass_turn(prev);
+#endif
+            if (c == 0) wait_turn(turn, mine), fence_proxy_async_global();
+            if (threadIdx.x % 32 == 0) {
+                for (int h = 0; h < 2; h++)            // its two boxes of 32 columns
+                    tma_store(dQacc, dQ_s + (q % Bufs * 2 + h) * Br * 32, 64 * c + 32 * h,
+                              i * Br, bh, mine > 0);
+                bulk_commit(), bulk_wait_read<0>();
+                mbar_arrive(&empty[q % Bufs]);
+            }
+            __syncwarp();
+        }
+#if BWD_TURN_LATE
+        prev = turn;
+    }
+    if (prev && threadIdx.x % 32 == 0) bulk_wait<0>(), fence_proxy_async_global(), pass_turn(prev);
+#else
+        if (threadIdx.x % 32 == 0) bulk_wait<0>(), fence_proxy_async_global(), pass_turn(turn);
+        __syncwarp();
+    }
+#endif
+}
+
 // The kernel: one block per (batch*kv head, K/V tile j), in ticket order (chapter 2's). Warpgroup
 // 0 is the producer (one warp: lane 0 issues the TMA copies, all 32 lanes copy L_i and D_i),
 // warpgroups 1 and 2 the consumers. Shared memory, 1024-aligned: K_j and V_j (Bc rows), the stages
@@ -76,23 +132,28 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                              const __grid_constant__ CUtensorMap K,
                              const __grid_constant__ CUtensorMap V,
                              const __grid_constant__ CUtensorMap dO, const float* __restrict__ L,
-                             const float* __restrict__ Dsum, float* __restrict__ dQacc,
+                             const float* __restrict__ Dsum,
+                             const __grid_constant__ CUtensorMap dQacc,
                              int* __restrict__ turns, int* next_ticket, T* __restrict__ dK,
                              T* __restrict__ dV, int q_len, int kv_len, bool causal, int Tc,
                              int BH, int group, int HG, float scale_log2) {
     constexpr int C = kBwdConsumers, Br = kBwdBr, Stages = kBwdStages, Bc = 64 * C / Split;
+    constexpr int Bufs = bwd_dq_buffers(D), Chunks = bwd_dq_chunks(D);
     constexpr int Dw = D / Split;                      // columns of dK_j, dV_j a warpgroup holds
     extern __shared__ __align__(16) unsigned char shared[];
     T* K_j = reinterpret_cast<T*>(shared + (1024 - smem_addr(shared) % 1024) % 1024);
     T *V_j = K_j + Bc * D, *Q_s = V_j + Bc * D;       // stage s: Q_s + s Br D, dO_s + s Br D
     T *dO_s = Q_s + Stages * Br * D, *dS_s = dO_s + Stages * Br * D;  // dS^T: 2, n % 2 for tile n
-    float* LD = reinterpret_cast<float*>(dS_s + 2 * Bc * Br);  // stage s: L_i, then D_i
+    float* dQ_s = reinterpret_cast<float*>(dS_s + 2 * Bc * Br);  // dQ chunks: 2 boxes a buffer
+    float* LD = dQ_s + Bufs * Br * 64;                 // stage s: L_i, then D_i
     auto *full = reinterpret_cast<uint64_t*>(LD + Stages * 2 * Br), *empty = full + Stages,
-         *kv_full = empty + Stages;                    // full[s], empty[s] of stage s; K_j, V_j
-    if (threadIdx.x == 0) {
-        mbar_init(kv_full, 1);                         // before init_barriers' fence covers it
-        init_barriers(full, empty, Stages, 128 * C, 32);  // empty: each consumer thread's
-    }                                                  // arrival; full: the producer's 32 lanes'
+         *kv_full = empty + Stages, *dq_full = kv_full + 1, *dq_empty = dq_full + Bufs;
+    if (threadIdx.x == 0) {                            // before init_barriers' fence covers them:
+        mbar_init(kv_full, 1);                         // K_j, V_j in; a dQ buffer filled (by a
+        for (int b = 0; b < Bufs; b++) mbar_init(&dq_full[b], 128), mbar_init(&dq_empty[b], 1);
+        init_barriers(full, empty, Stages, 128 * C, 32);  // warpgroup), read (by the TMA);
+    }                                                  // empty: each consumer thread's arrival;
+                                                       // full: the producer's 32 lanes'
     const int ticket = block_ticket(next_ticket);      // its barrier publishes the mbarriers too
     // Ticket -> (kv head, K/V tile j), chapter 2's order: heads in groups of HG, each group's tiles
     // from the right (causal: from the left, longest first), its heads taking turns. Line 5.
@@ -104,13 +165,16 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     const int Tr = (q_len + Br - 1) / Br;
     const int i_first = causal ? max(0, flash_first_query(j * Bc, q_len, kv_len)) / Br : 0;
     const int per_head = max(Tr - i_first, 0), tiles = group * per_head;
+    const int mine = causal ? j : Tc - 1 - j;          // the block's place in each dQ_i's order
     const auto tile_at = [&](int n) {                  // the n-th Q tile: {query head, i}
         const int r = n % per_head;
         return int2{kvh * group + n / per_head, causal ? Tr - 1 - r : i_first + r};
     };
     if (threadIdx.x < kWarpgroup) {                    // the producer: lines 6 and 9
         setmaxnreg<false, kBwdProducerRegs>();
-        if (threadIdx.x >= 32) return;
+        if (threadIdx.x >= 64) return;
+        if (threadIdx.x >= 32)                         // the second warp: the dQ writer
+            return write_dq<D>(dQacc, dQ_s, dq_full, dq_empty, turns, Tr, tiles, mine, tile_at);
         if (threadIdx.x == 0) {                               // line 6: K_j, V_j, once
             mbar_expect_bytes(kv_full, 2 * Bc * D * sizeof(T));
             load_tile<Bc, D>(K_j, K, j * Bc, kvh, kv_full);
@@ -146,7 +210,6 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     const char *K_c = reinterpret_cast<const char*>(K_j), *K_w = K_c + kw * kRowBytes;
     const char* V_w = reinterpret_cast<const char*>(V_j) + kw * kRowBytes;
     float dK_j[Dw / 2] = {}, dV_j[Dw / 2] = {};        // line 7
-    int* added = nullptr;                              // the turn of the dQ_i added to last
     mbar_wait(kv_full, 0);                             // K_j and V_j are in
     PipelineState<Stages> st;
     for (int n = 0; n < tiles; n++, st.advance()) {   // line 8: for each Q_i
@@ -231,54 +294,48 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                 wgmma_rs<T, N>(dV_j + h * N / 2, P[k], smem_desc(dO_i + at, Br * kRowBytes));
                 wgmma_rs<T, N>(dK_j + h * N / 2, dS[k], smem_desc(Q_i + at, Br * kRowBytes));
             }
-        wgmma_commit();
+        wgmma_commit();                                // (lines 12, 16 run on meanwhile)
+        named_barrier(2, kWarpgroup * C);              // every warpgroup's dS^T is in
+        // Line 15: dQ_i = dS K_j, chunk c (columns 64c..) a wgmma: A = dS (dS^T read
+        // transposed), B = K_j read transposed; then into a dQ buffer, swizzled as the TMA reads
+        // it (a box: 32 columns, 128 bytes a row; columns 4b.. in 16-byte chunk b ^ (row % 8)),
+        // for the writer warp. Which warpgroup computes which chunk: bwd_dq_buffers' comment.
+        const bool adds = D == 128 || wg == (D == 64 ? n % C : 0);
+#pragma unroll 1
+        for (int cb = 0; cb < (adds ? Chunks / (D == 128 ? C : 1) : 0); cb++) {
+            const int c = D == 128 ? wg : cb, q = n * Chunks + c;  // the n-th tile's chunk c
+            float dQ_i[32] = {};
+            written(dQ_i);
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < Bc / 16; k++)
+                wgmma_ss<T, 64, true>(dQ_i,  // lbo: where a next 64-column block would be
+                                      smem_desc(dS_T + 16 * k * kRowBytes, Bc * kRowBytes),
+                                      smem_desc(K_c + (c * Bc + 16 * k) * kRowBytes,
+                                                Bc * kRowBytes));
+            wgmma_commit();
+            wgmma_wait<0>(dQ_i);
+            if (q >= Bufs) mbar_wait(&dq_empty[q % Bufs], (q / Bufs - 1) % 2);  // buffer read
+            char* to = reinterpret_cast<char*>(dQ_s + q % Bufs * Br * 64);
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int row = 16 * warp + g + 8 * r;
+#pragma unroll
+                for (int b = 0; b < 8; b++)            // columns 8b + 2t, + 1 of the chunk
+                    *reinterpret_cast<float2*>(to + (b / 4 * Br + row) * kRowBytes +
+                                               ((2 * (b % 4) + t / 2) ^ row % 8) * 16 + t % 2 * 8) =
+                        float2{acc_at(dQ_i, r, 2 * b), acc_at(dQ_i, r, 2 * b + 1)};
+            }
+            fence_proxy_async();                       // the TMA (async proxy) reads it next
+            mbar_arrive(&dq_full[q % Bufs]);
+        }
         wgmma_wait<0>(dV_j), written(dK_j);            // lines 12, 16 done: stage, A fragments free
         // Every consumer thread gives the stage back itself, so that its own reads of L_i, D_i
         // (the producer's plain stores) are ordered before the refill by its own arrival: one
         // lane's after a __syncwarp orders them too, but racecheck follows only a thread's own.
         keep(P), keep(dS);
         mbar_arrive(&empty[s]);
-        // Every warpgroup's dS^T is in, and the last tile's dQ_i adds are issued: its turn passes
-        // on (chapter 2: a step late, so that the release waits little).
-        named_barrier(2, kWarpgroup * C);
-        if (added && threadIdx.x == kWarpgroup) pass_turn(added);
-        added = turns + size_t(bh) * Tr + i;
-        // Line 15: dQ_i += dS K_j, by one warpgroup, taking turns tile by tile (the other goes on
-        // to the next tile), 64 columns at a time: A = dS (dS^T read transposed), B = K_j read
-        // transposed; then added into dQacc in the fixed order (chapter 2's: causal j up, else
-        // down), the first block storing.
-        if (wg == n % C) {
-            const int mine = causal ? j : Tc - 1 - j;
-#pragma unroll 1
-            for (int cb = 0; cb < D / 64; cb++) {
-                float dQ_i[32] = {};
-                written(dQ_i);
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < Bc / 16; k++)
-                    wgmma_ss<T, 64, true>(dQ_i,  // lbo: where a next 64-column block would be
-                                          smem_desc(dS_T + 16 * k * kRowBytes, Bc * kRowBytes),
-                                          smem_desc(K_c + (cb * Bc + 16 * k) * kRowBytes,
-                                                    Bc * kRowBytes));
-                wgmma_commit();
-                wgmma_wait<0>(dQ_i);
-                if (cb == 0) wait_turn(added, mine);
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    const int row = q0 + 16 * warp + g + 8 * r;
-                    float* to = dQacc + (size_t(bh) * q_len + row) * D + cb * 64 + 2 * t;
-#pragma unroll
-                    for (int b = 0; b < 8 && row < q_len; b++) {  // columns 64 cb + 8b + 2t, + 1
-                        const float2 v = {acc_at(dQ_i, r, 2 * b), acc_at(dQ_i, r, 2 * b + 1)};
-                        if (mine == 0) *reinterpret_cast<float2*>(to + 8 * b) = v;
-                        else atomicAdd(reinterpret_cast<float2*>(to + 8 * b), v);
-                    }
-                }
-            }
-        }
     }
-    named_barrier(2, kWarpgroup * C);                  // the last dQ_i adds are issued
-    if (added && threadIdx.x == kWarpgroup) pass_turn(added);
     // Line 18: dK_j / sqrt(d) (S was unscaled), dV_j, rows past kv_len left out.
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -298,10 +355,13 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 
 // ---------------------------------------------------------------------------------------------
 // The launcher. Shared memory: K_j, V_j, two stages of Q_i and dO_i, dS^T twice (2 bytes an
-// element), two stages of L_i and D_i, alignment, 2 Stages + 1 mbarriers.
+// element), the dQ buffers (Br x 64 floats each), two stages of L_i and D_i, alignment, the
+// mbarriers (2 a stage, K_j and V_j's, 2 a dQ buffer).
 static constexpr size_t bwd_hopper_shared_bytes(int d) {
     return size_t(2 * bwd_Bc(d) * d + 2 * kBwdStages * kBwdBr * d + 2 * bwd_Bc(d) * kBwdBr) * 2 +
-           kBwdStages * 2 * kBwdBr * sizeof(float) + 1024 + 8 * (2 * kBwdStages + 1);
+           size_t(bwd_dq_buffers(d)) * kBwdBr * 64 * sizeof(float) +
+           kBwdStages * 2 * kBwdBr * sizeof(float) + 1024 +
+           8 * (2 * kBwdStages + 1 + 2 * bwd_dq_buffers(d));
 }
 static_assert(bwd_hopper_shared_bytes(64) <= 227 * 1024 &&
                   bwd_hopper_shared_bytes(128) <= 227 * 1024 &&
@@ -331,10 +391,11 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
         // Interleaving heads' tiles keeps one head's tiles apart in time (chapter 2's groups).
         const int HG = s.causal ? 32 : 4;
         // The kernel's turns: one a (query head, Q tile of 64), within the passes' B*H*ceil(q_len
-        // / 32).
+        // / 32). dQacc (fp32) is written by the TMA: boxes of Br rows x 32 columns.
         flash_backward_passes(O, dO, dQ, s, stream, [&](const BackwardScratch& m) {
+            const CUtensorMap dQm = tensor_map(m.dQacc, q_heads, s.q_len, D, Br);
             kernel<<<blocks, kBwdThreads, bytes, stream>>>(
-                Qm, Km, Vm, dOm, L, m.D, m.dQacc, m.turns, m.next_ticket, dK, dV, s.q_len,
+                Qm, Km, Vm, dOm, L, m.D, dQm, m.turns, m.next_ticket, dK, dV, s.q_len,
                 s.kv_len, s.causal, Tc, BH, s.heads / flash_kv_heads(s), HG, scale_log2_for(D));
             return cudaGetLastError();
         });

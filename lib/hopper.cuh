@@ -75,6 +75,41 @@ __device__ __forceinline__ void tma_load(void* to, const CUtensorMap& map, int c
         "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(row), "r"(head), "r"(smem_addr(bar))
         : "memory"));
 }
+// The other way (the backward's dQ): cp.reduce.async.bulk.tensor adds the box at (column, row,
+// head) of shared memory into the tensor in global memory, element by element in L2 (fp32 adds);
+// with add = false, cp.async.bulk.tensor stores it instead. Rows past the tensor's end are left
+// alone. The copies a thread issued form a bulk group at bulk_commit; bulk_wait_read<N> waits
+// until at most N of its groups still read shared memory (the buffer is free), bulk_wait<N> until
+// at most N are incomplete (their writes done).
+__device__ __forceinline__ void tma_store(const CUtensorMap& map, const void* from, int col,
+                                          int row, int head, bool add) {
+    const uint64_t m = reinterpret_cast<uint64_t>(&map);
+    if (add)
+        HOPPER_ONLY(asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile"
+                                 ".bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(m), "r"(col),
+                                 "r"(row), "r"(head), "r"(smem_addr(from)) : "memory"));
+    else
+        HOPPER_ONLY(asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group"
+                                 " [%0, {%1, %2, %3}], [%4];\n" ::"l"(m), "r"(col), "r"(row),
+                                 "r"(head), "r"(smem_addr(from)) : "memory"));
+}
+__device__ __forceinline__ void bulk_commit() {
+    HOPPER_ONLY(asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"));
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    HOPPER_ONLY(asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"));
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    HOPPER_ONLY(asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"));
+}
+// fence.proxy.async.global: orders this thread's global memory accesses through the async proxy
+// (TMA) with its ordinary ones (generic proxy), both ways: a turn passed after the TMA's adds
+// completed, or adds issued after the turn was seen.
+__device__ __forceinline__ void fence_proxy_async_global() {
+    HOPPER_ONLY(asm volatile("fence.proxy.async.global;\n" ::: "memory"));
+}
 // Rows [first, first + R) of one head's (len x D) matrix as blocks of 64 columns (R x 128 bytes
 // each), D / 64 copies on bar.
 template <int R, int D, typename T>
@@ -261,8 +296,9 @@ __device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty, i
     HOPPER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
 }
 
-// The tensor map of Q, K or V, (heads, len, D) elements of T, for boxes of rows x 64 elements in
-// the 128-byte swizzle; rows past len are read as zeros. cuTensorMapEncodeTiled is a driver call,
+// The tensor map of Q, K or V, (heads, len, D) elements of T, for boxes of rows x 128 bytes (64
+// elements of fp16 or bf16; 32 of fp32: the backward's dQacc) in the 128-byte swizzle; rows past
+// len are read as zeros (and not written). cuTensorMapEncodeTiled is a driver call,
 // found through the runtime, so that nothing links libcuda (CI machines have none).
 template <typename T>
 static CUtensorMap tensor_map(const T* base, size_t heads, int len, int D, int rows) {
@@ -278,10 +314,12 @@ static CUtensorMap tensor_map(const T* base, size_t heads, int len, int D, int r
     CUtensorMap map;
     const cuuint64_t dims[3] = {cuuint64_t(D), cuuint64_t(len), heads};
     const cuuint64_t strides[2] = {D * sizeof(T), size_t(len) * D * sizeof(T)};  // bytes
-    const cuuint32_t box[3] = {64, cuuint32_t(rows), 1}, steps[3] = {1, 1, 1};
+    const cuuint32_t box[3] = {cuuint32_t(128 / sizeof(T)), cuuint32_t(rows), 1},
+                     steps[3] = {1, 1, 1};
     const CUresult r = encode(
-        &map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        &map, std::is_same<T, float>::value    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+              : std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                               : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         3, const_cast<T*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
