@@ -8,8 +8,10 @@
 // warpgroup's accumulators hold P^T and dS^T exactly as the A fragment of the next products wants
 // them (dV_j += P^T dO_i, dK_j += dS^T Q_i: wgmma with A in registers, FlashAttention-3's trick);
 // only dS goes through shared memory, once, for dQ_i = dS K_j, which reads it, and K_j, transposed
-// (imm-trans 1). dQ_i's part is added into dQacc (fp32) in chapter 2's fixed order: bitwise
-// deterministic.
+// (imm-trans 1). dQ_i's part goes back through shared memory too, and a warp of its own adds it
+// into dQacc (fp32) by TMA reduce-adds, in chapter 2's fixed order: bitwise deterministic. (The
+// first version had the consumers add it with atomics, each waiting for its block's turn: 15-24%
+// slower at d = 128, lab/chapter3-backward.md.)
 //
 // Grouped K/V heads (AttentionShape::kv_heads): a block is (batch, K/V head, K/V tile j) and walks
 // the Q tiles of the group's heads / kv_heads query heads, one head after another, so that dK_j
@@ -27,9 +29,6 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#ifndef BWD_TURN_LATE
-#define BWD_TURN_LATE 0
-#endif
 
 // The tile. Q tiles of Br = 64 rows (one wgmma's M); two consumer warpgroups. Up to d = 128 each
 // owns 64 keys of a K/V tile of Bc = 128 and holds all d columns of their dK_j and dV_j (d floats a
@@ -88,18 +87,21 @@ template <int D, typename TileAt>
 __device__ void write_dq(const CUtensorMap& dQacc, const float* dQ_s, uint64_t* full,
                          uint64_t* empty, int* turns, int Tr, int tiles, int mine, TileAt tile_at) {
     constexpr int Chunks = bwd_dq_chunks(D), Bufs = bwd_dq_buffers(D), Br = kBwdBr;
-#if BWD_TURN_LATE
-    int* prev = nullptr;
-#endif
+    // The turn of a tile whose adds are issued passes on once they are complete: at d >= 128 at
+    // once; at d = 64, whose tiles are short, when the next tile's first chunk is in, so that
+    // the wait for completion does not hold the writer back (lab/chapter3-backward.md, step 3).
+    constexpr bool Late = D == 64;
+    const auto pass = [](int* turn) {
+        if (threadIdx.x % 32 == 0) bulk_wait<0>(), fence_proxy_async_global(), pass_turn(turn);
+        __syncwarp();
+    };
+    int* held = nullptr;
     for (int n = 0, q = 0; n < tiles; n++) {
         const auto [bh, i] = tile_at(n);
         int* turn = turns + size_t(bh) * Tr + i;
         for (int c = 0; c < Chunks; c++, q++) {
             mbar_wait(&full[q % Bufs], q / Bufs % 2);  // the chunk is in its buffer
-#if BWD_TURN_LATE
-            if (c == 0 && prev && threadIdx.x % 32 == 0)
-                bulk_wait<0>(), fence_proxy_async_global(), pass_turn(prev);
-#endif
+            if (c == 0 && held) pass(held);            // (before waiting: NOTES section 14)
             if (c == 0) wait_turn(turn, mine), fence_proxy_async_global();
             if (threadIdx.x % 32 == 0) {
                 for (int h = 0; h < 2; h++)            // its two boxes of 32 columns
@@ -110,22 +112,18 @@ __device__ void write_dq(const CUtensorMap& dQacc, const float* dQ_s, uint64_t* 
             }
             __syncwarp();
         }
-#if BWD_TURN_LATE
-        prev = turn;
+        held = turn;
+        if (!Late) pass(held), held = nullptr;
     }
-    if (prev && threadIdx.x % 32 == 0) bulk_wait<0>(), fence_proxy_async_global(), pass_turn(prev);
-#else
-        if (threadIdx.x % 32 == 0) bulk_wait<0>(), fence_proxy_async_global(), pass_turn(turn);
-        __syncwarp();
-    }
-#endif
+    if (held) pass(held);
 }
 
 // The kernel: one block per (batch*kv head, K/V tile j), in ticket order (chapter 2's). Warpgroup
-// 0 is the producer (one warp: lane 0 issues the TMA copies, all 32 lanes copy L_i and D_i),
-// warpgroups 1 and 2 the consumers. Shared memory, 1024-aligned: K_j and V_j (Bc rows), the stages
-// of Q_i and dO_i (Br rows), each as blocks of 64 columns in the 128-byte swizzle; dS^T (Bc x Br,
-// swizzled as TMA would) twice; the stages' L_i and D_i; the mbarriers.
+// 0's first warp is the producer (lane 0 issues the TMA copies, all 32 lanes copy L_i and D_i),
+// its second the dQ writer; warpgroups 1 and 2 the consumers. Shared memory, 1024-aligned: K_j
+// and V_j (Bc rows), the stages of Q_i and dO_i (Br rows), each as blocks of 64 columns in the
+// 128-byte swizzle; dS^T (Bc x Br, swizzled as TMA would) twice; the dQ buffers (two boxes of Br
+// rows x 32 floats each, the same swizzle); the stages' L_i and D_i; the mbarriers.
 template <typename T, int D, int Split>
 __global__ void __launch_bounds__(kBwdThreads, 1)
 flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
@@ -148,12 +146,14 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     float* LD = dQ_s + Bufs * Br * 64;                 // stage s: L_i, then D_i
     auto *full = reinterpret_cast<uint64_t*>(LD + Stages * 2 * Br), *empty = full + Stages,
          *kv_full = empty + Stages, *dq_full = kv_full + 1, *dq_empty = dq_full + Bufs;
-    if (threadIdx.x == 0) {                            // before init_barriers' fence covers them:
-        mbar_init(kv_full, 1);                         // K_j, V_j in; a dQ buffer filled (by a
+    // The mbarriers (before init_barriers' fence, which covers them all): K_j and V_j are in; dQ
+    // buffer b is filled (a warpgroup's 128 arrivals) and read (the writer's one); the stages'
+    // empty (each consumer thread's arrival) and full (the producer's 32 lanes').
+    if (threadIdx.x == 0) {
+        mbar_init(kv_full, 1);
         for (int b = 0; b < Bufs; b++) mbar_init(&dq_full[b], 128), mbar_init(&dq_empty[b], 1);
-        init_barriers(full, empty, Stages, 128 * C, 32);  // warpgroup), read (by the TMA);
-    }                                                  // empty: each consumer thread's arrival;
-                                                       // full: the producer's 32 lanes'
+        init_barriers(full, empty, Stages, 128 * C, 32);
+    }
     const int ticket = block_ticket(next_ticket);      // its barrier publishes the mbarriers too
     // Ticket -> (kv head, K/V tile j), chapter 2's order: heads in groups of HG, each group's tiles
     // from the right (causal: from the left, longest first), its heads taking turns. Line 5.
