@@ -44,7 +44,10 @@ __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bw
 // (32 columns each would be narrower than the transposed wgmma reads) the consumers take turns,
 // tile by tile, tile n in buffer n % 2; at d = 256 the first consumer all four, one after another
 // through the one buffer that fits beside two stages. Each buffer has one user, so that the
-// parity of its barriers' phases tells the user which use it waits for.
+// parity of its barriers' phases tells the user which use it waits for (two users taking turns
+// at one buffer could not tell: one could wait for a use before the other's use before it began).
+// (At d = 64, both consumers each over its own 64 keys, the second adding its part onto the
+// first's in the buffer, was 3-8% slower than taking turns: lab/chapter3-backward.md, step 3.)
 __host__ __device__ constexpr int bwd_dq_buffers(int d) { return d == 256 ? 1 : 2; }
 __host__ __device__ constexpr int bwd_dq_chunks(int d) { return d / 64; }
 // Registers a thread, set with setmaxnreg (the forward's pair at two consumers, as FlashAttention-3
@@ -74,6 +77,23 @@ __device__ __forceinline__ void keep(const uint32_t (&a)[K][4]) {
 #pragma unroll
     for (int k = 0; k < K; k++)
         asm volatile("" ::"r"(a[k][0]), "r"(a[k][1]), "r"(a[k][2]), "r"(a[k][3]));
+}
+
+// A consumer's chunk of dQ_i (64 rows x 64 columns of accumulators) into a dQ buffer, as the TMA
+// reads it: two boxes of 32 columns, 128 bytes a row, in each row the 16-byte chunk of columns
+// 4b.. at b ^ (row % 8) (the 128-byte swizzle: bank-conflict free).
+__device__ __forceinline__ void stage_dq(char* to, float (&dQ)[32]) {
+    const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = 16 * warp + g + 8 * r;
+#pragma unroll
+        for (int b = 0; b < 8; b++) {                  // columns 8b + 2t, + 1 of the chunk
+            auto* at = reinterpret_cast<float2*>(to + (b / 4 * kBwdBr + row) * kRowBytes +
+                                                 ((2 * (b % 4) + t / 2) ^ row % 8) * 16 + t % 2 * 8);
+            *at = float2{acc_at(dQ, r, 2 * b), acc_at(dQ, r, 2 * b + 1)};
+        }
+    }
 }
 
 // The dQ writer (the producer warpgroup's second warp; FlashAttention-3's way to add dQ): chunk by
@@ -297,9 +317,8 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         wgmma_commit();                                // (lines 12, 16 run on meanwhile)
         named_barrier(2, kWarpgroup * C);              // every warpgroup's dS^T is in
         // Line 15: dQ_i = dS K_j, chunk c (columns 64c..) a wgmma: A = dS (dS^T read
-        // transposed), B = K_j read transposed; then into a dQ buffer, swizzled as the TMA reads
-        // it (a box: 32 columns, 128 bytes a row; columns 4b.. in 16-byte chunk b ^ (row % 8)),
-        // for the writer warp. Which warpgroup computes which chunk: bwd_dq_buffers' comment.
+        // transposed), B = K_j read transposed; then into a dQ buffer for the writer warp. Which
+        // warpgroup computes which chunk: bwd_dq_buffers' comment.
         const bool adds = D == 128 || wg == (D == 64 ? n % C : 0);
 #pragma unroll 1
         for (int cb = 0; cb < (adds ? Chunks / (D == 128 ? C : 1) : 0); cb++) {
@@ -316,16 +335,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             wgmma_commit();
             wgmma_wait<0>(dQ_i);
             if (q >= Bufs) mbar_wait(&dq_empty[q % Bufs], (q / Bufs - 1) % 2);  // buffer read
-            char* to = reinterpret_cast<char*>(dQ_s + q % Bufs * Br * 64);
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const int row = 16 * warp + g + 8 * r;
-#pragma unroll
-                for (int b = 0; b < 8; b++)            // columns 8b + 2t, + 1 of the chunk
-                    *reinterpret_cast<float2*>(to + (b / 4 * Br + row) * kRowBytes +
-                                               ((2 * (b % 4) + t / 2) ^ row % 8) * 16 + t % 2 * 8) =
-                        float2{acc_at(dQ_i, r, 2 * b), acc_at(dQ_i, r, 2 * b + 1)};
-            }
+            stage_dq(reinterpret_cast<char*>(dQ_s + q % Bufs * Br * 64), dQ_i);
             fence_proxy_async();                       // the TMA (async proxy) reads it next
             mbar_arrive(&dq_full[q % Bufs]);
         }
