@@ -34,8 +34,11 @@
 // owns 64 keys of a K/V tile of Bc = 128 and holds all d columns of their dK_j and dV_j (d floats a
 // thread at d = 128); at d = 256 that would be 256 floats, so the two share 64 keys (Bc = 64) and
 // each holds half of the columns (Split = 2; both compute the same S^T and dP^T, 40% more products
-// there: the price of this first version). Two stages of Q_i, dO_i, L_i, D_i.
-constexpr int kBwdConsumers = 2, kBwdBr = 64, kBwdStages = 2;
+// there: the price of this first version). Stages of Q_i, dO_i, L_i, D_i: bwd_stages.
+constexpr int kBwdConsumers = 2, kBwdBr = 64;
+// Stages of Q_i, dO_i, L_i, D_i: two, four at d = 64, whose tiles are short (3-8% faster than
+// two on an H100; six no faster, nor three at d = 128: lab/chapter3-backward.md, step 4).
+__host__ __device__ constexpr int bwd_stages(int d) { return d == 64 ? 4 : 2; }
 __host__ __device__ constexpr int bwd_split(int d) { return d == 256 ? 2 : 1; }
 __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bwd_split(d); }
 // dQ_i (Br x d, fp32) leaves the consumers 64 columns (a chunk) at a time, through shared-memory
@@ -45,9 +48,11 @@ __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bw
 // tile by tile, tile n in buffer n % 2; at d = 256 the first consumer all four, one after another
 // through the one buffer that fits beside two stages. Each buffer has one user, so that the
 // parity of its barriers' phases tells the user which use it waits for (two users taking turns
-// at one buffer could not tell: one could wait for a use before the other's use before it began).
+// at one buffer could not tell: one could wait for a use before the other's use before it began;
+// d = 256 split between the consumers, with a named barrier to keep them in order, was no faster:
+// 0.91-1.05x, lab/chapter3-backward.md, step 4).
 // (At d = 64, both consumers each over its own 64 keys, the second adding its part onto the
-// first's in the buffer, was 3-8% slower than taking turns: lab/chapter3-backward.md, step 3.)
+// first's in the buffer, was 10-20% slower than taking turns: lab/chapter3-backward.md, step 3.)
 __host__ __device__ constexpr int bwd_dq_buffers(int d) { return d == 256 ? 1 : 2; }
 __host__ __device__ constexpr int bwd_dq_chunks(int d) { return d / 64; }
 // Registers a thread, set with setmaxnreg (the forward's pair at two consumers, as FlashAttention-3
@@ -155,7 +160,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                              int* __restrict__ turns, int* next_ticket, T* __restrict__ dK,
                              T* __restrict__ dV, int q_len, int kv_len, bool causal, int Tc,
                              int BH, int group, int HG, float scale_log2) {
-    constexpr int C = kBwdConsumers, Br = kBwdBr, Stages = kBwdStages, Bc = 64 * C / Split;
+    constexpr int C = kBwdConsumers, Br = kBwdBr, Stages = bwd_stages(D), Bc = 64 * C / Split;
     constexpr int Bufs = bwd_dq_buffers(D), Chunks = bwd_dq_chunks(D);
     constexpr int Dw = D / Split;                      // columns of dK_j, dV_j a warpgroup holds
     extern __shared__ __align__(16) unsigned char shared[];
@@ -364,14 +369,14 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 #undef HOPPER_ONLY
 
 // ---------------------------------------------------------------------------------------------
-// The launcher. Shared memory: K_j, V_j, two stages of Q_i and dO_i, dS^T twice (2 bytes an
-// element), the dQ buffers (Br x 64 floats each), two stages of L_i and D_i, alignment, the
+// The launcher. Shared memory: K_j, V_j, the stages of Q_i and dO_i, dS^T twice (2 bytes an
+// element), the dQ buffers (Br x 64 floats each), the stages' L_i and D_i, alignment, the
 // mbarriers (2 a stage, K_j and V_j's, 2 a dQ buffer).
 static constexpr size_t bwd_hopper_shared_bytes(int d) {
-    return size_t(2 * bwd_Bc(d) * d + 2 * kBwdStages * kBwdBr * d + 2 * bwd_Bc(d) * kBwdBr) * 2 +
+    return size_t(2 * bwd_Bc(d) * d + 2 * bwd_stages(d) * kBwdBr * d + 2 * bwd_Bc(d) * kBwdBr) * 2 +
            size_t(bwd_dq_buffers(d)) * kBwdBr * 64 * sizeof(float) +
-           kBwdStages * 2 * kBwdBr * sizeof(float) + 1024 +
-           8 * (2 * kBwdStages + 1 + 2 * bwd_dq_buffers(d));
+           bwd_stages(d) * 2 * kBwdBr * sizeof(float) + 1024 +
+           8 * (2 * bwd_stages(d) + 1 + 2 * bwd_dq_buffers(d));
 }
 static_assert(bwd_hopper_shared_bytes(64) <= 227 * 1024 &&
                   bwd_hopper_shared_bytes(128) <= 227 * 1024 &&
