@@ -42,17 +42,19 @@ __host__ __device__ constexpr int bwd_stages(int d) { return d == 64 ? 4 : 2; }
 __host__ __device__ constexpr int bwd_split(int d) { return d == 256 ? 2 : 1; }
 __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bwd_split(d); }
 // dQ_i (Br x d, fp32) leaves the consumers 64 columns (a chunk) at a time, through shared-memory
-// buffers (Br x 64 floats, 16 KiB each) to the dQ writer warp (write_dq, below). Who computes
-// which chunk: at d = 128 each consumer one (64 columns), with a buffer of its own; at d = 64
-// (32 columns each would be narrower than the transposed wgmma reads) the consumers take turns,
-// tile by tile, tile n in buffer n % 2; at d = 256 the first consumer all four, one after another
-// through the one buffer that fits beside two stages. Each buffer has one user, so that the
-// parity of its barriers' phases tells the user which use it waits for (two users taking turns
-// at one buffer could not tell: one could wait for a use before the other's use before it began;
-// d = 256 split between the consumers, with a named barrier to keep them in order, was no faster:
-// 0.91-1.05x, lab/chapter3-backward.md, step 4).
-// (At d = 64, both consumers each over its own 64 keys, the second adding its part onto the
-// first's in the buffer, was 10-20% slower than taking turns: lab/chapter3-backward.md, step 3.)
+// buffers (Br x 64 floats, 16 KiB each), to the dQ writer warp (write_dq, below). Who computes
+// which chunk:
+//  - d = 128: each consumer one, in a buffer of its own;
+//  - d = 64: the consumers take turns, tile by tile (tile n in buffer n % 2); 32 columns each
+//    would be narrower than the transposed wgmma reads;
+//  - d = 256: the first consumer all four, one after another, through the one buffer that fits
+//    beside two stages.
+// Each buffer has one user: the parity of its barriers' phases then tells the user which use it
+// waits for. Two users taking turns at one buffer could not tell: one could wait for a use before
+// the other's use before it had begun. Measured and dropped (lab/chapter3-backward.md, steps 3
+// and 4): at d = 64 both consumers each over its own 64 keys, summed in the buffer, 10-20% slower
+// than taking turns; at d = 256 the chunks split between the consumers, kept in order by a named
+// barrier, 0.91-1.05x.
 __host__ __device__ constexpr int bwd_dq_buffers(int d) { return d == 256 ? 1 : 2; }
 __host__ __device__ constexpr int bwd_dq_chunks(int d) { return d / 64; }
 // Registers a thread, set with setmaxnreg (the forward's pair at two consumers, as FlashAttention-3
