@@ -41,22 +41,26 @@ constexpr int kBwdConsumers = 2, kBwdBr = 64;
 __host__ __device__ constexpr int bwd_stages(int d) { return d == 64 ? 4 : 2; }
 __host__ __device__ constexpr int bwd_split(int d) { return d == 256 ? 2 : 1; }
 __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bwd_split(d); }
-// dQ_i (Br x d, fp32) leaves the consumers 64 columns (a chunk) at a time, through shared-memory
-// buffers (Br x 64 floats, 16 KiB each), to the dQ writer warp (write_dq, below). Who computes
-// which chunk:
-//  - d = 128: each consumer one, in a buffer of its own;
-//  - d = 64: the consumers take turns, tile by tile (tile n in buffer n % 2); 32 columns each
+// dQ_i (Br x d, fp32) leaves the consumers a chunk of columns at a time, through two shared-memory
+// buffers, to the dQ writer warp (write_dq, below). A consumer computes 64 columns a wgmma (the
+// transposed reads need 64); who computes which:
+//  - d = 128: each consumer one, into a buffer of its own (chunks of 64 columns, 16 KiB);
+//  - d = 64: the consumers take turns, tile by tile (tile n into buffer n % 2); 32 columns each
 //    would be narrower than the transposed wgmma reads;
-//  - d = 256: the first consumer all four, one after another, through the one buffer that fits
-//    beside two stages.
+//  - d = 256: the first consumer all four, each as two chunks of 32 columns, one a buffer (8 KiB:
+//    two of 16 KiB do not fit beside two stages), so that it fills one while the writer's TMA
+//    reads the other: 0-4% faster than one buffer of 64 columns. (What holds d = 256 back is
+//    dQ's way out: without its staging and adds it ran 1.9x faster; lab/chapter3-backward.md,
+//    step 5.)
 // Each buffer has one user: the parity of its barriers' phases then tells the user which use it
 // waits for. Two users taking turns at one buffer could not tell: one could wait for a use before
 // the other's use before it had begun. Measured and dropped (lab/chapter3-backward.md, steps 3
 // and 4): at d = 64 both consumers each over its own 64 keys, summed in the buffer, 10-20% slower
 // than taking turns; at d = 256 the chunks split between the consumers, kept in order by a named
 // barrier, 0.91-1.05x.
-__host__ __device__ constexpr int bwd_dq_buffers(int d) { return d == 256 ? 1 : 2; }
-__host__ __device__ constexpr int bwd_dq_chunks(int d) { return d / 64; }
+constexpr int kBwdDqBuffers = 2;
+__host__ __device__ constexpr int bwd_dq_cols(int d) { return d == 256 ? 32 : 64; }
+__host__ __device__ constexpr int bwd_dq_chunks(int d) { return d / bwd_dq_cols(d); }
 // Registers a thread, set with setmaxnreg (the forward's pair at two consumers, as FlashAttention-3
 // has it). setmaxnreg only moves registers within the block's own: its 384 threads start with 168
 // each (65536 / 384, rounded down to a multiple of 8: ptxas -v), 64512 in all, and
@@ -86,17 +90,17 @@ __device__ __forceinline__ void keep(const uint32_t (&a)[K][4]) {
         asm volatile("" ::"r"(a[k][0]), "r"(a[k][1]), "r"(a[k][2]), "r"(a[k][3]));
 }
 
-// A consumer's chunk of dQ_i (64 rows x 64 columns of accumulators) into a dQ buffer, as the TMA
-// reads it: two boxes of 32 columns, 128 bytes a row, in each row the 16-byte chunk of columns
-// 4b.. at b ^ (row % 8) (the 128-byte swizzle: bank-conflict free).
-__device__ __forceinline__ void stage_dq(char* to, float (&dQ)[32]) {
+// Box h (columns 32h..) of a consumer's 64 x 64 accumulators of dQ_i into a dQ buffer, as the TMA
+// reads it: 128 bytes a row, in each row the 16-byte chunk of columns 4b.. at b ^ (row % 8) (the
+// 128-byte swizzle: bank-conflict free).
+__device__ __forceinline__ void stage_dq(char* to, float (&dQ)[32], int h) {
     const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int row = 16 * warp + g + 8 * r;
 #pragma unroll
-        for (int b = 0; b < 8; b++) {                  // columns 8b + 2t, + 1 of the chunk
-            auto* at = reinterpret_cast<float2*>(to + (b / 4 * kBwdBr + row) * kRowBytes +
+        for (int b = 4 * h; b < 4 * h + 4; b++) {      // columns 8b + 2t, + 1 of the 64
+            auto* at = reinterpret_cast<float2*>(to + row * kRowBytes +
                                                  ((2 * (b % 4) + t / 2) ^ row % 8) * 16 + t % 2 * 8);
             *at = float2{acc_at(dQ, r, 2 * b), acc_at(dQ, r, 2 * b + 1)};
         }
@@ -113,7 +117,8 @@ __device__ __forceinline__ void stage_dq(char* to, float (&dQ)[32]) {
 template <int D, typename TileAt>
 __device__ void write_dq(const CUtensorMap& dQacc, const float* dQ_s, uint64_t* full,
                          uint64_t* empty, int* turns, int Tr, int tiles, int mine, TileAt tile_at) {
-    constexpr int Chunks = bwd_dq_chunks(D), Bufs = bwd_dq_buffers(D), Br = kBwdBr;
+    constexpr int Chunks = bwd_dq_chunks(D), Bufs = kBwdDqBuffers, Cols = bwd_dq_cols(D);
+    constexpr int Br = kBwdBr;
     // The turn of a tile whose adds are issued passes on once they are complete: at d >= 128 at
     // once; at d = 64, whose tiles are short, when the next tile's first chunk is in, so that
     // the wait for completion does not hold the writer back (lab/chapter3-backward.md, step 3).
@@ -131,8 +136,8 @@ __device__ void write_dq(const CUtensorMap& dQacc, const float* dQ_s, uint64_t* 
             if (c == 0 && held) pass(held);            // (before waiting: NOTES section 14)
             if (c == 0) wait_turn(turn, mine), fence_proxy_async_global();
             if (threadIdx.x % 32 == 0) {
-                for (int h = 0; h < 2; h++)            // its two boxes of 32 columns
-                    tma_store(dQacc, dQ_s + (q % Bufs * 2 + h) * Br * 32, 64 * c + 32 * h,
+                for (int h = 0; h < Cols / 32; h++)    // its boxes of 32 columns
+                    tma_store(dQacc, dQ_s + (q % Bufs * Cols + 32 * h) * Br, Cols * c + 32 * h,
                               i * Br, bh, mine > 0);
                 bulk_commit(), bulk_wait_read<0>();
                 mbar_arrive(&empty[q % Bufs]);
@@ -163,14 +168,14 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                              T* __restrict__ dV, int q_len, int kv_len, bool causal, int Tc,
                              int BH, int group, int HG, float scale_log2) {
     constexpr int C = kBwdConsumers, Br = kBwdBr, Stages = bwd_stages(D), Bc = 64 * C / Split;
-    constexpr int Bufs = bwd_dq_buffers(D), Chunks = bwd_dq_chunks(D);
+    constexpr int Bufs = kBwdDqBuffers, Chunks = bwd_dq_chunks(D), Cols = bwd_dq_cols(D);
     constexpr int Dw = D / Split;                      // columns of dK_j, dV_j a warpgroup holds
     extern __shared__ __align__(16) unsigned char shared[];
     T* K_j = reinterpret_cast<T*>(shared + (1024 - smem_addr(shared) % 1024) % 1024);
     T *V_j = K_j + Bc * D, *Q_s = V_j + Bc * D;       // stage s: Q_s + s Br D, dO_s + s Br D
     T *dO_s = Q_s + Stages * Br * D, *dS_s = dO_s + Stages * Br * D;  // dS^T: 2, n % 2 for tile n
     float* dQ_s = reinterpret_cast<float*>(dS_s + 2 * Bc * Br);  // dQ chunks: 2 boxes a buffer
-    float* LD = dQ_s + Bufs * Br * 64;                 // stage s: L_i, then D_i
+    float* LD = dQ_s + Bufs * Br * Cols;               // stage s: L_i, then D_i
     auto *full = reinterpret_cast<uint64_t*>(LD + Stages * 2 * Br), *empty = full + Stages,
          *kv_full = empty + Stages, *dq_full = kv_full + 1, *dq_empty = dq_full + Bufs;
     // The mbarriers (before init_barriers' fence, which covers them all): K_j and V_j are in; dQ
@@ -329,11 +334,11 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         named_barrier(2, kWarpgroup * C);              // every warpgroup's dS^T is in
         // Line 15: dQ_i = dS K_j, chunk c (columns 64c..) a wgmma: A = dS (dS^T read
         // transposed), B = K_j read transposed; then into a dQ buffer for the writer warp. Which
-        // warpgroup computes which chunk: bwd_dq_buffers' comment.
+        // warpgroup computes which chunk: kBwdDqBuffers' comment.
         const bool adds = D == 128 || wg == (D == 64 ? n % C : 0);
 #pragma unroll 1
-        for (int cb = 0; cb < (adds ? Chunks / (D == 128 ? C : 1) : 0); cb++) {
-            const int c = D == 128 ? wg : cb, q = n * Chunks + c;  // the n-th tile's chunk c
+        for (int cb = 0; cb < (adds ? D / 64 / (D == 128 ? C : 1) : 0); cb++) {
+            const int c = D == 128 ? wg : cb;         // columns 64c.. of the n-th tile's dQ_i
             float dQ_i[32] = {};
             written(dQ_i);
             wgmma_fence();
@@ -345,10 +350,14 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                                                 Bc * kRowBytes));
             wgmma_commit();
             wgmma_wait<0>(dQ_i);
-            if (q >= Bufs) mbar_wait(&dq_empty[q % Bufs], (q / Bufs - 1) % 2);  // buffer read
-            stage_dq(reinterpret_cast<char*>(dQ_s + q % Bufs * Br * 64), dQ_i);
-            fence_proxy_async();                       // the TMA (async proxy) reads it next
-            mbar_arrive(&dq_full[q % Bufs]);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {              // its boxes of 32 columns: chunk q, buffer b
+                const int q = n * Chunks + (64 * c + 32 * h) / Cols, b = q % Bufs;
+                if (32 * h % Cols == 0 && q >= Bufs) mbar_wait(&dq_empty[b], (q / Bufs - 1) % 2);
+                stage_dq(reinterpret_cast<char*>(dQ_s + (b * Cols + 32 * h % Cols) * Br), dQ_i, h);
+                if ((32 * h + 32) % Cols == 0)         // the chunk is in: the TMA reads it next
+                    fence_proxy_async(), mbar_arrive(&dq_full[b]);
+            }
         }
         wgmma_wait<0>(dV_j), written(dK_j);            // lines 12, 16 done: stage, A fragments free
         // Every consumer thread gives the stage back itself, so that its own reads of L_i, D_i
@@ -376,13 +385,13 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 
 // ---------------------------------------------------------------------------------------------
 // The launcher. Shared memory: K_j, V_j, the stages of Q_i and dO_i, dS^T twice (2 bytes an
-// element), the dQ buffers (Br x 64 floats each), the stages' L_i and D_i, alignment, the
+// element), the dQ buffers (Br x bwd_dq_cols floats each), the stages' L_i and D_i, alignment, the
 // mbarriers (2 a stage, K_j and V_j's, 2 a dQ buffer).
 static constexpr size_t bwd_hopper_shared_bytes(int d) {
     return size_t(2 * bwd_Bc(d) * d + 2 * bwd_stages(d) * kBwdBr * d + 2 * bwd_Bc(d) * kBwdBr) * 2 +
-           size_t(bwd_dq_buffers(d)) * kBwdBr * 64 * sizeof(float) +
+           size_t(kBwdDqBuffers) * kBwdBr * bwd_dq_cols(d) * sizeof(float) +
            bwd_stages(d) * 2 * kBwdBr * sizeof(float) + 1024 +
-           8 * (2 * bwd_stages(d) + 1 + 2 * bwd_dq_buffers(d));
+           8 * (2 * bwd_stages(d) + 1 + 2 * kBwdDqBuffers);
 }
 static_assert(bwd_hopper_shared_bytes(64) <= 227 * 1024 &&
                   bwd_hopper_shared_bytes(128) <= 227 * 1024 &&
