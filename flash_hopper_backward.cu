@@ -15,8 +15,9 @@
 //
 // Grouped K/V heads (AttentionShape::kv_heads): a block is (batch, K/V head, K/V tile j) and walks
 // the Q tiles of the group's heads / kv_heads query heads, so that dK_j and dV_j sum over the group
-// in registers, in a fixed order: Q tile by Q tile, the group's heads in turn at each. Head dims: kFlashHopperHeadDims;
-// fp16 and bf16; compute capability 9.0. Built for sm_90a only, as flash_hopper.cu.
+// in registers, in a fixed order: Q tile by Q tile, the group's heads in turn at each. Head dims:
+// kFlashHopperHeadDims; fp16 and bf16; compute capability 9.0. Built for sm_90a only, as
+// flash_hopper.cu.
 #include "checks.h"
 #include "flash.h"
 #include "hopper.cuh"
@@ -100,8 +101,8 @@ __device__ __forceinline__ void stage_dq(char* to, float (&dQ)[32], int h) {
         const int row = 16 * warp + g + 8 * r;
 #pragma unroll
         for (int b = 4 * h; b < 4 * h + 4; b++) {      // columns 8b + 2t, + 1 of the 64
-            auto* at = reinterpret_cast<float2*>(to + row * kRowBytes +
-                                                 ((2 * (b % 4) + t / 2) ^ row % 8) * 16 + t % 2 * 8);
+            auto* at = reinterpret_cast<float2*>(
+                to + row * kRowBytes + ((2 * (b % 4) + t / 2) ^ row % 8) * 16 + t % 2 * 8);
             *at = float2{acc_at(dQ, r, 2 * b), acc_at(dQ, r, 2 * b + 1)};
         }
     }
