@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # lab/gpu-profile.sh: Nsight Compute on the two kernels whose speed is still short of its aim, for
 # the "measure first" step before changing them (an H100 or H200; about 4 minutes):
-#   - chapter 3's backward (flash_backward_hopper_kernel), fp16, d = 128, N = 8192, causal and not:
-#     tensor-pipe use, occupancy, where the warps stall, line by line (-lineinfo is in the build);
+#   - chapter 3's backward (flash_backward_hopper_kernel), fp16, d = 128, N = 8192, causal and not,
+#     and d = 256, N = 4096: tensor-pipe use, shared memory, occupancy, where the warps stall,
+#     line by line (-lineinfo is in the build);
 #   - the decode at batch 1 (flash_decode_split_kernel and the combine), fp16, d = 128, 32 query
 #     heads over 8 K/V heads, 8k and 32k keys: memory throughput, bytes in flight, stalls by line;
 #     then, time only, the decode against the number of splits (NOTES section 21, exercise 4).
@@ -27,7 +28,7 @@ profile() {
         >"$OUT/$name.run.log" 2>&1
     echo "== $name: ncu exit $?"
     ncu --import "$OUT/$name.ncu-rep" --page details >"$OUT/$name.details.txt" 2>&1
-    grep -E "Pipe|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|No Eligible|Tensor|Block Limit" \
+    grep -E "Pipe|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|No Eligible|Tensor|Block Limit|Shared|Bank" \
         "$OUT/$name.details.txt" | head -30
     ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source cuda \
         >"$OUT/$name.source.csv" 2>/dev/null
@@ -38,6 +39,12 @@ for c in 0 1; do  # skip 12: the demo's tiny unlisted row (11 calls) and a warm-
         ./flash_bench --dtype fp16 --dim 128 --heads 16 --batch 2 --seq 8192 --causal $c \
         --no-standard --repeat 10
 done
+# d = 256, where dQ's staging costs about half the time (lab/chapter3-backward.md, step 5): its
+# shared memory (the Memory Workload Analysis section's shared-memory rows: use, wavefronts, bank
+# conflicts) against d = 128's above.
+profile "bwd-d256-c0" flash_backward_hopper_kernel 12 1 \
+    ./flash_bench --dtype fp16 --dim 256 --heads 8 --batch 4 --seq 4096 --causal 0 \
+    --no-standard --repeat 10
 for n in 8192 32768; do
     profile "decode-b1-$n" "flash_decode_(split|combine)" 6 2 \
         ./flash_decode_bench --batch 1 --kv-len $n
