@@ -29,7 +29,7 @@ profile() {
     echo "== $name: ncu exit $?"
     ncu --import "$OUT/$name.ncu-rep" --page details >"$OUT/$name.details.txt" 2>&1
     grep -E "Pipe|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|No Eligible|Tensor|Block Limit|Shared|Bank" \
-        "$OUT/$name.details.txt" | head -30
+        "$OUT/$name.details.txt" | head -40
     ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source cuda \
         >"$OUT/$name.source.csv" 2>/dev/null
 }
