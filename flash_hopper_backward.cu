@@ -8,8 +8,8 @@
 // warpgroup's accumulators hold P^T and dS^T exactly as the A fragment of the next products wants
 // them (dV_j += P^T dO_i, dK_j += dS^T Q_i: wgmma with A in registers, FlashAttention-3's trick);
 // only dS goes through shared memory, once, for dQ_i = dS K_j, which reads it, and K_j, transposed
-// (imm-trans 1). dQ_i's part goes back through shared memory too, and a warp of its own adds it
-// into dQacc (fp32) by TMA reduce-adds, in chapter 2's fixed order: bitwise deterministic. (The
+// (imm-trans 1). dQ_i's part goes back through shared memory too, and two warps of their own add
+// it into dQacc (fp32) by TMA reduce-adds, in chapter 2's fixed order: bitwise deterministic. (The
 // first version had the consumers add it with atomics, each waiting for its block's turn: 15-24%
 // slower at d = 128, lab/chapter3-backward.md.)
 //
@@ -43,23 +43,25 @@ __host__ __device__ constexpr int bwd_stages(int d) { return d == 64 ? 4 : 2; }
 __host__ __device__ constexpr int bwd_split(int d) { return d == 256 ? 2 : 1; }
 __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bwd_split(d); }
 // dQ_i (Br x d, fp32) leaves the consumers a chunk of columns at a time, through two shared-memory
-// buffers, to the dQ writer warp (write_dq, below). A consumer computes 64 columns a wgmma (the
-// transposed reads need 64); who computes which:
+// buffers, to two dQ writer warps, one a buffer (write_dq, below). A consumer computes 64 columns
+// a wgmma (the transposed reads need 64); who computes which:
 //  - d = 128: each consumer one, into a buffer of its own (chunks of 64 columns, 16 KiB);
-//  - d = 64: the consumers take turns, tile by tile (tile n into buffer n % 2); 32 columns each
-//    would be narrower than the transposed wgmma reads;
-//  - d = 256: the first consumer all four, each as two chunks of 32 columns, one a buffer (8 KiB:
-//    two of 16 KiB do not fit beside two stages), so that it fills one while the writer's TMA
-//    reads the other: 0-4% faster than one buffer of 64 columns. (What holds d = 256 back is
-//    dQ's way out: without its staging and adds it ran 1.9x faster; lab/chapter3-backward.md,
-//    step 5.)
-// Each buffer has one user: the parity of its barriers' phases then tells the user which use it
-// waits for. Two users taking turns at one buffer could not tell: one could wait for a use before
-// the other's use before it had begun. Measured and dropped (lab/chapter3-backward.md, steps 3
-// and 4): at d = 64 both consumers each over its own 64 keys, summed in the buffer, 10-20% slower
-// than taking turns; at d = 256 the chunks split between the consumers, kept in order by a named
-// barrier, 0.91-1.05x.
+//  - d = 64: the consumers take turns, tile by tile (tile n: consumer n % 2, buffer n % 2); 32
+//    columns each would be narrower than the transposed wgmma reads;
+//  - d = 256: the consumers take turns too (tile n: consumer n % 2), each all four of its tile's
+//    64-column products, passed on as eight chunks of 32 columns, the two buffers in turn (8 KiB
+//    each: two of 16 KiB do not fit beside two stages). While one stages dQ_i, the other computes
+//    the next tile: 5-14% faster than the first consumer staging every tile's dQ_i while the
+//    second waited for it at each tile's barrier (lab/chapter3-backward.md, step 6).
+// A buffer's uses must come in order: the parity of its barriers' phases tells a user which use it
+// waits for, and a user ahead of the other could take an older phase of the same parity for the one
+// it waits for. Where both consumers use a buffer, a barrier orders them: at d = 64 the one each
+// tile has anyway (dS^T is in), at d = 256 one that tile n's consumer passes to tile n + 1's once
+// its chunks are in (named barriers 3 and 4). Measured and dropped (lab/chapter3-backward.md, steps
+// 3 and 4): at d = 64 both consumers each over its own 64 keys, summed in the buffer, 10-20% slower
+// than taking turns; at d = 256 each tile's chunks split between the consumers, 0.91-1.05x.
 constexpr int kBwdDqBuffers = 2;
+static_assert(kBwdDqBuffers == 2, "a writer warp a buffer, two consumers taking turns at them");
 __host__ __device__ constexpr int bwd_dq_cols(int d) { return d == 256 ? 32 : 64; }
 __host__ __device__ constexpr int bwd_dq_chunks(int d) { return d / bwd_dq_cols(d); }
 // Registers a thread, set with setmaxnreg (the forward's pair at two consumers, as FlashAttention-3
@@ -82,6 +84,11 @@ __device__ __forceinline__ void written(float (&r)[N]) {
 #pragma unroll
     for (int x = 0; x < N; x++) asm volatile("" : "+f"(r[x])::"memory");
 }
+// barrier.arrive: counts the warpgroup in at named barrier `id` and goes on; the other side waits
+// for it there with named_barrier (PTX ISA, "bar, barrier": an arrive synchronizes with the sync).
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // Keeps registers that an asynchronous wgmma still reads (the A fragments) alive to this point, so
 // that the compiler gives them to nothing else before the wgmma_wait that precedes it.
 template <int K>
@@ -93,68 +100,75 @@ __device__ __forceinline__ void keep(const uint32_t (&a)[K][4]) {
 
 // Box h (columns 32h..) of a consumer's 64 x 64 accumulators of dQ_i into a dQ buffer, as the TMA
 // reads it: 128 bytes a row, in each row the 16-byte chunk of columns 4b.. at b ^ (row % 8) (the
-// 128-byte swizzle: bank-conflict free).
+// 128-byte swizzle). A store of the warp's 8-byte pairs takes two passes of 16 lanes; in each,
+// lanes t and t ^ 2 of rows g and g ^ 1 would meet in one bank if they stored the same column
+// group b, so lanes t = 2, 3 take the group two ahead (k + 2): no bank conflict. (Storing in b's
+// order, ncu counted 1.8 times the shared-memory wavefronts needed; lab/chapter3-backward.md,
+// step 6.)
 __device__ __forceinline__ void stage_dq(char* to, float (&dQ)[32], int h) {
     const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int row = 16 * warp + g + 8 * r;
 #pragma unroll
-        for (int b = 4 * h; b < 4 * h + 4; b++) {      // columns 8b + 2t, + 1 of the 64
+        for (int k = 0; k < 4; k++) {                  // columns 8b + 2t, + 1 of the 64
+            const int b0 = 4 * h + k, b1 = 4 * h + (k + 2) % 4, b = t / 2 ? b1 : b0;
+            const float2 v = t / 2 ? float2{acc_at(dQ, r, 2 * b1), acc_at(dQ, r, 2 * b1 + 1)}
+                                   : float2{acc_at(dQ, r, 2 * b0), acc_at(dQ, r, 2 * b0 + 1)};
             auto* at = reinterpret_cast<float2*>(
                 to + row * kRowBytes + ((2 * (b % 4) + t / 2) ^ row % 8) * 16 + t % 2 * 8);
-            *at = float2{acc_at(dQ, r, 2 * b), acc_at(dQ, r, 2 * b + 1)};
+            *at = v;                                   // (the registers' indices fixed: b0, b1)
         }
     }
 }
 
-// The dQ writer (the producer warpgroup's second warp; FlashAttention-3's way to add dQ): chunk by
-// chunk, in the order the consumers fill them (tile n's chunks c = 0 .. Chunks - 1, chunk q = n
-// Chunks + c in buffer q % Bufs), lane 0 adds the chunk into dQacc with one TMA reduce-add per 32
-// columns (the first block in the order stores instead) and gives the buffer back once the TMA
-// has read it. The order across blocks is chapter 2's: before a tile's first chunk the warp waits
-// for the block's turn at that (query head, Q tile), and once the tile's adds are complete it
-// passes the turn on. The consumers never wait for a turn, and never issue an atomic.
+// The dQ writers (the producer warpgroup's second and third warps; FlashAttention-3's way to add
+// dQ): writer w takes the chunks of buffer w, in the order the consumers fill them (tile n's
+// chunks c = 0 .. Chunks - 1, chunk q = n Chunks + c in buffer q % Bufs); its lane 0 adds each
+// into dQacc with one TMA reduce-add per 32 columns (the first block in the order stores instead)
+// and gives the buffer back once the TMA has read it. Two writers, so that one buffer's read by
+// the TMA overlaps the other's (one writer, handing the buffers back in turn, kept d = 256's
+// consumers waiting for them: lab/chapter3-backward.md, step 6). The order across blocks is
+// chapter 2's: before its first chunk of a tile a writer waits for the block's turn at that
+// (query head, Q tile), and once the tile's adds are complete (both writers', where the tile has
+// chunks in both buffers; at d = 64 a tile is one chunk, in buffer n % 2) the turn passes on,
+// before any wait for the next tile (NOTES section 14). The consumers never wait for a turn, and
+// never issue an atomic.
 template <int D, typename TileAt>
 __device__ void write_dq(const CUtensorMap& dQacc, const float* dQ_s, uint64_t* full,
                          uint64_t* empty, int* turns, int Tr, int tiles, int mine, TileAt tile_at) {
     constexpr int Chunks = bwd_dq_chunks(D), Bufs = kBwdDqBuffers, Cols = bwd_dq_cols(D);
     constexpr int Br = kBwdBr;
-    // The turn of a tile whose adds are issued passes on once they are complete: at d >= 128 at
-    // once; at d = 64, whose tiles are short, when the next tile's first chunk is in, so that
-    // the wait for completion does not hold the writer back (lab/chapter3-backward.md, step 3).
-    constexpr bool Late = D == 64;
-    const auto pass = [](int* turn) {
-        if (threadIdx.x % 32 == 0) bulk_wait<0>(), fence_proxy_async_global(), pass_turn(turn);
-        __syncwarp();
-    };
-    int* held = nullptr;
+    const int w = threadIdx.x / 32 - 1;                // writer w, buffer w
+    const bool lane0 = threadIdx.x % 32 == 0;
     for (int n = 0, q = 0; n < tiles; n++) {
         const auto [bh, i] = tile_at(n);
         int* turn = turns + size_t(bh) * Tr + i;
+        bool adding = false;                           // it has chunks of tile n
         for (int c = 0; c < Chunks; c++, q++) {
-            mbar_wait(&full[q % Bufs], q / Bufs % 2);  // the chunk is in its buffer
-            if (c == 0 && held) pass(held);            // (before waiting: NOTES section 14)
-            if (c == 0) wait_turn(turn, mine), fence_proxy_async_global();
-            if (threadIdx.x % 32 == 0) {
+            if (q % Bufs != w) continue;               // the other writer's chunk
+            mbar_wait(&full[w], q / Bufs % 2);         // the chunk is in its buffer
+            if (!adding) wait_turn(turn, mine), fence_proxy_async_global(), adding = true;
+            if (lane0) {
                 for (int h = 0; h < Cols / 32; h++)    // its boxes of 32 columns
-                    tma_store(dQacc, dQ_s + (q % Bufs * Cols + 32 * h) * Br, Cols * c + 32 * h,
-                              i * Br, bh, mine > 0);
+                    tma_store(dQacc, dQ_s + (w * Cols + 32 * h) * Br, Cols * c + 32 * h, i * Br,
+                              bh, mine > 0);
                 bulk_commit(), bulk_wait_read<0>();
-                mbar_arrive(&empty[q % Bufs]);
+                mbar_arrive(&empty[w]);
             }
             __syncwarp();
         }
-        held = turn;
-        if (!Late) pass(held), held = nullptr;
+        if (lane0 && adding) bulk_wait<0>(), fence_proxy_async_global();  // its adds are complete
+        if (Chunks >= Bufs) named_barrier(5, 32 * Bufs);  // and the other writer's
+        if (lane0 && (Chunks >= Bufs ? w == 0 : adding)) pass_turn(turn);
+        __syncwarp();
     }
-    if (held) pass(held);
 }
 
 // The kernel: one block per (batch*kv head, K/V tile j), in ticket order (chapter 2's). Warpgroup
-// 0's first warp is the producer (lane 0 issues the TMA copies, all 32 lanes copy L_i and D_i),
-// its second the dQ writer; warpgroups 1 and 2 the consumers. Shared memory, 1024-aligned: K_j
-// and V_j (Bc rows), the stages of Q_i and dO_i (Br rows), each as blocks of 64 columns in the
+// 0's first warp is the producer (lane 0 issues the TMA copies, all 32 lanes copy L_i and D_i), its
+// second and third the dQ writers; warpgroups 1 and 2 the consumers. Shared memory, 1024-aligned:
+// K_j and V_j (Bc rows), the stages of Q_i and dO_i (Br rows), each as blocks of 64 columns in the
 // 128-byte swizzle; dS^T (Bc x Br, swizzled as TMA would) twice; the dQ buffers (two boxes of Br
 // rows x 32 floats each, the same swizzle); the stages' L_i and D_i; the mbarriers.
 template <typename T, int D, int Split>
@@ -209,8 +223,8 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     };
     if (threadIdx.x < kWarpgroup) {                    // the producer: lines 6 and 9
         setmaxnreg<false, kBwdProducerRegs>();
-        if (threadIdx.x >= 64) return;
-        if (threadIdx.x >= 32)                         // the second warp: the dQ writer
+        if (threadIdx.x >= 32 * (1 + kBwdDqBuffers)) return;
+        if (threadIdx.x >= 32)                         // the next warps: the dQ writers
             return write_dq<D>(dQacc, dQ_s, dq_full, dq_empty, turns, Tr, tiles, mine, tile_at);
         if (threadIdx.x == 0) {                               // line 6: K_j, V_j, once
             mbar_expect_bytes(kv_full, 2 * Bc * D * sizeof(T));
@@ -305,9 +319,11 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             }
         // dS^T to shared memory for line 15, keys x queries in the 128-byte swizzle: row `key`,
         // the 16-byte chunk of queries 8b.. at chunk b ^ (key % 8). Its element pairs (g + 8r,
-        // 8b + 2t) are dS[b / 2][2 (b % 2) + r]. At Split = 2 one warpgroup writes (both hold it).
+        // 8b + 2t) are dS[b / 2][2 (b % 2) + r]. At Split = 2 both hold it; the one that computes
+        // dQ_i (kBwdDqBuffers' comment) writes it, into its own buffer: n % 2 = wg.
         char* dS_T = reinterpret_cast<char*>(dS_s + n % 2 * Bc * Br);
-        if (wg % Split == 0) {
+        const bool adds = D == 128 || wg == n % C;     // it computes dQ_i, or its part
+        if (Split == 1 || adds) {
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 const int key = kw + 16 * warp + g + 8 * r;
@@ -332,11 +348,11 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                 wgmma_rs<T, N>(dK_j + h * N / 2, dS[k], smem_desc(Q_i + at, Br * kRowBytes));
             }
         wgmma_commit();                                // (lines 12, 16 run on meanwhile)
-        named_barrier(2, kWarpgroup * C);              // every warpgroup's dS^T is in
+        if (Split == 1) named_barrier(2, kWarpgroup * C);  // every warpgroup's dS^T is in
+        else if (adds && n > 0) named_barrier(3 + n % 2, kWarpgroup * C);  // tile n - 1's dQ_i in
         // Line 15: dQ_i = dS K_j, chunk c (columns 64c..) a wgmma: A = dS (dS^T read
         // transposed), B = K_j read transposed; then into a dQ buffer for the writer warp. Which
         // warpgroup computes which chunk: kBwdDqBuffers' comment.
-        const bool adds = D == 128 || wg == (D == 64 ? n % C : 0);
 #pragma unroll 1
         for (int cb = 0; cb < (adds ? D / 64 / (D == 128 ? C : 1) : 0); cb++) {
             const int c = D == 128 ? wg : cb;         // columns 64c.. of the n-th tile's dQ_i
@@ -360,6 +376,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                     fence_proxy_async(), mbar_arrive(&dq_full[b]);
             }
         }
+        if (Split == 2 && adds && n + 1 < tiles) named_arrive(3 + (n + 1) % 2, kWarpgroup * C);
         wgmma_wait<0>(dV_j), written(dK_j);            // lines 12, 16 done: stage, A fragments free
         // Every consumer thread gives the stage back itself, so that its own reads of L_i, D_i
         // (the producer's plain stores) are ordered before the refill by its own arrival: one
