@@ -51,7 +51,7 @@ __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bw
 //  - d = 256: the consumers take turns too (tile n: consumer n % 2), each all four of its tile's
 //    64-column products, passed on as eight chunks of 32 columns, the two buffers in turn (8 KiB
 //    each: two of 16 KiB do not fit beside two stages). While one stages dQ_i, the other computes
-//    the next tile: 5-14% faster than the first consumer staging every tile's dQ_i while the
+//    the next tile: 1-9% faster than the first consumer staging every tile's dQ_i while the
 //    second waited for it at each tile's barrier (lab/chapter3-backward.md, step 6).
 // A buffer's uses must come in order: the parity of its barriers' phases tells a user which use it
 // waits for, and a user ahead of the other could take an older phase of the same parity for the one
@@ -123,17 +123,16 @@ __device__ __forceinline__ void stage_dq(char* to, float (&dQ)[32], int h) {
 }
 
 // The dQ writers (the producer warpgroup's second and third warps; FlashAttention-3's way to add
-// dQ): writer w takes the chunks of buffer w, in the order the consumers fill them (tile n's
-// chunks c = 0 .. Chunks - 1, chunk q = n Chunks + c in buffer q % Bufs); its lane 0 adds each
-// into dQacc with one TMA reduce-add per 32 columns (the first block in the order stores instead)
-// and gives the buffer back once the TMA has read it. Two writers, so that one buffer's read by
-// the TMA overlaps the other's (one writer, handing the buffers back in turn, kept d = 256's
-// consumers waiting for them: lab/chapter3-backward.md, step 6). The order across blocks is
-// chapter 2's: before its first chunk of a tile a writer waits for the block's turn at that
-// (query head, Q tile), and once the tile's adds are complete (both writers', where the tile has
-// chunks in both buffers; at d = 64 a tile is one chunk, in buffer n % 2) the turn passes on,
-// before any wait for the next tile (NOTES section 14). The consumers never wait for a turn, and
-// never issue an atomic.
+// dQ): writer w takes the chunks of buffer w, in the order the consumers fill them (tile n's chunks
+// c = 0 .. Chunks - 1, chunk q = n Chunks + c in buffer q % Bufs); its lane 0 adds each into dQacc
+// with one TMA reduce-add per 32 columns (the first block in the order stores instead) and gives
+// the buffer back once the TMA has read it. Two writers, so that one buffer's read by the TMA
+// overlaps the other's (with one, handing the buffers back in turn, d = 256's consumers waited for
+// them; two are 0-4% faster: lab/chapter3-backward.md, step 6). The order across blocks is chapter
+// 2's: before its first chunk of a tile a writer waits for the block's turn at that (query head, Q
+// tile), and once the tile's adds are complete (both writers', where the tile has chunks in both
+// buffers; at d = 64 a tile is one chunk, in buffer n % 2) the turn passes on, before any wait for
+// the next tile (NOTES section 14). The consumers never wait for a turn, and never issue an atomic.
 template <int D, typename TileAt>
 __device__ void write_dq(const CUtensorMap& dQacc, const float* dQ_s, uint64_t* full,
                          uint64_t* empty, int* turns, int Tr, int tiles, int mine, TileAt tile_at) {
