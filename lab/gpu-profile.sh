@@ -9,7 +9,9 @@
 #     then, time only, the decode against the number of splits (NOTES section 21, exercise 4).
 # Run from the repository root:  OUT=/some/dir bash lab/gpu-profile.sh   (logs under $OUT or lab/out)
 # First run on an H200: lab/data/hopper-backward-ncu-h200.txt (the backward), lab/chapter4.md (the decode).
-# Each ncu report is also kept as text: its details page (a few lines printed) and its source page (CSV).
+# Each ncu report is also kept as text: its details page (a few lines printed) and its source page (CSV:
+# cuda,sass, a row an instruction under its source line, with the stall samples and shared-memory wavefronts; with
+# cuda alone, the ncu of this device's image printed the source lines and no metrics).
 set -u
 OUT=${OUT:-lab/out}
 mkdir -p "$OUT"
@@ -30,7 +32,7 @@ profile() {
     ncu --import "$OUT/$name.ncu-rep" --page details >"$OUT/$name.details.txt" 2>&1
     grep -E "Pipe|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|No Eligible|Tensor|Block Limit|Shared|Bank" \
         "$OUT/$name.details.txt" | head -40
-    ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source cuda \
+    ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source cuda,sass \
         >"$OUT/$name.source.csv" 2>/dev/null
 }
 
