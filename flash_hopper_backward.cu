@@ -350,7 +350,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         if (Split == 1) named_barrier(2, kWarpgroup * C);  // every warpgroup's dS^T is in
         else if (adds && n > 0) named_barrier(3 + n % 2, kWarpgroup * C);  // tile n - 1's dQ_i in
         // Line 15: dQ_i = dS K_j, chunk c (columns 64c..) a wgmma: A = dS (dS^T read
-        // transposed), B = K_j read transposed; then into a dQ buffer for the writer warp. Which
+        // transposed), B = K_j read transposed; then into a dQ buffer for the writers. Which
         // warpgroup computes which chunk: kBwdDqBuffers' comment.
 #pragma unroll 1
         for (int cb = 0; cb < (adds ? D / 64 / (D == 128 ? C : 1) : 0); cb++) {
