@@ -83,9 +83,21 @@ __host__ __device__ constexpr size_t decode_shared_bytes(int D, int kR) {
 #else
 #define SM80_ASM(...) asm volatile(__VA_ARGS__)
 #endif
-__device__ __forceinline__ void cp_async_16(void* to, const void* from, bool inside) {
-    SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                 unsigned(__cvta_generic_to_shared(to))), "l"(from), "r"(inside ? 16 : 0));
+// Each copy carries an L2 cache policy (createpolicy, PTX ISA "Data Movement: createpolicy"):
+// evict-first asks the L2 to replace these lines before others, so that a call's K and V, read
+// once, replace each other rather than what earlier kernels left there (dirty lines, whose
+// write-back the call would pay); evict-normal otherwise. The launcher's rule: decode_launch.
+__device__ __forceinline__ unsigned long long l2_policy(bool evict_first) {
+    unsigned long long first = 0, normal = 0;
+    SM80_ASM("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(first));
+    SM80_ASM("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(normal));
+    return evict_first ? first : normal;
+}
+__device__ __forceinline__ void cp_async_16(void* to, const void* from, bool inside,
+                                            unsigned long long policy) {
+    SM80_ASM("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(
+                 unsigned(__cvta_generic_to_shared(to))), "l"(from), "r"(inside ? 16 : 0),
+             "l"(policy));
 }
 __device__ __forceinline__ void cp_async_commit() { SM80_ASM("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -166,7 +178,7 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, float* __restrict__ Os,
                           float* __restrict__ Ls, int heads, int kv_heads, int q_len, int kv_len,
                           bool causal, int splits, int chunks, int tiles_per_split,
-                          float scale_log2) {
+                          float scale_log2, bool evict_first) {
     constexpr int Bc = decode_Bc(D);
     constexpr int kLanesPerKey = D / 8;                    // 8, 16, 32 at d = 64, 128, 256
     constexpr int kKeysPerLoad = 32 / kLanesPerKey;        // key rows a warp-load brings: 4, 2, 1
@@ -214,14 +226,15 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     // into its slots of the stage, zeros for a key at or past k1; one group of copies a step,
     // empty past the last. The ring's first kStages - 1 steps are issued before Q is read.
     constexpr int kStep = kSplitWarps * kWarpKeys;
+    const unsigned long long policy = l2_policy(evict_first);
     auto copy = [&](int base, int stage) {
         if (base < k1) {
 #pragma unroll
             for (int u = 0; u < kU; ++u) {
                 const int j = base + u * kKeysPerLoad + g;
                 const size_t from = size_t(j < k1 ? j : 0) * D + c0;
-                cp_async_16(ring + (stage * 2 * kU + u) * 32, Kh + from, j < k1);
-                cp_async_16(ring + (stage * 2 * kU + kU + u) * 32, Vh + from, j < k1);
+                cp_async_16(ring + (stage * 2 * kU + u) * 32, Kh + from, j < k1, policy);
+                cp_async_16(ring + (stage * 2 * kU + kU + u) * 32, Vh + from, j < k1, policy);
             }
         }
         cp_async_commit();
@@ -379,53 +392,57 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 // L) O_s, O rounded to T once. Subtracting Lmax keeps every exp <= 1; a row with every L_s = -inf
 // saw no key at all: O = 0, L = -inf. The splits are dealt out to the lanes (lane k takes s = k,
 // k + 32, ...): each lane reads its own L_s, and the warp agrees on Lmax and the sum by shuffles.
-// Then O, 32 splits at a time: lane k computes split s0 + k's weight, and every lane, for its D / 32
-// columns, adds the 32 splits' w O_s in the order s = s0, s0 + 1, ..., each weight passed along
-// by a shuffle. Same order on every call: deterministic. (Each lane reading every L_s itself, one
-// split after another, kept one load from L2 in flight at a time: 12 us at batch 1, 32 splits,
-// more than the split kernel's reading of 8k keys; lab/chapter4.md.)
+// Then O, kBatch splits at a time: lane k computes split s0 + k's weight, and every lane, for its
+// D / 32 columns, adds the splits' w O_s in the order s = s0, s0 + 1, ..., each weight passed
+// along by a shuffle. Same order on every call: deterministic. The work is small; the time is
+// the waits for L2. So the first kBatch splits' O_s are loaded before anything else, together with
+// the L_s: up to 32 splits (the rule's choice up to 33), the warp waits for L2 about once.
+// (Loading O_s only once L was known, 16 splits at a time, took ~1 us more at batch 1, 8k keys,
+// on an H100; a lane reading every L_s itself, one after another, 12 us: lab/chapter4.md.)
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
 flash_decode_combine_kernel(const float* __restrict__ Os, const float* __restrict__ Ls,
                             T* __restrict__ O, float* __restrict__ L, size_t rows, int splits) {
     constexpr int kCols = D / 32;  // a lane's columns of the row: 2, 4, 8 at d = 64, 128, 256
+    constexpr int kBatch = 128 / kCols < 32 ? 128 / kCols : 32;  // splits a load: 32, 32, 16
     const size_t row = size_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32, c0 = lane * kCols;
     wait_for_previous_kernel();  // the split kernel's O_s and L_s (see let_next_kernel_launch)
     if (row >= rows) return;     // the whole warp
-    float Lmax = -INFINITY;
-    for (int s = lane; s < splits; s += 32) Lmax = fmaxf(Lmax, Ls[size_t(s) * rows + row]);
+    // kBatch splits' O_s (128 floats a lane at most); past the last split the last one's O_s
+    // (finite) is read again and weighs 0, so that no load waits on a branch.
+    float2 v[kBatch][kCols / 2];
+    auto load = [&](int s0) {
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+            const float* os = Os + (size_t(min(s0 + k, splits - 1)) * rows + row) * D + c0;
+#pragma unroll
+            for (int e = 0; e < kCols / 2; ++e) v[k][e] = reinterpret_cast<const float2*>(os)[e];
+        }
+    };
+    load(0);
+    const float L_lane = lane < splits ? Ls[size_t(lane) * rows + row] : -INFINITY;
+    float Lmax = L_lane;
+    for (int s = lane + 32; s < splits; s += 32) Lmax = fmaxf(Lmax, Ls[size_t(s) * rows + row]);
     for (int off = 16; off > 0; off /= 2) Lmax = fmaxf(Lmax, __shfl_xor_sync(~0u, Lmax, off));
     float o[kCols] = {};
     float Lrow = -INFINITY;
     if (Lmax != -INFINITY) {
-        float sum = 0.f;
-        for (int s = lane; s < splits; s += 32) sum += expf(Ls[size_t(s) * rows + row] - Lmax);
+        float sum = expf(L_lane - Lmax);
+        for (int s = lane + 32; s < splits; s += 32) sum += expf(Ls[size_t(s) * rows + row] - Lmax);
         for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(~0u, sum, off);
         Lrow = Lmax + logf(sum);  // the butterfly gives every lane the same bits
-        for (int s0 = 0; s0 < splits; s0 += 32) {
+        for (int s0 = 0; s0 < splits; s0 += kBatch) {
+            if (s0 > 0) load(s0);
             const int s = s0 + lane;  // this lane's split; exp(-inf) = 0: a split with no key
-            const float w_lane = s < splits ? expf(Ls[size_t(s) * rows + row] - Lrow) : 0.f;
-            // kBatch splits' O_s at a time, their loads all issued before the first is used (64
-            // floats a lane in flight); past the last split, weight 0 and the last split's O_s
-            // (finite) read again, so that no load waits on a branch.
-            constexpr int kBatch = 64 / kCols;  // 32, 16, 8
-            for (int k0 = 0; k0 < 32 && s0 + k0 < splits; k0 += kBatch) {
-                float2 v[kBatch][kCols / 2];
+            const float Ls_s = s0 == 0 ? L_lane : s < splits ? Ls[size_t(s) * rows + row] : 0.f;
+            const float w_lane = s < splits ? expf(Ls_s - Lrow) : 0.f;
 #pragma unroll
-                for (int k = 0; k < kBatch; ++k) {
-                    const int sk = min(s0 + k0 + k, splits - 1);
-                    const float* os = Os + (size_t(sk) * rows + row) * D + c0;
+            for (int k = 0; k < kBatch; ++k) {
+                const float w = __shfl_sync(~0u, w_lane, k);
 #pragma unroll
-                    for (int e = 0; e < kCols / 2; ++e) v[k][e] = reinterpret_cast<const float2*>(os)[e];
-                }
-#pragma unroll
-                for (int k = 0; k < kBatch; ++k) {
-                    const float w = __shfl_sync(~0u, w_lane, k0 + k);
-#pragma unroll
-                    for (int e = 0; e < kCols / 2; ++e)
-                        o[2 * e] += w * v[k][e].x, o[2 * e + 1] += w * v[k][e].y;
-                }
+                for (int e = 0; e < kCols / 2; ++e)
+                    o[2 * e] += w * v[k][e].x, o[2 * e + 1] += w * v[k][e].y;
             }
         }
     }
@@ -494,6 +511,11 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
     // Every split a whole number of tiles; with more splits than tiles, the last ones get none.
     const int tiles_per_split = (tiles + splits - 1) / splits;
     const size_t rows = l_elems(s);
+    // The L2 policy of K and V's copies (l2_policy): evict-first where they are at most 4 L2s' worth
+    // of bytes. On an H100 with the L2 left full of dirty lines, evict-first made batch 1 at 8k and
+    // 32k keys 6-9% faster, and from 268 MB on 2-4% slower; there the explicit evict-normal is no
+    // slower than no hint (lab/chapter4.md, "The L2 policy").
+    const bool evict_first = 2 * kv_elems(s) * sizeof(T) <= 4 * size_t(prop.l2CacheSize);
     with_scratch(flash_decode_scratch_bytes(s, splits), stream, [&](void* scratch) {
         float* Os = static_cast<float*>(scratch);
         float* Ls = Os + size_t(splits) * rows * s.head_dim;
@@ -504,7 +526,7 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
                 allow_shared(kernel, shared);
                 kernel<<<blocks, kSplitThreads, shared, stream>>>(
                     Q, K, V, Os, Ls, s.heads, flash_kv_heads(s), s.q_len, s.kv_len, s.causal,
-                    splits, chunks_of(s), tiles_per_split, scale_log2_for(D));
+                    splits, chunks_of(s), tiles_per_split, scale_log2_for(D), evict_first);
             };
             if (rows_kernel_for(s) == 4)
                 run_split(flash_decode_split_kernel<T, D, 4>, decode_shared_bytes(D, 4));
