@@ -185,7 +185,10 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     constexpr int kU = kUnroll;                            // warp-loads in flight an iteration
     constexpr int kWarpKeys = kU * kKeysPerLoad;           // keys a warp takes an iteration
     static_assert(D % 8 == 0 && 32 % kLanesPerKey == 0, "a key row is whole 16-byte lanes");
-    extern __shared__ __align__(16) uint4 shared[];
+    // 128-byte aligned, so that each warp's copies land at the same offset within 128 bytes as the
+    // rows they come from. Aligned only to 16, a 4-byte __shared__ variable added to this kernel
+    // moves the array (and the rings) by 16 bytes: 3-13% slower on an H100 (lab/chapter4.md).
+    extern __shared__ __align__(128) uint4 shared[];
     // [kSplitWarps][kStages][2 kU][32]: each warp's ring, a stage's kU K slots, then kU V slots
     uint4* ring = shared + threadIdx.x / 32 * kStages * 2 * kU * 32 + threadIdx.x % 32;
     float* Ow = reinterpret_cast<float*>(shared);  // after the loop: [kSplitWarps][kR][D] O,
