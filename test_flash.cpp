@@ -467,6 +467,18 @@ TEMPLATE_TEST_CASE("The backward matches the reference over a grid of shapes",
         check_backward_on_gpu<TestType>(s, per_type<TestType>(200u, 2100u), kernel);
 }
 
+TEMPLATE_TEST_CASE("The Hopper backward is right when its tickets go out a few heads at a time",
+                   "[gpu][backward][hopper][gqa][fp16][bf16]", fp16, bf16) {
+    // Under the mask chapter 3's launcher hands out the blocks' tickets HG heads at a time, HG =
+    // 2 SMs / (K/V tiles), at most 32: on a 132-SM H100, 7 at 4500 keys (36 tiles), so 9 heads go
+    // as a group of 7 and one of 2, and 36 blocks add into each dQ_i in turn. The grid's lengths
+    // (at most 8 tiles) all give 32. Short queries keep the reference cheap. (GQA's such shape:
+    // tests/test_gqa.cpp, "GQA at head dim 256 and on a longer sequence".)
+    if (!hopper_or_warn()) return;
+    check_backward_on_gpu<TestType>(AttentionShape{1, 9, 130, 4500, 64, true}, 4500,
+                                    Kernel::public_call());
+}
+
 // The subset `make sanitize` runs under compute-sanitizer (which slows kernels 10-100x): small
 // shapes that still cover odd and unequal lengths, a partial last tile, causal on and off,
 // batched heads and every head dim, forward and backward (sanitizer_shapes). In fp16 and bf16 the
