@@ -83,21 +83,27 @@ __host__ __device__ constexpr size_t decode_shared_bytes(int D, int kR) {
 #else
 #define SM80_ASM(...) asm volatile(__VA_ARGS__)
 #endif
-// Each copy carries an L2 cache policy (createpolicy, PTX ISA "Data Movement: createpolicy"):
-// evict-first asks the L2 to replace these lines before others, so that a call's K and V, read
-// once, replace each other rather than what earlier kernels left there (dirty lines, whose
-// write-back the call would pay); evict-normal otherwise. The launcher's rule: decode_launch.
-__device__ __forceinline__ unsigned long long l2_policy(bool evict_first) {
-    unsigned long long first = 0, normal = 0;
-    SM80_ASM("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(first));
-    SM80_ASM("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(normal));
-    return evict_first ? first : normal;
+// With kEvictFirst, each copy carries an L2 cache policy (createpolicy, PTX ISA "Data Movement:
+// createpolicy"): evict-first asks the L2 to replace these lines before others, so that a call's
+// K and V, read once, replace each other rather than what earlier kernels left there (dirty lines,
+// whose write-back the call would pay). Without, no hint: an explicit evict-normal policy cost an
+// H200 7-10% at large shapes. A template parameter, not a branch: a branch in the loop cost batch 1
+// 1-2%. The launcher's rule: decode_launch.
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+    unsigned long long policy = 0;
+    SM80_ASM("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
 }
+template <bool kEvictFirst>
 __device__ __forceinline__ void cp_async_16(void* to, const void* from, bool inside,
                                             unsigned long long policy) {
-    SM80_ASM("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(
-                 unsigned(__cvta_generic_to_shared(to))), "l"(from), "r"(inside ? 16 : 0),
-             "l"(policy));
+    const unsigned dst = unsigned(__cvta_generic_to_shared(to));
+    if constexpr (kEvictFirst)
+        SM80_ASM("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+                 "l"(from), "r"(inside ? 16 : 0), "l"(policy));
+    else
+        SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(from),
+                 "r"(inside ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { SM80_ASM("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -172,13 +178,13 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y) {
 //    for every row): no exchange between key rows in the loop, one rescale per kU keys.
 //  - At the end the partials meet through the same logsumexp identity as the combine's: first the
 //    groups of a warp (shuffles), then the warps (shared memory, in warp order: deterministic).
-template <typename T, int D, int kR>
+template <typename T, int D, int kR, bool kEvictFirst>
 __global__ void __launch_bounds__(kSplitThreads, decode_blocks_per_sm(kR))
 flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, float* __restrict__ Os,
                           float* __restrict__ Ls, int heads, int kv_heads, int q_len, int kv_len,
                           bool causal, int splits, int chunks, int tiles_per_split,
-                          float scale_log2, bool evict_first) {
+                          float scale_log2) {
     constexpr int Bc = decode_Bc(D);
     constexpr int kLanesPerKey = D / 8;                    // 8, 16, 32 at d = 64, 128, 256
     constexpr int kKeysPerLoad = 32 / kLanesPerKey;        // key rows a warp-load brings: 4, 2, 1
@@ -229,15 +235,17 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     // into its slots of the stage, zeros for a key at or past k1; one group of copies a step,
     // empty past the last. The ring's first kStages - 1 steps are issued before Q is read.
     constexpr int kStep = kSplitWarps * kWarpKeys;
-    const unsigned long long policy = l2_policy(evict_first);
+    const unsigned long long policy = kEvictFirst ? evict_first_policy() : 0;
     auto copy = [&](int base, int stage) {
         if (base < k1) {
 #pragma unroll
             for (int u = 0; u < kU; ++u) {
                 const int j = base + u * kKeysPerLoad + g;
                 const size_t from = size_t(j < k1 ? j : 0) * D + c0;
-                cp_async_16(ring + (stage * 2 * kU + u) * 32, Kh + from, j < k1, policy);
-                cp_async_16(ring + (stage * 2 * kU + kU + u) * 32, Vh + from, j < k1, policy);
+                cp_async_16<kEvictFirst>(ring + (stage * 2 * kU + u) * 32, Kh + from, j < k1,
+                                         policy);
+                cp_async_16<kEvictFirst>(ring + (stage * 2 * kU + kU + u) * 32, Vh + from, j < k1,
+                                         policy);
             }
         }
         cp_async_commit();
@@ -514,10 +522,11 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
     // Every split a whole number of tiles; with more splits than tiles, the last ones get none.
     const int tiles_per_split = (tiles + splits - 1) / splits;
     const size_t rows = l_elems(s);
-    // The L2 policy of K and V's copies (l2_policy): evict-first where they are at most 4 L2s' worth
-    // of bytes. On an H100 with the L2 left full of dirty lines, evict-first made batch 1 at 8k and
-    // 32k keys 6-9% faster, and from 268 MB on 2-4% slower; there the explicit evict-normal is no
-    // slower than no hint (lab/chapter4.md, "The L2 policy").
+    // The L2 policy of K and V's copies (cp_async_16): evict-first where they are at most 4 L2s'
+    // worth of bytes, no hint beyond. On an H100 with the L2 left full of dirty lines, evict-first
+    // made batch 1 at 8k and 32k keys 6-9% faster, and from 268 MB on 2-4% slower (lab/chapter4.md,
+    // "The L2 policy"); beyond, an explicit evict-normal policy cost an H200 7-10% and gained an
+    // H100 1% ("No hint beyond").
     const bool evict_first = 2 * kv_elems(s) * sizeof(T) <= 4 * size_t(prop.l2CacheSize);
     with_scratch(flash_decode_scratch_bytes(s, splits), stream, [&](void* scratch) {
         float* Os = static_cast<float*>(scratch);
@@ -529,12 +538,20 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
                 allow_shared(kernel, shared);
                 kernel<<<blocks, kSplitThreads, shared, stream>>>(
                     Q, K, V, Os, Ls, s.heads, flash_kv_heads(s), s.q_len, s.kv_len, s.causal,
-                    splits, chunks_of(s), tiles_per_split, scale_log2_for(D), evict_first);
+                    splits, chunks_of(s), tiles_per_split, scale_log2_for(D));
+            };
+            auto run_rows = [&](auto rows) {
+                constexpr int kR = decltype(rows)::value;
+                const size_t shared = decode_shared_bytes(D, kR);
+                if (evict_first)
+                    run_split(flash_decode_split_kernel<T, D, kR, true>, shared);
+                else
+                    run_split(flash_decode_split_kernel<T, D, kR, false>, shared);
             };
             if (rows_kernel_for(s) == 4)
-                run_split(flash_decode_split_kernel<T, D, 4>, decode_shared_bytes(D, 4));
+                run_rows(std::integral_constant<int, 4>{});
             else
-                run_split(flash_decode_split_kernel<T, D, 8>, decode_shared_bytes(D, 8));
+                run_rows(std::integral_constant<int, 8>{});
             err = cudaGetLastError();
             if (err != cudaSuccess) return;
             // The combine (a warp a row), as a programmatic dependent launch where the device has
