@@ -6,7 +6,7 @@
 //   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
 //   [data]       every file in lab/data/ and lab/patches/ is cited by its path, and every such
 //                citation names a file that exists (lab/uncited-data.sh lists the uncited ones)
-//   [exercises]  every exercise patch in lab/exercises/ has its log, current with the sources,
+//   [exercises]  every exercise patch in exercises/ has its log, current with the sources,
 //                and NOTES.md states the outcome the log shows
 //
 // They read the files relative to the working directory: run ./check_docs from the root.
@@ -746,18 +746,18 @@ TEST_CASE("Every data file is cited, and every citation names a file that exists
 // [exercises] Every breakage exercise's outcome, as NOTES.md states it, is what its log says, and
 // every log is current.
 //
-// lab/exercises/C.N.patch is the exercise's edit; lab/exercises/run.sh applies it to a copy of
-// the tree on a GPU, runs the command its header names and writes lab/exercises/C.N.log: '# '
+// exercises/C.N.patch is the exercise's edit; exercises/run.sh applies it to a copy of
+// the tree on a GPU, runs the command its header names and writes exercises/C.N.log: '# '
 // lines (the exercise, the patch, the command, the GPU, the sha1 of the sources it depends on),
 // then the command's output. NOTES.md states the outcome in one line under the exercise:
-//   Outcome on a GPU (`lab/exercises/C.N.log`): F of T test cases fail, first "TEST CASE NAME".
+//   Outcome on a GPU (`exercises/C.N.log`): F of T test cases fail, first "TEST CASE NAME".
 // (with F = 0: `... 0 of T test cases fail.`), optionally followed by a ``` block of lines from
 // the log. F and T are the log's Catch2 summary; the name, the first test case the log shows
 // failing; every non-blank line of the block, trimmed, is text of the log.
 
 namespace {
 
-// SHA-1 (FIPS 180-4), to recompute the sources sha1 that lab/exercises/run.sh writes with sha1sum.
+// SHA-1 (FIPS 180-4), to recompute the sources sha1 that exercises/run.sh writes with sha1sum.
 std::string sha1_hex(const std::string& data) {
     uint32_t h[5] = {0x67452301u, 0xEFCDAB89u, 0x98BADCFEu, 0x10325476u, 0xC3D2E1F0u};
     std::string m = data;
@@ -791,10 +791,10 @@ std::string sha1_hex(const std::string& data) {
     return hex.str();
 }
 
-// The files exercise `id`'s log depends on, as lab/exercises/run.sh lists them (sorted bytewise):
+// The files exercise `id`'s log depends on, as exercises/run.sh lists them (sorted bytewise):
 // its patch, the files the patch edits, and the tests but the documentation checks.
 std::vector<std::string> exercise_sources(const std::string& id) {
-    const std::string patch = "lab/exercises/" + id + ".patch";
+    const std::string patch = "exercises/" + id + ".patch";
     std::set<std::string> files = {patch, "test_flash.cpp"};
     const std::regex edited("^diff --git a/(\\S+) b/");
     for (const std::string& line : text_lines(file_text(patch))) {
@@ -912,7 +912,7 @@ struct Outcome {
 };
 
 const std::regex kOutcome(
-    "^Outcome on a GPU \\(`lab/exercises/([0-9]+\\.[0-9]+)\\.log`\\): ([0-9]+) of ([0-9]+) test "
+    "^Outcome on a GPU \\(`exercises/([0-9]+\\.[0-9]+)\\.log`\\): ([0-9]+) of ([0-9]+) test "
     "cases? fails?(?:, first \"(.+)\")?\\.$");
 
 // The outcome lines of a document (its lines as they are); a line that starts like one but does
@@ -926,7 +926,7 @@ std::vector<Outcome> outcomes(const std::vector<std::string>& lines, const std::
         std::smatch m;
         if (!std::regex_match(line, m, kOutcome)) {
             problems->push_back(doc + ":" + std::to_string(n + 1) + ": not of the form "
-                                "Outcome on a GPU (`lab/exercises/C.N.log`): F of T test cases "
+                                "Outcome on a GPU (`exercises/C.N.log`): F of T test cases "
                                 "fail, first \"NAME\".");
             continue;
         }
@@ -967,7 +967,7 @@ std::vector<std::string> outcome_problems(const Outcome& o, const LogFacts& log)
     return p;
 }
 
-std::string exercise_id(const std::string& path) {  // lab/exercises/1.10.log -> 1.10
+std::string exercise_id(const std::string& path) {  // exercises/1.10.log -> 1.10
     const std::string name = fs::path(path).filename().string();
     return name.substr(0, name.rfind('.'));
 }
@@ -978,7 +978,7 @@ TEST_CASE("Every exercise has a current log, and NOTES.md states what the log sh
           "[cpu][exercises]") {
     std::vector<std::string> problems;
     std::set<std::string> patches, logs;
-    for (const std::string& f : files_under("lab/exercises")) {
+    for (const std::string& f : files_under("exercises")) {
         if (ends_with(f, ".patch")) patches.insert(exercise_id(f));
         if (ends_with(f, ".log")) logs.insert(exercise_id(f));
     }
@@ -989,10 +989,10 @@ TEST_CASE("Every exercise has a current log, and NOTES.md states what the log sh
     for (const Outcome& o : stated) {
         in_notes.insert(o.id);
         if (!logs.count(o.id)) {
-            problems.push_back(o.where + ": lab/exercises/" + o.id + ".log does not exist");
+            problems.push_back(o.where + ": exercises/" + o.id + ".log does not exist");
             continue;
         }
-        const LogFacts log = read_log(file_text("lab/exercises/" + o.id + ".log"));
+        const LogFacts log = read_log(file_text("exercises/" + o.id + ".log"));
         for (const std::string& p : outcome_problems(o, log)) problems.push_back(p);
     }
     std::string missing;
@@ -1000,11 +1000,11 @@ TEST_CASE("Every exercise has a current log, and NOTES.md states what the log sh
         if (!logs.count(id)) missing += " " + id;
     }
     if (!missing.empty())
-        problems.push_back("no log for exercise" + missing + ": run lab/exercises/run.sh on a GPU "
-                           "(from the root: CPPFLAGS=-I<Catch2's include dir> lab/exercises/run.sh)");
+        problems.push_back("no log for exercise" + missing + ": run exercises/run.sh on a GPU "
+                           "(from the root: CPPFLAGS=-I<Catch2's include dir> exercises/run.sh)");
     for (const std::string& id : logs) {
-        const std::string log_path = "lab/exercises/" + id + ".log";
-        if (!patches.count(id)) problems.push_back(log_path + " has no patch (lab/exercises/" + id +
+        const std::string log_path = "exercises/" + id + ".log";
+        if (!patches.count(id)) problems.push_back(log_path + " has no patch (exercises/" + id +
                                                    ".patch)");
         if (!in_notes.count(id))
             problems.push_back(log_path + ": NOTES.md has no line \"Outcome on a GPU (`" +
@@ -1021,7 +1021,7 @@ TEST_CASE("Every exercise has a current log, and NOTES.md states what the log sh
                 changed += " " + line.substr(line.find("  ") + 2);
         problems.push_back(log_path + " is older than its sources (changed since:" +
                            (changed.empty() ? std::string(" the list of files") : changed) +
-                           "): run lab/exercises/run.sh " + id + " on a GPU");
+                           "): run exercises/run.sh " + id + " on a GPU");
     }
     for (const std::string& p : problems) FAIL_CHECK(p);
 }
@@ -1053,7 +1053,7 @@ TEST_CASE("The exercise check reads Catch2's output and finds each disagreement"
         return std::vector<std::string>{"1. **An exercise.** Edit a line.", "   " + outcome, "",
                                         "   ```", "   " + quote, "   ```"};
     };
-    const std::string good = "Outcome on a GPU (`lab/exercises/9.9.log`): 4 of 25 test cases "
+    const std::string good = "Outcome on a GPU (`exercises/9.9.log`): 4 of 25 test cases "
                              "fail, first \"The forward matches the reference over a grid of "
                              "shapes\".";
     std::vector<std::string> problems;
@@ -1083,7 +1083,7 @@ TEST_CASE("The exercise check reads Catch2's output and finds each disagreement"
     REQUIRE(o.size() == 1);
     CHECK(outcome_problems(o[0], log).size() == 1);
 
-    o = outcomes({"Outcome on a GPU (lab/exercises/9.9.log): four fail."}, "X.md", &problems);
+    o = outcomes({"Outcome on a GPU (exercises/9.9.log): four fail."}, "X.md", &problems);
     CHECK(o.empty());
     REQUIRE(problems.size() == 1);
     CHECK_THAT(problems[0], Catch::Contains("X.md:1: not of the form"));

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# lab/exercises/run.sh [ID ...]: runs the breakage exercises of NOTES.md on this machine's GPU and
-# writes each one's log, lab/exercises/ID.log, which NOTES.md quotes and `make check` checks.
+# exercises/run.sh [ID ...]: runs the breakage exercises of NOTES.md on this machine's GPU and
+# writes each one's log, exercises/ID.log, which NOTES.md quotes and `make check` checks.
 # Run from anywhere in the tree, on a machine with an NVIDIA GPU (compute-sanitizer for the
-# exercises whose command uses it). With no ID, every lab/exercises/*.patch. Environment:
+# exercises whose command uses it). With no ID, every exercises/*.patch. Environment:
 # CPPFLAGS (where Catch2 is, as for make: e.g. CPPFLAGS=-I.deps/include), ARCH, JOBS.
 #
 # An exercise is ID.patch: '#' lines (the header), then a diff that `git apply` takes:
@@ -22,7 +22,7 @@
 # tests (test_flash.cpp, tests/*.cpp and tests/*.h but tests/test_docs.cpp). tests/test_docs.cpp
 # recomputes it the same way.
 set -uo pipefail
-cd "$(dirname "$0")/../.." || exit 1
+cd "$(dirname "$0")/.." || exit 1
 root=$PWD
 export PATH="$PATH:/usr/local/cuda/bin"
 [ -f /usr/include/catch2/catch.hpp ] || export CPPFLAGS="${CPPFLAGS:--I.deps/include}"
@@ -32,19 +32,19 @@ head_lines=300 tail_lines=60
 # sources ID: the files the log of exercise ID depends on, one a line, sorted.
 sources() {
     {
-        echo "lab/exercises/$1.patch"
-        sed -n 's|^diff --git a/\([^ ]*\) b/.*|\1|p' "lab/exercises/$1.patch"
+        echo "exercises/$1.patch"
+        sed -n 's|^diff --git a/\([^ ]*\) b/.*|\1|p' "exercises/$1.patch"
         echo test_flash.cpp
         ls tests/*.cpp tests/*.h | grep -vx tests/test_docs.cpp
     } | LC_ALL=C sort -u
 }
 # header_field ID NAME: the value of the patch header's "# NAME: " line.
-header_field() { sed -n "s/^# $2: //p" "lab/exercises/$1.patch" | head -n 1; }
+header_field() { sed -n "s/^# $2: //p" "exercises/$1.patch" | head -n 1; }
 
 if [ $# -gt 0 ]; then ids=("$@")
-else ids=($(ls lab/exercises/*.patch | sed 's|.*/||; s|\.patch$||' | sort -t. -k1,1n -k2,2n)); fi
+else ids=($(ls exercises/*.patch | sed 's|.*/||; s|\.patch$||' | sort -t. -k1,1n -k2,2n)); fi
 for id in "${ids[@]}"; do
-    [ -f "lab/exercises/$id.patch" ] || { echo "no lab/exercises/$id.patch" >&2; exit 2; }
+    [ -f "exercises/$id.patch" ] || { echo "no exercises/$id.patch" >&2; exit 2; }
 done
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/exercises.XXXXXX") || exit 1
@@ -57,7 +57,7 @@ gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/nu
 echo "== building the tree in $work/base"
 mkdir -p "$work/base"
 git ls-files -z -co --exclude-standard | while IFS= read -r -d '' f; do
-    case "$f" in lab/data/*|lab/exercises/*.log) continue ;; esac
+    case "$f" in lab/data/*|exercises/*.log) continue ;; esac
     [ -f "$f" ] && cp -p --parents "$f" "$work/base"/
 done
 [ -d .deps ] && cp -a .deps "$work/base"/
@@ -68,7 +68,7 @@ done
 echo "== building ${#ids[@]} patched copies"
 for id in "${ids[@]}"; do
     cp -a "$work/base" "$work/$id"
-    if ! (cd "$work/$id" && git apply "$root/lab/exercises/$id.patch") >"$work/$id.build" 2>&1; then
+    if ! (cd "$work/$id" && git apply "$root/exercises/$id.patch") >"$work/$id.build" 2>&1; then
         echo "does not apply" >>"$work/$id.build"
         continue
     fi
@@ -96,8 +96,8 @@ for id in "${ids[@]}"; do
     total=$(wc -l <"$work/$id.out")
     sum=$(sources "$id" | while read -r f; do sha1sum "$f"; done | sha1sum | cut -c1-40)
     {
-        echo "# exercise $id: $(sed -n 's/^# exercise [^:]*: //p' "lab/exercises/$id.patch" | head -n 1)"
-        echo "# patch: lab/exercises/$id.patch"
+        echo "# exercise $id: $(sed -n 's/^# exercise [^:]*: //p' "exercises/$id.patch" | head -n 1)"
+        echo "# patch: exercises/$id.patch"
         echo "# command: $cmd"
         echo "# gpu: $gpu"
         echo "# exit status: $rc after $secs s (time limit $limit s; 124 or 137: the limit ended it)"
@@ -110,9 +110,9 @@ for id in "${ids[@]}"; do
             echo "[... $((total - head_lines - tail_lines)) of $total lines cut here ...]"
             tail -n "$tail_lines" "$work/$id.out"
         fi
-    } >"lab/exercises/$id.log"
+    } >"exercises/$id.log"
     summary=$(grep -E '^(test cases:|All tests passed)' "$work/$id.out" | tail -n 1)
     echo "   exit $rc, $secs s: ${summary:-no Catch2 summary}"
 done
-echo "== $((SECONDS - t0)) s on $gpu; logs in lab/exercises/"
+echo "== $((SECONDS - t0)) s on $gpu; logs in exercises/"
 [ ${#failed[@]} = 0 ] || { echo "not run (did not apply or build): ${failed[*]}" >&2; exit 1; }
