@@ -368,7 +368,7 @@ static void launch_forward(const float* Q, const float* K, const float* V, float
     allow_shared(kernel, tile.shared_bytes);
     kernel<<<blocks, kThreads, tile.shared_bytes, stream>>>(
         f4(Q), f4(K), f4(V), f4(O), L, s.q_len, s.kv_len, s.causal, tile.Bc, Tr,
-        s.heads / flash_kv_heads(s), scale_log2_for(D));
+        flash_kv_group(s), scale_log2_for(D));
     FLASH_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -415,7 +415,7 @@ static void launch_backward(const float* Q, const float* K, const float* V, cons
     AttentionShape kv_shape = s;                        // the dK, dV grid runs over the K/V heads
     kv_shape.heads = flash_kv_heads(s);
     const int kv_blocks = grid_blocks(kv_shape, s.kv_len, tile.Bc, "kv_len");
-    const int group = s.heads / flash_kv_heads(s);      // query heads a K/V head
+    const int group = flash_kv_group(s);      // query heads a K/V head
     auto dq_kernel = flash_backward_dq_kernel<D, TPR>;
     auto dkdv_kernel = flash_backward_dkdv_kernel<D, TPR>;
     allow_shared(dq_kernel, tile.shared_bytes);

@@ -33,6 +33,11 @@ struct AttentionShape {
 __host__ __device__ inline int flash_kv_heads(const AttentionShape& s) {
     return s.kv_heads == 0 ? s.heads : s.kv_heads;
 }
+// The query heads that share one K/V head (1 without GQA): query head h reads K/V head
+// h / flash_kv_group(s).
+__host__ __device__ inline int flash_kv_group(const AttentionShape& s) {
+    return s.heads / flash_kv_heads(s);
+}
 
 // The causal rule, bottom-right aligned (as FlashAttention-2 >= 2.1): query i sees key j iff
 // j <= flash_last_key(i, q_len, kv_len). With q_len == kv_len that is j <= i. In the API because

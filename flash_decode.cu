@@ -26,6 +26,7 @@
 // flight: each warp streams its own keys through a two-step ring in shared memory, the next
 // step's loads on their way while it computes on this one (the split kernel's comment).
 #include "checks.h"
+#include "chapters.h"
 #include "flash.h"
 #include "log2_units.h"
 
@@ -467,7 +468,7 @@ flash_decode_combine_kernel(const float* __restrict__ Os, const float* __restric
 
 // The split kernel's rows a block (kR = 4 or 8, see decode_blocks_per_sm) for this shape.
 int rows_kernel_for(const AttentionShape& s) {
-    const int rows = std::min(kRows, s.heads / flash_kv_heads(s) * s.q_len);
+    const int rows = std::min(kRows, flash_kv_group(s) * s.q_len);
     return rows <= 4 ? 4 : 8;
 }
 // Shared memory of a split block at this head dim (the 8-row kernel's, the larger, when kR is 0).
@@ -481,7 +482,7 @@ size_t shared_bytes_for(int head_dim, int kR = 8) {
 int bc_for(int head_dim) { return decode_Bc(head_dim); }
 
 int chunks_of(const AttentionShape& s) {
-    const int group_rows = s.heads / flash_kv_heads(s) * s.q_len;
+    const int group_rows = flash_kv_group(s) * s.q_len;
     return (group_rows + kRows - 1) / kRows;
 }
 

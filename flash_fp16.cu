@@ -16,6 +16,7 @@
 // out as the A operand of the next mma, so P~ goes from S to P~ V without touching shared memory.
 // The names are chapter 1's and the papers': NOTES.md's glossary lists them.
 #include "checks.h"
+#include "chapters.h"
 #include "flash.h"
 #include "log2_units.h"
 #include "ordered_add.cuh"
@@ -621,7 +622,7 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
     allow_shared(kernel, tile.shared_bytes);
     kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
         Q, K, V, O, L, s.q_len, s.kv_len, s.causal, Tr, kFwdHeadGroup,
-        s.heads / flash_kv_heads(s), scale_log2_for(D));
+        flash_kv_group(s), scale_log2_for(D));
     FLASH_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -804,7 +805,7 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     AttentionShape kv_shape = s;                       // one block per K/V tile of each K/V head
     kv_shape.heads = flash_kv_heads(s);
     const int blocks = grid_blocks(kv_shape, s.kv_len, Bc, "kv_len");
-    const int kv_group = s.heads / flash_kv_heads(s);  // query heads a K/V head (GQA)
+    const int kv_group = flash_kv_group(s);  // query heads a K/V head (GQA)
     allow_shared(kernel, tile.shared_bytes);
     // Every K/V tile of a head adds to a dQ_i after the one before it in the order: interleaving
     // heads' tiles keeps those of one head further apart in time, 4 without a mask; under the mask

@@ -15,6 +15,7 @@
 // (the Makefile does it). The helpers, each wrapping one PTX instruction, are in lib/hopper.cuh,
 // shared with chapter 3's backward (flash_hopper_backward.cu).
 #include "checks.h"
+#include "chapters.h"
 #include "flash.h"
 #include "hopper.cuh"  // the helpers chapter 3's forward and backward share
 #include "log2_units.h"
@@ -287,7 +288,7 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
             if (err != cudaSuccess) return err;
             kernel<<<blocks, kWarpgroup * (hopper_consumers(D) + 1), bytes, stream>>>(
                 Qm, Km, Vm, O, L, s.q_len, s.kv_len, s.causal, (s.q_len + Br - 1) / Br, tiles,
-                kHopperHeadGroup, s.heads / flash_kv_heads(s), scale_log2_for(D),
+                kHopperHeadGroup, flash_kv_group(s), scale_log2_for(D),
                 static_cast<int*>(next));
             return cudaGetLastError();
         });

@@ -19,6 +19,7 @@
 // kFlashHopperHeadDims; fp16 and bf16; compute capability 9.0. Built for sm_90a only, as
 // flash_hopper.cu.
 #include "checks.h"
+#include "chapters.h"
 #include "flash.h"
 #include "hopper.cuh"
 #include "log2_units.h"
@@ -466,7 +467,7 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
             const CUtensorMap dQm = tensor_map(m.dQacc, q_heads, s.q_len, D, Br);
             kernel<<<blocks, kBwdThreads, bytes, stream>>>(
                 Qm, Km, Vm, dOm, L, m.D, dQm, m.turns, m.next_ticket, dK, dV, s.q_len,
-                s.kv_len, s.causal, Tc, BH, s.heads / flash_kv_heads(s), HG, scale_log2_for(D));
+                s.kv_len, s.causal, Tc, BH, flash_kv_group(s), HG, scale_log2_for(D));
             return cudaGetLastError();
         });
     });

@@ -26,6 +26,7 @@
 // standard), max_error (the demo's check against the CPU reference), device_peaks (%peak).
 
 #include "checks.h"
+#include "chapters.h"
 #include "flash.h"
 #include "reference.h"
 #include "standard.h"

@@ -9,6 +9,7 @@
 //   nvcc -I. -Ilib -O3 -std=c++17 -arch=native -DFLASH_NO_HOPPER lab/decode-hint-bits.cu build/flash.o \
 //        build/flash_fp16.o build/flash_decode.o build/checks.o build/dispatch.o -o hint-bits && ./hint-bits
 #include "checks.h"
+#include "chapters.h"
 #include "flash.h"
 #include <climits>
 #include <cstdio>

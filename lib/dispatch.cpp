@@ -13,6 +13,7 @@
 // calls, defined here instead, check their arguments and throw std::runtime_error saying chapter 3
 // was not built.
 #include "checks.h"
+#include "chapters.h"
 #include "flash.h"
 
 #include <string>

@@ -41,6 +41,7 @@
 #include <cuda_fp16.h>
 
 #include "checks.h"
+#include "chapters.h"
 #include "flash.h"
 #include "reference.h"
 
