@@ -491,11 +491,12 @@ TEMPLATE_TEST_CASE("The forward gives bitwise identical O and L on every call, o
                    "[gpu][forward][determinism][fp32][fp16][bf16]", fp32, fp16, bf16) {
     // The type's own chapter (own_chapter: chapter 1; chapter 2 whatever the GPU), then in fp16
     // and bf16 the public call where it runs chapter 3 (public_forward_runs_hopper).
-    const Kernel kernel = GENERATE(own_chapter<TestType>(), Kernel::public_call());
+    // (For fp32 own_chapter is the public call itself: the second generated kernel is the first.)
+    const bool public_too = GENERATE(false, true);
+    const Kernel kernel = public_too ? Kernel::public_call() : own_chapter<TestType>();
     const AttentionShape s = GENERATE(from_range(determinism_shapes(1000)));
-    if (kernel == Kernel::public_call() &&
-        (std::is_same<TestType, float>::value || !public_forward_runs_hopper(s.head_dim)))
-        return;  // the kernel the first run had
+    if (public_too && (std::is_same<TestType, float>::value || !public_forward_runs_hopper(s.head_dim)))
+        NOT_HERE("the kernel the first run had");
     INFO(describe(s) << ", " << kernel.name());
     const auto p = rounded_problem<TestType>(s, per_type<TestType>(400u, 1500u));
     GpuAttention<TestType> gpu(p);
@@ -767,7 +768,8 @@ TEST_CASE("flash_backward_fp16_bc with Bc = 64 and 128 matches the reference", "
                                          AttentionShape{2, 1, 257, 100, 0, false},
                                          AttentionShape{1, 3, 1, 95, 0, true});
     const int d = GENERATE(from_range(kFp16HeadDims));
-    if (Bc == 128 && (d == 16 || d == 256)) return;  // refused (the validation test above)
+    if (Bc == 128 && (d == 16 || d == 256))
+        NOT_HERE("Bc = 128 at d = " << d << ": refused (the validation test above)");
     AttentionShape s = base;
     s.head_dim = d;
     INFO(describe(s) << ", Bc = " << Bc);
@@ -977,7 +979,7 @@ TEMPLATE_TEST_CASE("Extreme inputs give the tensor-core forward finite outputs w
     // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
     const Kernel kernel = GENERATE(Kernel::chapter2(), Kernel::public_call());
     if (kernel == Kernel::public_call() && !public_forward_runs_hopper(d))
-        return;  // chapter 2 again
+        NOT_HERE("chapter 2 again");
     const AttentionShape s{1, 2, 77, 80, d, causal};
     INFO(names[kind] << "; " << describe(s) << ", "
                      << (kernel == Kernel::public_call() ? "chapter 3" : "chapter 2"));
@@ -1138,8 +1140,9 @@ TEMPLATE_TEST_CASE("Tensors of more than 2^31 elements: the heads past 2^31 are 
     // a 32-bit element index wraps). The type's own chapter, and chapter 3 on compute capability
     // 9.0 (fp16, bf16).
     const Kernel kernel = GENERATE(own_chapter<TestType>(), Kernel::chapter3());
-    if (kernel == Kernel::chapter3() && (std::is_same<TestType, float>::value || !hopper_or_warn()))
-        return;
+    if (kernel == Kernel::chapter3() && std::is_same<TestType, float>::value)
+        NOT_HERE("chapter 3 has no fp32 kernel");
+    if (kernel == Kernel::chapter3() && !hopper_or_warn()) return;
     AttentionShape s{4097, 32, 128, 128, 128, false};
     const size_t need = (2 * q_elems(s) + 2 * kv_elems(s)) * sizeof(TestType) +
                         l_elems(s) * sizeof(float);
@@ -1151,7 +1154,7 @@ TEMPLATE_TEST_CASE("Tensors of more than 2^31 elements: the heads past 2^31 are 
         WARN("skipped: needs " << need / GiB << " GiB of GPU memory (+1 GiB spare), but "
                                "cudaMemGetInfo reports " << free_bytes / GiB << " GiB free of "
                                << total_bytes / GiB);
-        return;
+        NOT_HERE("too little GPU memory");
     }
     GpuAttention<TestType> gpu(s);
     const auto patterns = fill_from_patterns(gpu, per_type<TestType>(2000u, 4000u), false);

@@ -445,6 +445,8 @@ struct RunTotals {
 };
 RunTotals g_totals;
 int g_gpu_cases_skipped = 0;
+// One line of the FLASH_TEST_TABLE file (main's listener writes one a test case).
+void table_line(const char* outcome, const std::string& name, const std::string& first_failure);
 void print_summary_line() {
     std::cout << "flash tests: " << g_totals.passed << " passed, " << g_totals.failed
               << " failed, " << g_gpu_cases_skipped << " skipped" << std::endl;
@@ -454,8 +456,14 @@ void print_summary_line() {
 void end_run_on_deadline(const std::string& line) {
     // Fail the test where Catch shows it (its name, the INFO context: the shape), say so on
     // stderr too, print the summary line and end the process: a hung kernel cannot be cancelled,
-    // and any later CUDA call (even the runtime's own at exit) would wait for it.
-    FAIL_CHECK(line);
+    // and any later CUDA call (even the runtime's own at exit) would wait for it. Under -a or
+    // -x N the failure makes Catch abort the run by throwing out of FAIL_CHECK, which would skip
+    // the exit and leave the process waiting on the kernel at exit: the exit must come first.
+    try {
+        FAIL_CHECK(line);
+    } catch (...) {  // Catch aborting the run (-a, -x N): the exit below still comes
+    }
+    table_line("FAIL", Catch::getResultCapture().getCurrentTestName(), line);
     std::cout.flush();
     std::cerr << line << std::endl;
     g_totals.failed += 1;  // this test case, which never ends
@@ -516,12 +524,14 @@ bool hopper_or_warn() {
     if (!flash_hopper_built()) {
         WARN("SKIPPED: chapter 3 was not built (nvcc without the sm_90a target, or make "
              "HAVE_SM90A=): flash_hopper.cu is left out");
+        SUCCEED("not run here: chapter 3 not built");
         return false;
     }
     const cudaDeviceProp prop = current_device_props();
     if (prop.major == 9) return true;
     WARN("SKIPPED: chapter 3's Hopper forward needs compute capability 9.0; this GPU is "
          << prop.major << "." << prop.minor);
+    SUCCEED("not run here: chapter 3 needs compute capability 9.0");
     return false;
 }
 
@@ -736,15 +746,55 @@ std::vector<std::string> source_lines(const std::string& name) {
 }
 
 // =============================================================================================
-// main: leaves out the [gpu] tests when there is no usable device, and ends with one summary line
+// main: leaves out the [gpu] tests when there is no usable device (one line says so), fails a
+// test case that asserts nothing, and ends with one summary line
 
 namespace {
+// The test cases a run selects: Catch's default (every test case but the hidden ones) or those its
+// test spec matches, as Catch itself picks them.
+std::vector<Catch::TestCase> selected_test_cases(Catch::Session& session) {
+    const Catch::IConfig& config = session.config();
+    return Catch::filterTests(Catch::getAllTestCasesSorted(config), config.testSpec(), config);
+}
+bool is_gpu_test(const Catch::TestCase& tc) {
+    return std::find(tc.lcaseTags.begin(), tc.lcaseTags.end(), "gpu") != tc.lcaseTags.end();
+}
+// A test case's name as a test spec matches it exactly: the spec's special characters escaped.
+std::string exact_spec(const std::string& name) {
+    std::string spec;
+    for (char c : name) {
+        if (std::strchr("\\,[]~*\"", c)) spec += '\\';
+        spec += c;
+    }
+    return spec;
+}
+
 // Records the run's test-case totals, as they come (for a run a deadline ends) and at the end;
 // main prints them after Catch's own summary, so that the summary line is the very last line.
+// With FLASH_TEST_TABLE=FILE it also writes FILE: one line a test case as it ends, "PASS" or
+// "FAIL", its name, and its first failure's expression or message (the exercises' tables).
 struct SummaryListener : Catch::TestEventListenerBase {
     using TestEventListenerBase::TestEventListenerBase;
+    std::string first_failure;
+    void testCaseStarting(Catch::TestCaseInfo const& info) override {
+        first_failure.clear();
+        TestEventListenerBase::testCaseStarting(info);
+    }
+    bool assertionEnded(Catch::AssertionStats const& stats) override {
+        const Catch::AssertionResult& r = stats.assertionResult;
+        if (!r.isOk() && first_failure.empty()) {
+            std::string what = r.hasExpression() ? r.getExpressionInMacro() : std::string();
+            if (r.hasMessage()) what += (what.empty() ? "" : ": ") + r.getMessage();
+            for (const Catch::MessageInfo& m : stats.infoMessages)
+                if (m.type == Catch::ResultWas::Info) what += " [" + m.message + "]";
+            first_failure = what.empty() ? "failed" : what;
+        }
+        return TestEventListenerBase::assertionEnded(stats);
+    }
     void testCaseEnded(Catch::TestCaseStats const& stats) override {
-        (stats.totals.testCases.failed > 0 ? g_totals.failed : g_totals.passed) += 1;
+        const bool failed = stats.totals.testCases.failed > 0;
+        (failed ? g_totals.failed : g_totals.passed) += 1;
+        table_line(failed ? "FAIL" : "PASS", stats.testInfo.name, failed ? first_failure : "");
         TestEventListenerBase::testCaseEnded(stats);
     }
     void testRunEnded(Catch::TestRunStats const& stats) override {
@@ -757,9 +807,25 @@ struct SummaryListener : Catch::TestEventListenerBase {
 }  // namespace
 CATCH_REGISTER_LISTENER(SummaryListener)
 
+namespace {
+void table_line(const char* outcome, const std::string& name, const std::string& first_failure) {
+    static const char* path = std::getenv("FLASH_TEST_TABLE");
+    if (!path || !*path) return;
+    std::ofstream table(path, std::ios::app);
+    std::string flat = first_failure;  // one line: the message's line breaks become " / "
+    for (std::string::size_type at; (at = flat.find('\n')) != std::string::npos;)
+        flat.replace(at, 1, " / ");
+    table << outcome << " | " << name << (flat.empty() ? "" : " | " + flat) << '\n';
+}
+}  // namespace
+
 int main(int argc, char* argv[]) {
     Catch::Session session;
     if (int rc = session.applyCommandLine(argc, argv)) return rc;
+    // Every run of a test case must check something (Catch's --warn NoAssertions, always on): a
+    // test that returns early by mistake fails instead of passing silently.
+    session.configData().warnings = static_cast<Catch::WarnAbout::What>(
+        session.configData().warnings | Catch::WarnAbout::NoAssertions);
 
     int devices = 0;
     const cudaError_t err = cudaGetDeviceCount(&devices);
@@ -772,10 +838,11 @@ int main(int argc, char* argv[]) {
                       << std::setprecision(3) << prop.totalGlobalMem / double(1 << 30)
                       << " GiB)" << std::endl;
     } else {
-        // No driver (cudaErrorInsufficientDriver, cudaErrorNoDevice, ...) or no device: the CPU
-        // tests run, the GPU tests are left out, and one line says which and why.
-        // cudaDriverGetVersion gives 0 where no driver is installed at all: then the runtime's
-        // "driver version is insufficient" would send a student to upgrade a driver they lack.
+        // No driver (cudaErrorInsufficientDriver, cudaErrorNoDevice, ...) or no device: of the
+        // test cases the run selects (whatever its test spec), the CPU ones run and the [gpu] ones
+        // are left out, and one line says how many of each and why. cudaDriverGetVersion gives 0
+        // where no driver is installed at all: then the runtime's "driver version is
+        // insufficient" would send a student to upgrade a driver they lack.
         int driver = 0;
         cudaDriverGetVersion(&driver);
         const std::string why = driver == 0          ? std::string("no NVIDIA driver is installed")
@@ -785,26 +852,31 @@ int main(int argc, char* argv[]) {
         const Catch::ConfigData& config = session.configData();
         const bool listing = config.listTests || config.listTestNamesOnly || config.listTags ||
                              config.listReporters;
-        if (listing) {
-            // --list-tests and friends list everything, [gpu] included
-        } else if (config.testsOrTags.empty()) {
-            int cpu_cases = 0;
-            for (const Catch::TestCase& tc : Catch::getRegistryHub().getTestCaseRegistry().getAllTests()) {
-                if (tc.isHidden()) continue;
-                const bool gpu = std::find(tc.lcaseTags.begin(), tc.lcaseTags.end(), "gpu") !=
-                                 tc.lcaseTags.end();
-                ++(gpu ? g_gpu_cases_skipped : cpu_cases);
+        if (!listing) {  // --list-tests and friends list everything, [gpu] included
+            std::vector<std::string> cpu_specs;
+            for (const Catch::TestCase& tc : selected_test_cases(session)) {
+                if (is_gpu_test(tc)) ++g_gpu_cases_skipped;
+                else cpu_specs.push_back(exact_spec(tc.name));
             }
-            // Catch's own default leaves hidden tests out; a spec of exclusions alone would not.
-            session.configData().testsOrTags.push_back("~[gpu]~[.]");
-            std::cout << "No CUDA GPU or driver found (" << why << "): running the " << cpu_cases
-                      << " CPU test cases; skipping the " << g_gpu_cases_skipped
-                      << " GPU test cases (they need an NVIDIA GPU and its driver: compute "
-                         "capability 7.5+; 8.0+ for chapter 2; 9.0 for chapter 3)" << std::endl;
-        } else {
-            std::cout << "No CUDA GPU or driver found (" << why << "): any GPU test the test "
-                         "spec selects will fail (they need an NVIDIA GPU and its driver)"
-                      << std::endl;
+            std::cout << "No CUDA GPU or driver found (" << why << "): running the "
+                      << cpu_specs.size() << " CPU test cases selected; skipping the "
+                      << g_gpu_cases_skipped << " GPU test cases (they need an NVIDIA GPU and "
+                         "its driver: compute capability 7.5+; 8.0+ for chapter 2; 9.0 for "
+                         "chapter 3)" << std::endl;
+            if (cpu_specs.empty()) {  // nothing to run: that is not a failure here
+                print_summary_line();
+                return 0;
+            }
+            // The selection again, by exact names: the CPU test cases alone.
+            // (Catch ANDs separate spec strings; a "," between them makes an OR, as its
+            // --input-file does.)
+            Catch::ConfigData narrowed = session.configData();
+            narrowed.testsOrTags.clear();
+            for (const std::string& spec : cpu_specs) {
+                if (!narrowed.testsOrTags.empty()) narrowed.testsOrTags.push_back(",");
+                narrowed.testsOrTags.push_back(spec);
+            }
+            session.useConfigData(narrowed);
         }
     }
 
