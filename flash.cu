@@ -5,14 +5,15 @@
 // Build and test:   make test        (the API is flash.h; the CPU reference is reference.cpp)
 // Demo:             make run         (one shape, timed and checked against the CPU reference)
 //
-// In order: the constants and helpers the kernels use, the forward kernel, the two backward
-// kernels, the tile rule, the launchers. The argument checks: lib/checks.cpp. The names are the
-// papers' (Q_i, K_j, S_ij, m, l, Br, Bc, ...), and chapter 2's: NOTES.md's glossary lists them.
+// In order: the forward kernel, the helpers it calls, the two backward kernels, the tile rule, the
+// launchers. The argument checks: lib/checks.cpp. The names are the papers' (Q_i, K_j, S_ij, m, l,
+// Br, Bc, ...), and chapter 2's: NOTES.md's glossary lists them.
 // Layouts: Q, O, dQ, dO (B, H, q_len, d); K, V, dK, dV (B, H_kv, kv_len, d); L (B, H, q_len).
 // Grouped-query attention (chapter 4): H = group H_kv, and query head h reads K/V head h / group.
 // With b H + h = bh, that K/V head is b H_kv + h / group = bh / group: one division, nothing else.
 #include "checks.h"
 #include "flash.h"
+#include "float4.cuh"
 #include "log2_units.h"
 
 #include <cuda_pipeline.h>
@@ -37,19 +38,121 @@ static constexpr int kDqMinBlocksPerSM = 3;    // the backward's dQ kernel: at m
 static constexpr int kDkdvMinBlocksPerSM = 2;  // its dK, dV kernel: at most 255 (it uses up to 219)
 
 // ---------------------------------------------------------------------------------------------
-// Helpers. CUDA has no float4 arithmetic.
-__device__ __forceinline__ float dot4(float4 a, float4 b) {
-    return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+// The forward kernel comes first; what it calls is declared here and defined after it.
+struct QueryRow {   // query_row: a thread's row of Q_i (Algorithm 1, line 3: the grid)
+    size_t bh;      // its query head: batch * heads + head
+    int query;      // its row of Q_i: a row of Q, O and L
+    int part;       // which of the row's TPR threads it is
+    size_t offset;  // where its slice of the row starts in Q and O
+};
+struct KVTiles {    // kv_tiles: what its block reads of K and V
+    float4* K_j;    // K_j in shared memory, (Bc, D/4) float4s,
+    float4* V_j;    // then V_j, (Bc, D/4)
+    size_t kv_bh;   // their head (GQA: `group` query heads share one)
+    int kv_end;     // the keys Q_i needs: 0 .. kv_end - 1 (causal: up to its last row's diagonal)
+};
+template <int D, int TPR>
+__device__ __forceinline__ QueryRow query_row(int q_len, int Tr);
+template <int D, int TPR>
+__device__ __forceinline__ KVTiles kv_tiles(int q_len, int kv_len, bool causal, int Bc, int Tr,
+                                            int group);
+template <int TPR, int N>
+__device__ __forceinline__ float row_dot(const float4 (&x)[N], const float4* y);
+template <int D>
+__device__ __forceinline__ void load_tiles(float4* A, const float4* __restrict__ gA, float4* B,
+                                           const float4* __restrict__ gB, size_t offset, int rows);
+
+// ---------------------------------------------------------------------------------------------
+// Forward: FlashAttention-2, Algorithm 1. One block per (Q tile Q_i, batch*head); each query row
+// of Q_i belongs to TPR adjacent threads, each holding a 1/TPR slice of that row of Q_i and of O_i
+// in registers (float4s part, part + TPR, part + 2*TPR, ...: the interleave keeps a warp's
+// shared-memory reads on distinct banks). K_j and V_j stream through shared memory.
+//   D:   the head dim, known at compile time, so that the slices are register arrays (fully
+//        unrolled loops index them with constants; a runtime d would put them in local memory).
+//   TPR: threads per row, so that a row of Q_i and of O_i (2 * D floats) fits in its registers.
+// Names (NOTES.md's glossary): k0 = j Bc is the first key of K_j and kj a key's place in it; a
+// thread's part of a tile is named as the tile (Q_i and O_i: its slices of its row). 1/sqrt(d)
+// and log2(e) are folded into Q_i once, so scores come out in log2 units and exp(x) is exp2f(x).
+// Threads past the last row compute alongside (a row's threads must all take part in its
+// shuffles) and write nothing.
+template <int D, int TPR>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
+                     const float4* __restrict__ V, float4* __restrict__ O, float* __restrict__ L,
+                     int q_len, int kv_len, bool causal, int Bc, int Tr, int group,
+                     float scale_log2) {
+    constexpr int slice4 = D / 4 / TPR;                // float4s of a row that one thread holds
+    // Line 3: for each Q_i (the grid): the row of Q_i this thread works on.
+    const auto [bh, query, part, offset] = query_row<D, TPR>(q_len, Tr);
+    float4 Q_i[slice4];
+    float4 O_i[slice4] = {};                           // line 5: O_i = 0, in registers
+    float m = -INFINITY;                               // line 5: row max m (log2 units)
+    float l = 0.f;                                     // line 5: row sum l
+    for (int c = 0; c < slice4; c++) Q_i[c] = scale4(Q[offset + c * TPR], scale_log2);  // line 4
+    // K_j and V_j in shared memory, their K/V head, and the keys Q_i needs (causal: fewer).
+    const auto [K_j, V_j, kv_bh, kv_end] = kv_tiles<D, TPR>(q_len, kv_len, causal, Bc, Tr, group);
+    // Line 6: for each K_j, V_j, from its first key k0 = j Bc; line 7: load them.
+    for (int k0 = 0; k0 < kv_end; k0 += Bc) {
+        load_tiles<D>(K_j, K, V_j, V, (kv_bh * kv_len + k0) * (D / 4), min(Bc, kv_end - k0));
+        // Two keys a step at d = 128 only: faster there, slower at d = 64 (lab/chapter1.md).
+        #pragma unroll(D == 128 ? 2 : 1)
+        for (int kj = 0; kj < min(Bc, kv_end - k0); kj++) {  // lines 8-10, one key at a time
+            const float s = row_dot<TPR>(Q_i, &K_j[kj * (D / 4) + part]);  // line 8: S_ij
+            const bool seen = !causal || k0 + kj <= flash_last_key(query, q_len, kv_len);
+            // Lines 9-10: a new row max m: rescale l and O_i by exp(m_old - m_new).
+            if (seen && s > m) {
+                const float alpha = exp2f(m - s);
+                l *= alpha;
+                for (int c = 0; c < slice4; c++) O_i[c] = scale4(O_i[c], alpha);
+                m = s;
+            }
+            const float p = seen ? exp2f(s - m) : 0.f;  // line 9: P_ij = exp(S_ij - m)
+            l += p;                                     // line 9: l += rowsum(P_ij)
+            // Line 10: O_i += P_ij V_j.
+            for (int c = 0; c < slice4; c++) axpy4(O_i[c], p, V_j[kj * (D / 4) + part + c * TPR]);
+        }
+    }
+    // Lines 12-15: O_i = O_i / l and L_i = m + log(l), written once; a row that saw no key (l = 0)
+    // gets O = 0 and L = -inf. m is in log2 units, so L = (m + log2(l)) * ln(2).
+    if (query >= q_len) return;
+    for (int c = 0; c < slice4; c++) O[offset + c * TPR] = scale4(O_i[c], l > 0.f ? 1.f / l : 0.f);
+    if (part == 0) L[bh * q_len + query] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
-__device__ __forceinline__ float4 scale4(float4 a, float s) {
-    return make_float4(a.x * s, a.y * s, a.z * s, a.w * s);
+
+// ---------------------------------------------------------------------------------------------
+// Helpers: the forward's setup, then what the forward and backward kernels share.
+
+// This block's Q tile i, of Tr = ceil(q_len / Br) per head, and its query head bh. The block
+// order: blockIdx 0 takes the LAST Q tile, which under a causal mask sees the most keys. The GPU
+// starts blocks roughly in index order, so the long blocks start first and the short ones fill
+// the tail of the last wave.
+__device__ __forceinline__ int q_tile(int Tr) { return Tr - 1 - blockIdx.x % Tr; }
+__device__ __forceinline__ size_t q_head(int Tr) { return blockIdx.x / Tr; }
+
+// The row of Q_i (q_tile's Br rows of head q_head) that this thread of the forward works on. A
+// thread past the last row reads that row (the clamp in `offset`).
+template <int D, int TPR>
+__device__ __forceinline__ QueryRow query_row(int q_len, int Tr) {
+    constexpr int Br = kThreads / TPR;                 // query rows per block
+    const size_t bh = q_head(Tr);
+    const int query = q_tile(Tr) * Br + threadIdx.x / TPR;
+    const int part = threadIdx.x % TPR;
+    const size_t offset = (bh * q_len + min(query, q_len - 1)) * (D / 4) + part;
+    return {bh, query, part, offset};
 }
-__device__ __forceinline__ void axpy4(float4& y, float a, float4 x) {  // y += a * x
-    y.x += a * x.x;
-    y.y += a * x.y;
-    y.z += a * x.z;
-    y.w += a * x.w;
+
+// What the forward's block reads of K and V: K_j and V_j, Bc rows each, one after the other in
+// the block's shared memory; the K/V head of its query head; and how many keys its Q tile needs.
+template <int D, int TPR>
+__device__ __forceinline__ KVTiles kv_tiles(int q_len, int kv_len, bool causal, int Bc, int Tr,
+                                            int group) {
+    constexpr int Br = kThreads / TPR;
+    extern __shared__ float4 K_j[];
+    const size_t kv_bh = q_head(Tr) / group;
+    const int kv_end = flash_kv_end(q_tile(Tr) * Br, Br, q_len, kv_len, causal);
+    return {K_j, K_j + Bc * (D / 4), kv_bh, kv_end};
 }
+
 // Sum over the TPR adjacent threads that share a row; every one of them gets the total.
 template <int TPR>
 __device__ __forceinline__ float row_sum(float v) {
@@ -69,8 +172,8 @@ __device__ __forceinline__ float row_dot(const float4 (&x)[N], const float4* y) 
 // The backward's two dot products per (query, key), S_ij (times `scale`) and dP_ij, of the row of
 // Q_i with the row of K_j and of the row of dO_i with the row of V_j. Both are summed over this
 // thread's slices before either is reduced across the row, so that the two shuffle chains
-// overlap, and S is scaled right after its reduction: both orders decide the machine code, and
-// both were measured (NOTES.md section 7).
+// overlap; S is scaled right after its reduction, so that the compiler fuses L_i's multiply, not
+// S's, into the subtraction that follows. Both orders decide the machine code.
 template <int TPR, int N>
 __device__ __forceinline__ float2 row_dot2(const float4 (&x)[N], const float4* y,
                                            const float4 (&u)[N], const float4* w, float scale) {
@@ -104,75 +207,6 @@ __device__ __forceinline__ void load_tiles(float4* A, const float4* __restrict__
     __pipeline_commit();
     __pipeline_wait_prior(0);
     __syncthreads();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Forward: FlashAttention-2, Algorithm 1. One block per (Q tile Q_i, batch*head); each query row
-// of Q_i belongs to TPR adjacent threads, each holding a 1/TPR slice of that row of Q_i and of O_i
-// in registers (float4s part, part + TPR, part + 2*TPR, ...: the interleave keeps a warp's
-// shared-memory reads on distinct banks). K_j and V_j stream through shared memory.
-//   D:   the head dim, known at compile time, so that the slices are register arrays (fully
-//        unrolled loops index them with constants; a runtime d would put them in local memory).
-//   TPR: threads per row, so that a row of Q_i and of O_i (2 * D floats) fits in one thread's
-//        registers.
-// Names (NOTES.md's glossary): i and j are the paper's tile indices (Q_i; K_j, V_j), k0 = j Bc is
-// the first key of K_j and kj a key's place within it; `query` is this thread's query row. A
-// thread's part of a tile is named as the tile: here Q_i and O_i are its slices of its row.
-// Tr = ceil(q_len / Br) Q tiles. The block order: blockIdx 0 takes the LAST Q tile, which under a
-// causal mask sees the most keys. The GPU starts blocks roughly in index order, so the long blocks
-// start first and the short ones fill the tail of the last wave. The scale 1/sqrt(d) and log2(e)
-// are folded into Q_i once, so scores come out in log2 units and exp(x) is exp2f(x). Threads past
-// the last row load that row (the clamp), compute alongside (a row's threads must all take part in
-// its shuffles), and write nothing.
-template <int D, int TPR>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
-flash_forward_kernel(const float4* __restrict__ Q, const float4* __restrict__ K,
-                     const float4* __restrict__ V, float4* __restrict__ O, float* __restrict__ L,
-                     int q_len, int kv_len, bool causal, int Bc, int Tr, int group,
-                     float scale_log2) {
-    constexpr int Br = kThreads / TPR;                 // query rows per block
-    constexpr int slice4 = D / 4 / TPR;                // float4s of a row that one thread holds
-    // Shared memory: K_j, (Bc, D/4) float4s, then V_j, (Bc, D/4).
-    extern __shared__ float4 K_j[];
-    float4* V_j = K_j + Bc * (D / 4);
-    const int i = Tr - 1 - blockIdx.x % Tr;            // line 3: for each Q_i (the grid)
-    const size_t bh = blockIdx.x / Tr;                 // batch * heads + head
-    const size_t kv_bh = bh / group;                   // its K/V head (GQA: `group` heads share it)
-    const int query = i * Br + threadIdx.x / TPR;      // this thread's row of Q_i
-    const int part = threadIdx.x % TPR;                // which of the row's TPR threads it is
-    const size_t offset = (bh * q_len + min(query, q_len - 1)) * (D / 4) + part;  // in Q and O
-    float4 Q_i[slice4];
-    float4 O_i[slice4] = {};                           // line 5: O_i = 0, in registers
-    float m = -INFINITY;                               // line 5: row max m (log2 units)
-    float l = 0.f;                                     // line 5: row sum l
-    for (int c = 0; c < slice4; c++) Q_i[c] = scale4(Q[offset + c * TPR], scale_log2);  // line 4
-    const int kv_end = flash_kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: keys it needs
-    // Line 6: for each K_j, V_j, from its first key k0 = j Bc; line 7: load them.
-    for (int k0 = 0; k0 < kv_end; k0 += Bc) {
-        load_tiles<D>(K_j, K, V_j, V, (kv_bh * kv_len + k0) * (D / 4), min(Bc, kv_end - k0));
-        // Two keys a step at d = 128 only: a tuning, measured in NOTES.md section 7.
-        #pragma unroll(D == 128 ? 2 : 1)
-        for (int kj = 0; kj < min(Bc, kv_end - k0); kj++) {  // lines 8-10, one key at a time
-            const float s = row_dot<TPR>(Q_i, &K_j[kj * (D / 4) + part]);  // line 8: S_ij
-            const bool seen = !causal || k0 + kj <= flash_last_key(query, q_len, kv_len);
-            // Lines 9-10: a new row max m: rescale l and O_i by exp(m_old - m_new).
-            if (seen && s > m) {
-                const float alpha = exp2f(m - s);
-                l *= alpha;
-                for (int c = 0; c < slice4; c++) O_i[c] = scale4(O_i[c], alpha);
-                m = s;
-            }
-            const float p = seen ? exp2f(s - m) : 0.f;  // line 9: P_ij = exp(S_ij - m)
-            l += p;                                     // line 9: l += rowsum(P_ij)
-            // Line 10: O_i += P_ij V_j.
-            for (int c = 0; c < slice4; c++) axpy4(O_i[c], p, V_j[kj * (D / 4) + part + c * TPR]);
-        }
-    }
-    // Lines 12-15: O_i = O_i / l and L_i = m + log(l), written once; a row that saw no key (l = 0)
-    // gets O = 0 and L = -inf. m is in log2 units, so L = (m + log2(l)) * ln(2).
-    if (query >= q_len) return;
-    for (int c = 0; c < slice4; c++) O[offset + c * TPR] = scale4(O_i[c], l > 0.f ? 1.f / l : 0.f);
-    if (part == 0) L[bh * q_len + query] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
 // ---------------------------------------------------------------------------------------------
