@@ -420,7 +420,17 @@ TEMPLATE_TEST_CASE("The forward matches the reference over a grid of shapes",
     // Odd lengths, q_len != kv_len both ways, causal and not, batched heads, every head dim of the
     // type's chapter, on that chapter's kernel whatever the GPU (own_chapter: chapter 1 for fp32,
     // chapter 2 for fp16 and bf16); the reference runs on the inputs as rounded to TestType.
-    const AttentionShape s = GENERATE(from_range(forward_grid(head_dims_of<TestType>())));
+    const AttentionShape s = GENERATE(
+        from_range(forward_grid(head_dims_of<TestType>(), Share::fast)));
+    check_forward_on_gpu<TestType>(s, per_type<TestType>(100u, 1100u), own_chapter<TestType>());
+}
+
+TEMPLATE_TEST_CASE("The forward matches the reference over a grid of shapes, the rest (make "
+                   "stress)",
+                   "[gpu][forward][fp32][fp16][bf16][.stress]", fp32, fp16, bf16) {
+    // The rest of the test above's shapes: the same body, the same salt.
+    const AttentionShape s = GENERATE(
+        from_range(forward_grid(head_dims_of<TestType>(), Share::stress)));
     check_forward_on_gpu<TestType>(s, per_type<TestType>(100u, 1100u), own_chapter<TestType>());
 }
 
@@ -430,7 +440,16 @@ TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shap
     // ways, causal and not, rows that see no key, batched heads) at the head dims it runs, against
     // the same reference and the same tolerances. Only a GPU of compute capability 9.0 runs it.
     if (!hopper_or_warn()) return;
-    const AttentionShape s = GENERATE(from_range(forward_grid(kHopperHeadDims)));
+    const AttentionShape s = GENERATE(from_range(forward_grid(kHopperHeadDims, Share::fast)));
+    check_forward_on_gpu<TestType>(s, 1100, Kernel::chapter3());
+}
+
+TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shapes, the rest "
+                   "(make stress)",
+                   "[gpu][forward][hopper][fp16][bf16][.stress]", fp16, bf16) {
+    // The rest of the test above's shapes: the same body, the same salt.
+    if (!hopper_or_warn()) return;
+    const AttentionShape s = GENERATE(from_range(forward_grid(kHopperHeadDims, Share::stress)));
     check_forward_on_gpu<TestType>(s, 1100, Kernel::chapter3());
 }
 
@@ -462,7 +481,18 @@ TEMPLATE_TEST_CASE("The backward matches the reference over a grid of shapes",
     // Q, K, V and a random dO are rounded to TestType; the kernels run the forward for their own
     // O and L, then the backward; the reference computes its own O and L.
     // fp16 and bf16: chapter 2's backward, then on an H100 at chapter 3's head dims chapter 3's.
-    const AttentionShape s = GENERATE(from_range(backward_grid(head_dims_of<TestType>())));
+    const AttentionShape s = GENERATE(
+        from_range(backward_grid(head_dims_of<TestType>(), Share::fast)));
+    for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))
+        check_backward_on_gpu<TestType>(s, per_type<TestType>(200u, 2100u), kernel);
+}
+
+TEMPLATE_TEST_CASE("The backward matches the reference over a grid of shapes, the rest (make "
+                   "stress)",
+                   "[gpu][backward][fp32][fp16][bf16][.stress]", fp32, fp16, bf16) {
+    // The rest of the test above's shapes: the same body, the same salt.
+    const AttentionShape s = GENERATE(
+        from_range(backward_grid(head_dims_of<TestType>(), Share::stress)));
     for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))
         check_backward_on_gpu<TestType>(s, per_type<TestType>(200u, 2100u), kernel);
 }
@@ -514,7 +544,21 @@ TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the Hopper forward matches t
 TEMPLATE_TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU",
                    "[gpu][masking][forward][backward][hardening][fp32][fp16][bf16]", fp32, fp16,
                    bf16) {
-    const AttentionShape s = GENERATE(from_range(masking_shapes(head_dims_of<TestType>())));
+    const AttentionShape s = GENERATE(
+        from_range(masking_shapes(head_dims_of<TestType>(), Share::fast)));
+    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
+    for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))  // chapters 2 and 3
+        check_masked_rows(check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2400u), kernel),
+                          s);
+}
+
+TEMPLATE_TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU, the "
+                   "rest (make stress)",
+                   "[gpu][masking][forward][backward][hardening][fp32][fp16][bf16][.stress]", fp32, fp16,
+                   bf16) {
+    // The rest of the test above's shapes: the same body, the same salt.
+    const AttentionShape s = GENERATE(
+        from_range(masking_shapes(head_dims_of<TestType>(), Share::stress)));
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
     for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))  // chapters 2 and 3
         check_masked_rows(check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2400u), kernel),
@@ -525,7 +569,19 @@ TEMPLATE_TEST_CASE("Rows that see no key get O = 0 and L = -inf from the tensor-
                    "[gpu][masking][forward][hardening][fp16][bf16]", fp16, bf16) {
     // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
     const Kernel kernel = GENERATE(Kernel::chapter2(), Kernel::public_call());
-    const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims)));
+    const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims, Share::fast)));
+    if (kernel == Kernel::public_call() && !public_forward_runs_hopper(s.head_dim))
+        NOT_HERE("chapter 2 again");
+    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
+    check_masked_rows(check_forward_on_gpu<TestType>(s, 1400, kernel), s);
+}
+
+TEMPLATE_TEST_CASE("Rows that see no key get O = 0 and L = -inf from the tensor-core forward, the "
+                   "rest (make stress)",
+                   "[gpu][masking][forward][hardening][fp16][bf16][.stress]", fp16, bf16) {
+    // The rest of the test above's shapes: the same body, the same salt.
+    const Kernel kernel = GENERATE(Kernel::chapter2(), Kernel::public_call());
+    const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims, Share::stress)));
     if (kernel == Kernel::public_call() && !public_forward_runs_hopper(s.head_dim))
         NOT_HERE("chapter 2 again");
     INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");

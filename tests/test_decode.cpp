@@ -93,33 +93,35 @@ const std::vector<std::pair<int, int>> kGroups = {{3, 3}, {8, 2}, {16, 2}, {8, 1
 
 // q_len 1..8 (odd and even, the bound), kv_len from 1 past the tile edges (64 keys a tile at
 // d <= 128) to 4099, causal and not, every group, d = 128; batch 2 up to 1000 keys. The
-// reference's work, heads * q_len * kv_len * d and the K/V heads repeated to heads in double, is
-// mostly kv_len 4099's: the default run takes 4099 for every group at q_len 1 without the mask
-// (one query sees every key either way) and q_len 8 with it; `make stress` the rest of 4099
-// (stress = true).
+// default run (make test) takes q_len 1, 3 and 8 at kv_len 1, 65 (a partial second tile) and 1000
+// (several splits) for every group, causal and not, and 4099 once (q_len 8, causal, 8 over 2);
+// `make stress` the rest (stress = true).
 std::vector<AttentionShape> decode_grid(bool stress) {
     std::vector<AttentionShape> shapes;
     for (int q_len : {1, 2, 3, 5, 8})
         for (int kv_len : {1, 5, 63, 64, 65, 1000, 4099})
             for (const auto& g : kGroups)
                 for (bool causal : {false, true}) {
-                    const bool in_default =
-                        kv_len < 4099 || (q_len == 1 && !causal) || (q_len == 8 && causal);
+                    const bool short_kv = kv_len == 1 || kv_len == 65 || kv_len == 1000;
+                    const bool long_kv = kv_len == 4099 && q_len == 8 && causal && g.first == 8;
+                    const bool in_default = (q_len == 1 || q_len == 3 || q_len == 8) &&
+                                            (short_kv || long_kv);
                     if (in_default == stress) continue;
                     shapes.push_back(decode_shape(kv_len <= 1000 ? 2 : 1, g.first, g.second,
                                                   q_len, kv_len, 128, causal));
                 }
     return shapes;
 }
-// The other head dims (64; 256, whose tile is 32 keys), fewer lengths. At d = 256 the default run
-// takes kv_len 1000 at q_len 4 only, `make stress` at q_len 1 and 8 (stress = true): those are
-// the costly shapes for the reference.
+// The other head dims (64; 256, whose tile is 32 keys), fewer lengths. The default run takes
+// q_len 1 and 8 at kv_len 33 and 65 (one tile and a partial second at d = 64, two and a partial
+// third at d = 256) and kv_len 1000 at q_len 4 at d = 256; `make stress` the rest.
 std::vector<AttentionShape> decode_head_dim_grid(bool stress) {
     std::vector<AttentionShape> shapes;
     for (int d : {64, 256})
         for (int q_len : {1, 4, 8})
             for (int kv_len : {1, 31, 33, 65, 1000}) {
-                if ((d == 256 && kv_len == 1000 && q_len != 4) != stress) continue;
+                const bool in_default = (kv_len == 33 || kv_len == 65) && q_len != 4;
+                if ((in_default || (d == 256 && kv_len == 1000 && q_len == 4)) == stress) continue;
                 for (const auto& g : {std::make_pair(8, 2), std::make_pair(8, 1)})
                     for (bool causal : {false, true})
                         shapes.push_back(decode_shape(2, g.first, g.second, q_len, kv_len, d,
@@ -234,7 +236,7 @@ TEMPLATE_TEST_CASE("The decode matches the reference over q_len 1..8, kv_len 1..
     const AttentionShape s = GENERATE(from_range(decode_grid(false)));
     check_decode<TestType>(s, 4000, 0);
 }
-TEMPLATE_TEST_CASE("The decode matches the reference at kv_len 4099 over the rest of the grid",
+TEMPLATE_TEST_CASE("The decode matches the reference over the rest of the grid",
                    "[gpu][decode][fp16][bf16][.stress]", fp16, bf16) {
     // The rest of the grid above (the same inputs: the same salt).
     const AttentionShape s = GENERATE(from_range(decode_grid(true)));
@@ -246,7 +248,7 @@ TEMPLATE_TEST_CASE("The decode matches the reference at head dims 64 and 256",
     const AttentionShape s = GENERATE(from_range(decode_head_dim_grid(false)));
     check_decode<TestType>(s, 4100, 0);
 }
-TEMPLATE_TEST_CASE("The decode matches the reference at head dim 256, kv_len 1000, q_len 1 and 8",
+TEMPLATE_TEST_CASE("The decode matches the reference at head dims 64 and 256, the rest of the grid",
                    "[gpu][decode][fp16][bf16][.stress]", fp16, bf16) {
     // The rest of the grid above (the same salt).
     const AttentionShape s = GENERATE(from_range(decode_head_dim_grid(true)));
@@ -254,7 +256,7 @@ TEMPLATE_TEST_CASE("The decode matches the reference at head dim 256, kv_len 100
 }
 
 TEMPLATE_TEST_CASE("The decode matches the reference beyond 100k keys",
-                   "[gpu][decode][long][fp16][bf16]", fp16, bf16) {
+                   "[gpu][decode][long][fp16][bf16][.stress]", fp16, bf16) {
     const AttentionShape s = GENERATE(from_range(long_decode_shapes(false)));
     check_decode<TestType>(s, 4200, 0);
 }
@@ -265,6 +267,40 @@ TEMPLATE_TEST_CASE("The decode matches the reference beyond 100k keys, every gro
     check_decode<TestType>(s, 4200, 0);
 }
 
+namespace {
+// The split-count test's cases: (kv_len, head dim, its tiles) by (q_len, causal). The default run
+// takes kv_len 65, 333 (at d = 128), 33 (d = 256) and 5 (d = 64) at q_len 1 without the mask and
+// 3 and 8 with it; make stress the rest, and kv_len 1 and the 35-tile cases.
+struct SplitCase {
+    int kv_len, d, tiles, q_len;
+    bool causal;
+};
+std::vector<SplitCase> split_cases(Share share) {
+    const SplitCase kv[] = {{1, 128, 1, 0, false},     {65, 128, 2, 0, false},
+                            {333, 128, 6, 0, false},   {33, 256, 2, 0, false},
+                            {5, 64, 1, 0, false},      {2200, 128, 35, 0, false},
+                            {1100, 256, 35, 0, false}};
+    std::vector<SplitCase> cases;
+    for (SplitCase c : kv)
+        for (int q_len : {1, 3, 8})
+            for (bool causal : {false, true}) {
+                const bool fast = c.kv_len != 1 && c.tiles < 32 && causal == (q_len != 1);
+                if (fast != (share == Share::fast)) continue;
+                c.q_len = q_len;
+                c.causal = causal;
+                cases.push_back(c);
+            }
+    return cases;
+}
+template <typename T>
+void check_every_split_count(const SplitCase& c) {
+    const AttentionShape s = decode_shape(2, 8, 2, c.q_len, c.kv_len, c.d, c.causal);
+    for (int splits = 1; splits <= c.tiles + 3; ++splits)
+        if (c.tiles < 32 || splits == 17 || splits == 33 || splits == c.tiles + 3)
+            check_decode<T>(s, 4300, splits);
+}
+}  // namespace
+
 TEMPLATE_TEST_CASE("The decode is right for every split count, splits that see no key or one",
                    "[gpu][decode][splits][fp16][bf16]", fp16, bf16) {
     // Tiles of 64 keys (32 at d = 256): kv_len 65 has 2 tiles, the second with one key; 333 has
@@ -274,17 +310,13 @@ TEMPLATE_TEST_CASE("The decode is right for every split count, splits that see n
     // kv_len 2200 (35 tiles) and, at d = 256, 1100 (35): counts past the combine's first batch of
     // splits (32; 16 at d = 256), whose O_s it loads before the rest: 17, 33 and 38 only (every
     // count there would take minutes).
-    struct Case {
-        int kv_len, d, tiles;
-    };
-    const Case c = GENERATE(Case{1, 128, 1}, Case{65, 128, 2}, Case{333, 128, 6}, Case{33, 256, 2},
-                            Case{5, 64, 1}, Case{2200, 128, 35}, Case{1100, 256, 35});
-    const int q_len = GENERATE(1, 3, 8);
-    const bool causal = GENERATE(false, true);
-    const AttentionShape s = decode_shape(2, 8, 2, q_len, c.kv_len, c.d, causal);
-    for (int splits = 1; splits <= c.tiles + 3; ++splits)
-        if (c.tiles < 32 || splits == 17 || splits == 33 || splits == c.tiles + 3)
-            check_decode<TestType>(s, 4300, splits);
+    const SplitCase c = GENERATE(from_range(split_cases(Share::fast)));
+    check_every_split_count<TestType>(c);
+}
+TEMPLATE_TEST_CASE("The decode is right for every split count, the rest (make stress)",
+                   "[gpu][decode][fp16][bf16][splits][.stress]", fp16, bf16) {
+    const SplitCase c = GENERATE(from_range(split_cases(Share::stress)));
+    check_every_split_count<TestType>(c);
 }
 
 // The decode's share of `make sanitize` (compute-sanitizer slows kernels 10-100x): three small
@@ -307,6 +339,25 @@ TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the decode matches the refer
 TEMPLATE_TEST_CASE("The decode gives bitwise identical O and L on every call",
                    "[gpu][decode][determinism][fp16][bf16]", fp16, bf16) {
     // The device's split count and a caller's many, with a long kv_len: the merge's order is fixed.
+    const AttentionShape s = decode_shape(2, 8, 2, 3, 4099, 128, true);
+    const int splits = GENERATE(0, 1, 50);
+    INFO(describe(s) << ", splits = " << splits);
+    const auto p = rounded_problem<TestType>(s, 4400, false);
+    GpuAttention<TestType> gpu(p);
+    const Outputs<float> first = run_decode(gpu, splits);
+    for (int call = 2; call <= 4; ++call) {
+        const Outputs<float> again = run_decode(gpu, splits);
+        if (bitwise_equal(first, again)) continue;
+        INFO("call " << call << " differs from call 1");
+        check_bitwise(first, again, s);
+        FAIL("results changed between identical calls");
+    }
+}
+
+TEMPLATE_TEST_CASE("The decode gives bitwise identical O and L on every call, at 20011 keys (make "
+                   "stress)",
+                   "[gpu][decode][determinism][fp16][bf16][.stress]", fp16, bf16) {
+    // The rest of the test above's shapes: the same body, the same salt.
     const AttentionShape s = decode_shape(2, 8, 2, 3, 20011, 128, true);
     const int splits = GENERATE(0, 1, 50);
     INFO(describe(s) << ", splits = " << splits);

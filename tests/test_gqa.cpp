@@ -40,6 +40,17 @@ std::vector<AttentionShape> gqa_shapes(int d, const std::vector<std::pair<int, i
             }
     return shapes;
 }
+// Their shares (tests/test_util.h, Share): the default run takes groups of 4 and 3 (8 over 2, 6
+// over 3) and MQA (8 over 1) at 100 against 33 and 129 against 129; make stress the rest.
+std::vector<AttentionShape> gqa_shapes(int d, Share share) {
+    std::vector<AttentionShape> shapes;
+    for (const AttentionShape& s : gqa_shapes(d, kGqaLengths)) {
+        const bool group = (s.heads == 8 && s.kv_heads <= 2) || (s.heads == 6 && s.kv_heads == 3);
+        const bool length = (s.q_len == 100 && s.kv_len == 33) || s.q_len == 129;
+        if ((group && length) == (share == Share::fast)) shapes.push_back(s);
+    }
+    return shapes;
+}
 
 // The reference's element type for inputs of T (as the harness's own checks take it): float for
 // float, double for fp16 and bf16 (on their exact values).
@@ -162,7 +173,16 @@ TEMPLATE_TEST_CASE("GQA and MQA: the forward matches the reference on K and V re
     // lengths, causal and not, two head dims each (64, and 128 where chapter 3 runs too; fp32 32
     // and 128: a row split over threads).
     const int d = GENERATE(values<int>({std::is_same<TestType, float>::value ? 32 : 64, 128}));
-    const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, kGqaLengths)));
+    const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, Share::fast)));
+    const auto p = rounded_problem<TestType>(s, 4000, false);
+    for (const Kernel& kernel : forward_kernels<TestType>(d)) check_gqa_on_gpu(p, false, kernel);
+}
+
+TEMPLATE_TEST_CASE("GQA and MQA: the forward matches the reference on K and V repeated to every "
+                   "query head, the rest (make stress)", "[gpu][gqa][forward][fp32][fp16][bf16][.stress]", fp32, fp16, bf16) {
+    // The rest of the test above's shapes: the same body, the same salt.
+    const int d = GENERATE(values<int>({std::is_same<TestType, float>::value ? 32 : 64, 128}));
+    const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, Share::stress)));
     const auto p = rounded_problem<TestType>(s, 4000, false);
     for (const Kernel& kernel : forward_kernels<TestType>(d)) check_gqa_on_gpu(p, false, kernel);
 }
@@ -173,7 +193,16 @@ TEMPLATE_TEST_CASE("GQA and MQA: the backward matches the reference, dK and dV s
     // on a Hopper), whose blocks each run a (K/V head, K/V tile) over every query head of the
     // group. d = 64 and 128 (fp32: 32 and 128); 256 in the next test.
     const int d = GENERATE(values<int>({std::is_same<TestType, float>::value ? 32 : 64, 128}));
-    const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, kGqaLengths)));
+    const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, Share::fast)));
+    const auto p = rounded_problem<TestType>(s, 4100);
+    for (const Kernel& kernel : forward_kernels<TestType>(d)) check_gqa_on_gpu(p, true, kernel);
+}
+
+TEMPLATE_TEST_CASE("GQA and MQA: the backward matches the reference, dK and dV summed over each "
+                   "group, the rest (make stress)", "[gpu][gqa][backward][fp32][fp16][bf16][.stress]", fp32, fp16, bf16) {
+    // The rest of the test above's shapes: the same body, the same salt.
+    const int d = GENERATE(values<int>({std::is_same<TestType, float>::value ? 32 : 64, 128}));
+    const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, Share::stress)));
     const auto p = rounded_problem<TestType>(s, 4100);
     for (const Kernel& kernel : forward_kernels<TestType>(d)) check_gqa_on_gpu(p, true, kernel);
 }
@@ -181,12 +210,20 @@ TEMPLATE_TEST_CASE("GQA and MQA: the backward matches the reference, dK and dV s
 TEMPLATE_TEST_CASE("GQA at head dim 256 and on a longer sequence, forward and backward",
                    "[gpu][gqa][backward][forward][fp32][fp16][bf16]", fp32, fp16, bf16) {
     // Several K/V tiles and Q tiles a head (the ordered dQ adds across a block that covers four
-    // query heads) and the largest head dim. The last: 36 K/V tiles under the mask, where chapter
-    // 3's backward hands out 9 K/V heads' tickets as a group of 7 and one of 2 on an H100.
+    // query heads) and the largest head dim. (The longest, 4500 keys, in make stress below.)
     const AttentionShape s = GENERATE(AttentionShape{1, 8, 300, 257, 256, true, 2},
                                       AttentionShape{1, 8, 513, 700, 64, false, 2},
-                                      AttentionShape{2, 4, 400, 400, 128, true, 1},
-                                      AttentionShape{1, 18, 70, 4500, 128, true, 9});
+                                      AttentionShape{2, 4, 400, 400, 128, true, 1});
+    const auto p = rounded_problem<TestType>(s, 4200);
+    for (const Kernel& kernel : forward_kernels<TestType>(s.head_dim)) check_gqa_on_gpu(p, true, kernel);
+}
+
+TEMPLATE_TEST_CASE("GQA at head dim 256 and on a longer sequence, forward and backward: 4500 keys "
+                   "(make stress)",
+                   "[gpu][gqa][backward][forward][fp32][fp16][bf16][.stress]", fp32, fp16, bf16) {
+    // 36 K/V tiles under the mask, where chapter 3's backward hands out 9 K/V heads' tickets as a
+    // group of 7 and one of 2 on an H100. The same body and salt as the test above.
+    const AttentionShape s = GENERATE(AttentionShape{1, 18, 70, 4500, 128, true, 9});
     const auto p = rounded_problem<TestType>(s, 4200);
     for (const Kernel& kernel : forward_kernels<TestType>(s.head_dim)) check_gqa_on_gpu(p, true, kernel);
 }

@@ -73,6 +73,31 @@ std::vector<AttentionShape> backward_grid(const std::vector<int>& head_dims) {
     return grid(lengths, 100 * 100, head_dims);
 }
 
+std::vector<AttentionShape> share_of(const std::vector<AttentionShape>& all, Share share,
+                                     const std::vector<std::array<int, 4>>& fast) {
+    std::vector<AttentionShape> shapes;
+    for (const AttentionShape& s : all) {
+        const std::array<int, 4> key = {s.batch, s.heads, s.q_len, s.kv_len};
+        const bool in_fast = std::find(fast.begin(), fast.end(), key) != fast.end();
+        if (in_fast == (share == Share::fast)) shapes.push_back(s);
+    }
+    return shapes;
+}
+
+std::vector<AttentionShape> forward_grid(const std::vector<int>& head_dims, Share share) {
+    return share_of(forward_grid(head_dims), share,
+                    {{2, 3, 33, 33}, {1, 1, 257, 257}, {2, 3, 17, 257}, {2, 3, 100, 31}});
+}
+
+std::vector<AttentionShape> backward_grid(const std::vector<int>& head_dims, Share share) {
+    return share_of(backward_grid(head_dims), share,
+                    {{2, 3, 33, 33}, {1, 1, 257, 257}, {2, 3, 17, 100}, {2, 3, 255, 33}});
+}
+
+std::vector<AttentionShape> masking_shapes(const std::vector<int>& head_dims, Share share) {
+    return share_of(masking_shapes(head_dims), share, {{2, 3, 100, 17}, {2, 3, 257, 256}});
+}
+
 std::vector<AttentionShape> sanitizer_shapes(const std::vector<int>& head_dims, int n) {
     return grid({{1, 1}, {17, 33}, {33, 17}, {n, n}}, static_cast<long long>(n) * n, head_dims);
 }

@@ -46,6 +46,7 @@
 #include "reference.h"
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
@@ -293,6 +294,22 @@ std::vector<AttentionShape> grid(const std::vector<std::pair<int, int>>& lengths
 std::vector<AttentionShape> forward_grid(const std::vector<int>& head_dims);
 std::vector<AttentionShape> backward_grid(const std::vector<int>& head_dims);
 
+// The default run and `make stress` share the long lists: the default run (make test, every GPU
+// test case not tagged [.stress]) takes a few shapes of each list that still run every kernel,
+// type and feature (each head dim, causal and not, q_len below, at and above kv_len, batched heads,
+// several tiles with a partial last one); the [.stress] twin of a test case takes the rest, with
+// the same inputs (the same salt). `make stress` runs before a kernel change is called done.
+enum class Share { fast, stress };
+// The shapes of `all` in `share`: those whose (batch, heads, q_len, kv_len) is one of `fast`
+// for Share::fast, the others for Share::stress.
+std::vector<AttentionShape> share_of(const std::vector<AttentionShape>& all, Share share,
+                                     const std::vector<std::array<int, 4>>& fast);
+// The forward and backward grids' shares: the default run keeps 4 of their (batch, heads, q_len,
+// kv_len): two equal lengths (33 batched; 257, several tiles), q_len < kv_len and q_len > kv_len
+// (batched), at every head dim, causal and not.
+std::vector<AttentionShape> forward_grid(const std::vector<int>& head_dims, Share share);
+std::vector<AttentionShape> backward_grid(const std::vector<int>& head_dims, Share share);
+
 // The sanitizer's subset (`make sanitize` runs the [sanitize] tests under compute-sanitizer, which
 // slows kernels 10-100x): small shapes that still cover odd and unequal lengths, a partial last
 // tile, causal on and off, batched heads and every head dim in `head_dims`. grid() over
@@ -303,6 +320,8 @@ std::vector<AttentionShape> sanitizer_shapes(const std::vector<int>& head_dims, 
 // head see no key: from one, 257 against 256, to 999, 1000 against 1), batch 2, heads 3, every
 // head dim in `head_dims`.
 std::vector<AttentionShape> masking_shapes(const std::vector<int>& head_dims);
+// Its shares: the default run takes 100 against 17 and 257 against 256.
+std::vector<AttentionShape> masking_shapes(const std::vector<int>& head_dims, Share share);
 
 // The determinism tests' shapes: odd and unequal lengths, batched heads, causal on and off, every
 // head dim once. long_kv_len is the kv_len of the one long case, (1, 2, 100, long_kv_len, 128).
