@@ -55,7 +55,8 @@ ifeq ($(HAVE_SM90A),1)
 LIB_OBJS += $(B)/flash_hopper.o $(B)/flash_hopper_backward.o
 endif
 # The tests: test_flash.cpp and every tests/test_*.cpp but the documentation checks (test_docs.cpp).
-TEST_OBJS := $(B)/test_flash.o $(patsubst tests/%.cpp,$(B)/%.o,$(filter-out tests/test_docs.cpp,$(wildcard tests/test_*.cpp)))
+TEST_OBJS := $(B)/test_flash.o $(patsubst tests/%.cpp,$(B)/%.o,$(filter-out tests/test_docs.cpp,$(wildcard tests/test_*.cpp))) \
+             $(B)/spin.o
 DOCS_OBJS := $(B)/test_docs.o $(B)/test_util.o
 HEADERS   := flash.h reference.h $(wildcard lib/*.h lib/*.cuh tests/*.h bench/*.h)
 
@@ -96,6 +97,8 @@ $(B)/%.o: %.cpp $(HEADERS) $(B)/flags | $(B)
 $(B)/%.o: lib/%.cpp $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
 $(B)/%.o: tests/%.cpp $(HEADERS) $(B)/flags | $(B)
+	$(COMPILE) -c $< -o $@
+$(B)/%.o: tests/%.cu $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
 $(B)/%.o: bench/%.cu $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@

@@ -4,9 +4,11 @@
 
 #include "test_util.h"
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -138,4 +140,81 @@ TEST_CASE("A run whose deadline passes ends at once: the test fails, the summary
     CHECK_THAT(text, Contains("DEADLINE: the line the harness would print"));
     CHECK_THAT(text, Contains("A run whose deadline passes") && Contains("FAILED"));  // Catch's
     CHECK_THAT(text, Contains("flash tests: ") && Contains(" failed, "));
+}
+
+// =============================================================================================
+// A kernel that really never finishes (tests/spin.cu), in a child process: the run must end in
+// seconds with the message, the summary line and exit code 3, whatever Catch's options. Catch's
+// -a and -x abort a run by throwing out of the failure; a run that then exits normally waits on
+// the spinning kernel at exit (the CUDA runtime's teardown), so the harness exits first.
+
+namespace {
+// The hidden test cases the child runs: the kernel spins (30 s: far past the deadline, yet bounded
+// if anything went wrong) and the host waits for it through the deadline's wait, or is blocked in
+// a synchronising CUDA call, where only the watchdog thread can end the run.
+const AttentionShape kSpinShape{1, 1, 1, 1, 64, false};
+GpuCall spin_call() { return {"forward", "fp16", Kernel::chapter2(), kSpinShape, 2}; }
+}  // namespace
+
+TEST_CASE("A spinning kernel waited for with the deadline (the child of the test below)",
+          "[.spin-wait]") {
+    launch_spinning_kernel(30);
+    wait_for_gpu(0, spin_call());
+    FAIL("the spinning kernel finished before its deadline");
+}
+
+TEST_CASE("A spinning kernel behind a blocking CUDA call (the child of the test below)",
+          "[.spin-sync]") {
+    const DeadlineGuard guard(spin_call());
+    launch_spinning_kernel(30);
+    FLASH_CUDA_CHECK(cudaDeviceSynchronize());  // blocks until the kernel ends: 30 s
+    FAIL("the spinning kernel finished before its deadline");
+}
+
+TEST_CASE("A kernel that never finishes ends the run within seconds, under -a, -x 1 and another "
+          "reporter", "[gpu][deadline]") {
+    struct Run {
+        const char* spec;
+        std::vector<const char*> options;
+    };
+    // The deadline scaled to 0.1: 1 s for the tiny call (10 s at scale 1), the watchdog 1.5 s.
+    const Run runs[] = {{"[.spin-wait]", {"-a"}}, {"[.spin-sync]", {"-x", "1", "-r", "junit"}}};
+    for (const Run& run : runs) {
+        std::string command = std::string("test_flash ") + run.spec;
+        for (const char* o : run.options) command += std::string(" ") + o;
+        INFO("the child: FLASH_TEST_DEADLINE_SCALE=0.1 " << command);
+        int out[2];
+        REQUIRE(pipe(out) == 0);
+        std::fflush(stdout);
+        std::fflush(stderr);
+        const auto start = std::chrono::steady_clock::now();
+        const pid_t child = fork();
+        REQUIRE(child >= 0);
+        if (child == 0) {  // a new process image: nothing of the parent's CUDA state is used
+            dup2(out[1], 1);
+            dup2(out[1], 2);
+            close(out[0]);
+            setenv("FLASH_TEST_DEADLINE_SCALE", "0.1", 1);
+            std::vector<const char*> argv = {"test_flash", run.spec};
+            argv.insert(argv.end(), run.options.begin(), run.options.end());
+            argv.push_back(nullptr);
+            execv("/proc/self/exe", const_cast<char* const*>(argv.data()));
+            std::_Exit(127);
+        }
+        close(out[1]);
+        std::string text;
+        char buffer[4096];
+        for (ssize_t n; (n = read(out[0], buffer, sizeof buffer)) > 0;) text.append(buffer, size_t(n));
+        close(out[0]);
+        int status = 0;
+        REQUIRE(waitpid(child, &status, 0) == child);
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        INFO("it ran " << seconds << " s and printed:\n" << text);
+        REQUIRE(WIFEXITED(status));
+        CHECK(WEXITSTATUS(status) == 3);
+        CHECK(seconds < 10.0);  // 1 to 1.5 s of deadline, the CUDA start-up, and the exit
+        CHECK_THAT(text, Contains("DEADLINE: \"A spinning kernel"));
+        CHECK_THAT(text, Contains("flash tests: 0 passed, 1 failed"));
+    }
 }

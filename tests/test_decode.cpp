@@ -60,6 +60,7 @@ template <typename T>
 Outputs<float> run_decode(GpuAttention<T>& gpu, int splits) {
     gpu.O.poison();
     gpu.L.poison();
+    const DeadlineGuard guard(gpu_call<T>("forward", Kernel::public_call(), gpu.s));
     decode_call(gpu.Q.ptr, gpu.K.ptr, gpu.V.ptr, gpu.O.ptr, gpu.L.ptr, gpu.s, splits);
     FLASH_CUDA_CHECK(cudaGetLastError());
     wait_for_gpu(0, gpu_call<T>("forward", Kernel::public_call(), gpu.s));

@@ -498,7 +498,60 @@ void end_run_on_deadline(const std::string& line) {
     std::_Exit(3);
 }
 
+namespace {
+// The watchdog's state: armed by arm_deadline, disarmed by wait_for_gpu; its thread checks it ten
+// times a second. It cannot call Catch (not thread-safe): it prints and exits on its own.
+struct Watchdog {
+    std::mutex lock;
+    bool armed = false;
+    std::chrono::steady_clock::time_point until;
+    std::string test_case, line;
+};
+Watchdog g_watchdog;
+[[noreturn]] void watch() {
+    for (;;) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        std::string test_case, line;
+        {
+            const std::lock_guard<std::mutex> hold(g_watchdog.lock);
+            if (!g_watchdog.armed || std::chrono::steady_clock::now() < g_watchdog.until) continue;
+            test_case = g_watchdog.test_case;
+            line = g_watchdog.line;
+        }
+        std::cout.flush();
+        std::cerr << line << std::endl;
+        table_line("FAIL", test_case, line);
+        g_totals.failed += 1;  // the test case that never ends
+        print_summary_line();
+        std::cout.flush();
+        std::cerr.flush();
+        std::_Exit(3);
+    }
+}
+void disarm_deadline() {
+    const std::lock_guard<std::mutex> hold(g_watchdog.lock);
+    g_watchdog.armed = false;
+}
+}  // namespace
+
+DeadlineGuard::DeadlineGuard(const GpuCall& call) {
+    static std::once_flag started;
+    std::call_once(started, [] { std::thread(watch).detach(); });
+    const double seconds = 1.5 * deadline_seconds(call, deadline_scale_from_env());
+    const std::string test_case = Catch::getResultCapture().getCurrentTestName();
+    const std::lock_guard<std::mutex> hold(g_watchdog.lock);
+    g_watchdog.armed = true;
+    g_watchdog.until = std::chrono::steady_clock::now() +
+                       std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                           std::chrono::duration<double>(seconds));
+    g_watchdog.test_case = test_case;
+    g_watchdog.line = deadline_message(test_case, call, seconds) +
+                      " (the host was blocked in a CUDA call that waits for it)";
+}
+DeadlineGuard::~DeadlineGuard() { disarm_deadline(); }
+
 void wait_for_gpu(cudaStream_t stream, const GpuCall& call) {
+    const DeadlineGuard guard(call);  // the host's own waits below are under the watchdog too
     cudaEvent_t done = nullptr;
     FLASH_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     cudaError_t status = cudaEventRecord(done, stream);

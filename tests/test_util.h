@@ -798,6 +798,18 @@ cudaError_t poll_until(Poll&& poll, Now&& now, Pause&& pause, double seconds) {
 // blocking stream waits for), within deadline_seconds(call): a CUDA error fails the test as
 // FLASH_CUDA_CHECK does (std::runtime_error); the deadline passing ends the process, as above.
 void wait_for_gpu(cudaStream_t stream, const GpuCall& call);
+// The watchdog behind every GPU call: a DeadlineGuard made before the launch arms it, and its end
+// (the call waited for, or an exception) disarms it. If the host is blocked anywhere meanwhile (a
+// launcher, a copy or a pool trim that waits on a kernel that never ends), a thread of its own
+// ends the run the same way at 1.5 times the call's deadline, saying the host was blocked.
+struct DeadlineGuard {
+    explicit DeadlineGuard(const GpuCall& call);
+    ~DeadlineGuard();
+    DeadlineGuard(const DeadlineGuard&) = delete;
+    DeadlineGuard& operator=(const DeadlineGuard&) = delete;
+};
+// A kernel that spins on the GPU's clock for `seconds` (tests/spin.cu): the deadline's own test.
+void launch_spinning_kernel(double seconds, cudaStream_t stream = 0);
 
 // =============================================================================================
 // One problem on the GPU
@@ -826,6 +838,7 @@ struct GpuAttention {
     void forward(Kernel kernel = Kernel::public_call(), cudaStream_t stream = 0) {
         O.poison();
         L.poison();
+        const DeadlineGuard guard(gpu_call<T>("forward", kernel, s));
         launch_forward(Q.ptr, K.ptr, V.ptr, O.ptr, L.ptr, s, kernel, stream);
         FLASH_CUDA_CHECK(cudaGetLastError());
         wait_for_gpu(stream, gpu_call<T>("forward", kernel, s));
@@ -841,6 +854,7 @@ struct GpuAttention {
         dQ.poison();
         dK.poison();
         dV.poison();
+        const DeadlineGuard guard(gpu_call<T>("backward", kernel, s));
         launch_backward(Q.ptr, K.ptr, V.ptr, O.ptr, dO.ptr, L.ptr, dQ.ptr, dK.ptr, dV.ptr, s,
                         kernel, stream);
         FLASH_CUDA_CHECK(cudaGetLastError());
