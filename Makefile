@@ -1,6 +1,12 @@
-# FlashAttention in CUDA C++, in three chapters: 1, fp32 on the CUDA cores (flash.cu); 2, fp16 and
-# bf16 on the tensor cores (flash_fp16.cu); 3, Hopper's own instructions (flash_hopper.cu).
+# FlashAttention in CUDA C++, in four chapters: 1, fp32 on the CUDA cores (flash.cu); 2, fp16 and
+# bf16 on the tensor cores (flash_fp16.cu); 3, Hopper's own instructions (flash_hopper.cu,
+# flash_hopper_backward.cu); 4, grouped K/V heads and decoding (flash_decode.cu).
 # `make help` lists the targets.
+
+# Every build runs on all the machine's cores unless -j is given (make -j1 for a serial build).
+ifeq ($(filter -j%,$(MAKEFLAGS)),)
+MAKEFLAGS += -j$(shell nproc 2>/dev/null || echo 2)
+endif
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(shell command -v nvcc 2>/dev/null || echo $(CUDA_HOME)/bin/nvcc)
@@ -60,18 +66,30 @@ TEST_OBJS := $(B)/test_flash.o $(patsubst tests/%.cpp,$(B)/%.o,$(filter-out test
 DOCS_OBJS := $(B)/test_docs.o $(B)/test_util.o
 HEADERS   := flash.h reference.h $(wildcard lib/*.h lib/*.cuh tests/*.h bench/*.h)
 
-.PHONY: all test check stress run bench plot sanitize torch help clean
+# Catch2 v2 (the tests' framework): looked for before anything is compiled, so that a machine
+# without it gets one line saying what to do rather than a compiler error.
+CATCH_GOALS := all test test_flash check check_docs check-exercises stress sanitize ch1 ch2 ch3 ch4
+ifneq ($(filter $(CATCH_GOALS),$(or $(MAKECMDGOALS),all)),)
+ifneq ($(shell printf '\043include <catch2/catch.hpp>\n' | $(or $(CXX),c++) $(CPPFLAGS) -x c++ -E - >/dev/null 2>&1 && echo 1),1)
+$(error Catch2 v2 not found (catch2/catch.hpp): sudo apt-get install catch2, or make CPPFLAGS=-I<the directory holding catch2/>)
+endif
+endif
+
+.PHONY: all test check check-exercises stress run bench plot sanitize torch help clean ch1 ch2 ch3 ch4
 all: test_flash flash_bench
 
 help:
 	@echo "Start with make test, then make run. Without an NVIDIA GPU, make test runs the CPU tests"
 	@echo "(the GPU tests skip, saying so) and make run says that it needs a GPU."
 	@echo ""
-	@echo "  make test      build and run the tests, CPU and GPU (about a minute)"
+	@echo "  make test      build (in parallel) and run the default tests, CPU and GPU: every kernel,"
+	@echo "                 type and feature at small and odd shapes ($(TEST_TIMES))"
+	@echo "  make ch1 .. ch4  one chapter's tests (ch1: flash.cu, fp32; ch2: flash_fp16.cu; ch3: the"
+	@echo "                 Hopper files; ch4: GQA and the decode), building only what changed"
 	@echo "  make run       the demo: one shape on the GPU, timed and checked against the CPU reference"
 	@echo "  make all       build test_flash and flash_bench, run nothing"
 	@echo "  make check     the documentation checks: README's figures, NOTES' quotes, cited data, exercises"
-	@echo "  make stress    the long determinism and size tests (run them before a kernel change is done)"
+	@echo "  make stress    the exhaustive grids, long sequences and 100k keys (before a kernel change is done)"
 	@echo "  make sanitize  the [sanitize] tests under compute-sanitizer's four tools"
 	@echo "  make bench     the FlashAttention-2 benchmark protocol, into bench.csv; make plot draws it"
 	@echo "  make torch     build the PyTorch op (pytorch/, torch >= 2.3); then: python3 -m pytest pytorch"
@@ -119,10 +137,33 @@ flash_bench: $(B)/bench.o $(B)/standard.o $(LIB_OBJS) $(B)/reference.o
 flash_decode_bench: $(B)/decode.o $(LIB_OBJS)
 	$(NVCC) $(NVCCFLAGS) $^ -o $@
 
+# The measured times of make test, for make help (README.md's "After you change a kernel" too).
+TEST_TIMES := on an H200: 26 s of tests; a fresh clone's build and tests in 75 s; 2 min without a GPU
+
 test: test_flash
 	./test_flash
+# One chapter's tests (Catch2 test specs; the first build takes every file, later ones only what
+# changed: after a one-line change to flash.cu, make ch1 recompiles flash.cu and links).
+CH1_SPEC := * - fp32,[tile]~[fp16]
+CH2_SPEC := [fp16]~[hopper]~[decode]~*fp32
+CH3_SPEC := [hopper]
+CH4_SPEC := [gqa],[decode]
+ch1 ch2 ch3 ch4: test_flash
+	./test_flash '$($(shell echo $@ | tr a-z A-Z)_SPEC)'
+# A student's make check with an exercise applied names it and how to undo it, nothing more (its
+# log and NOTES' figures are meant to disagree with the changed kernel).
 check: check_docs
+	@for p in exercises/*.patch; do \
+	    if git apply -R --check "$$p" 2>/dev/null; then \
+	        echo "make check: exercise $$p is applied (git apply -R $$p undoes it); nothing checked"; \
+	        exit 1; \
+	    fi; \
+	done
 	./check_docs
+# The maintainer's check: every exercise log still current with the sources it ran (remake the
+# stale ones with exercises/run.sh on a GPU).
+check-exercises: check_docs
+	./check_docs "[freshness]"
 stress: test_flash
 	./test_flash "[stress]"
 # flash_bench exits 77 where there is no GPU, after one line saying so: nothing failed.
@@ -134,6 +175,10 @@ plot:
 	gnuplot -e "csv='bench.csv'; out='bench.png'" bench/plot.gp
 # The sanitizers slow kernels 10-100x: the tests' deadlines (tests/test_util.h) stretch 20x.
 sanitize: test_flash
+	@command -v $(SANITIZER) >/dev/null 2>&1 || [ -x $(SANITIZER) ] || { echo "make sanitize: \
+	compute-sanitizer not found ($(SANITIZER)); it comes with the CUDA Toolkit: nothing was run"; exit 1; }
+	@[ "$(HAVE_GPU)" = 1 ] || { echo "make sanitize: no NVIDIA GPU here: the [sanitize] tests \
+	need one; nothing was run"; exit 0; }
 	@for tool in memcheck racecheck synccheck initcheck; do \
 	    echo "== compute-sanitizer --tool $$tool"; \
 	    FLASH_TEST_DEADLINE_SCALE=20 $(SANITIZER) --tool $$tool --error-exitcode 1 ./test_flash "[sanitize]" || exit 1; \
