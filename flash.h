@@ -1,6 +1,8 @@
-// flash.h: the API of a minimal FlashAttention, forward and backward: chapter 1 in fp32 on the
-// CUDA cores (flash.cu), chapter 2 in fp16 and bf16 on the tensor cores (flash_fp16.cu), chapter 3
-// the fp16 and bf16 forward on Hopper's own instructions (flash_hopper.cu).
+// flash.h: the API of a minimal FlashAttention, forward and backward, in four chapters: 1 in fp32
+// on the CUDA cores (flash.cu); 2 in fp16 and bf16 on the tensor cores (flash_fp16.cu); 3 the fp16
+// and bf16 forward and backward on Hopper's own instructions (flash_hopper.cu,
+// flash_hopper_backward.cu); 4 grouped K/V heads in every chapter, and split-KV decoding
+// (flash_decode.cu). A fifth (masks, layouts, variable lengths) is planned, not written.
 //
 // Only what a user calls is here. Which chapter a call runs is decided in one place, the API layer
 // lib/dispatch.cpp (flash_forward_fp16 / _bf16 are the only calls with a choice); every other call

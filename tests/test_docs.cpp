@@ -3,6 +3,7 @@
 // not a stale quote). Catch2 v2.
 //
 //   [readme]     every measured figure in README.md is what its data file says, rounded as quoted
+//                (lab/readme-figures.txt names the data file of each)
 //   [notes]      the kernel code NOTES.md quotes is still the code in flash.cu
 //   [data]       every file in lab/data/ and lab/patches/ is cited by its path, and every such
 //                citation names a file that exists (lab/uncited-data.sh lists the uncited ones)
@@ -11,19 +12,20 @@
 //
 // They read the files relative to the working directory: run ./check_docs from the root.
 //
-// How README.md names its sources. Above each paragraph or table that quotes figures stands an
-// HTML comment (GitHub does not show it) saying where each figure comes from:
+// How README.md names its sources. lab/readme-figures.txt binds each measured figure of
+// README.md to where it comes from, paragraph by paragraph (README.md itself carries no bindings):
 //
-//   <!-- figures:
+//   figures: the forward ran at
 //   "the forward ran at # TFLOP/s": lab/data/demo-default.log "flash forward ... # TFLOP/s"
 //   "bf16 runs at #–#× fp16": lab/data/bench-e22bf88-bf16.csv seq<=8192 flash_fwd_tflops
 //       over lab/data/bench-e22bf88-fp16.csv flash_fwd_tflops on dim,seq,causal
-//   -->
 //
-// The comment's first line starts with "<!-- figures" (the rest of it is free text), its last
-// ends with "-->". Each quoted text is a piece of the paragraph below it (to its first blank line),
-// with # where a figure stands and ... for any text; #–# is a range. After the colon comes a
-// lookup (it may go on over further lines): a file (its path from the root), then what to read in it.
+// A block starts with `figures: TEXT`, TEXT a piece of one line of README.md that must be in
+// exactly one of its paragraphs (a paragraph, list or table runs to its first blank line); the
+// lines after it, up to the next `figures:`, bind that paragraph. Lines starting with # are
+// comments. Each quoted text is a piece of the paragraph, with # where a figure stands and ... for
+// any text; #–# is a range. After the colon comes a lookup (it may go on over further lines): a
+// file (its path from the root), then what to read in it.
 //   .csv (lines starting with # are comments; the first other line names the columns):
 //     key=value  key=a|b  key<=value  key>=value    the rows to read
 //     column  column/1024  |column-column|           a row's value (1024: MiB to GiB)
@@ -39,7 +41,7 @@
 // row for each of a and b: both must agree); a range is the smallest and the largest value over
 // every row it selects. A figure must read as its value printed with the figure's decimals.
 //
-// A table's comment names its columns and what each number in a cell is, then a lookup per row,
+// A table's block names its columns and what each number in a cell is, then a lookup per row,
 // by the row's first cell; each number is read with the row's lookup, its column's terms and its
 // place in the cell's terms added. A cells: line under a row's lookup is that row's own:
 //   columns: dim=64 seq=2048, dim=128 seq=2048
@@ -49,9 +51,9 @@
 //     cells: std_fwd_tflops, std_bwd_tflops          "44 / 111": forward, then backward
 //
 // So a re-measurement is one edit of the data file and one of the README; this test names every
-// figure that no longer agrees. As a net for new figures, any number in README.md followed by a
-// unit of speed, time, memory, ratio or size (TFLOP/s, ms, s, MiB, GiB, ×, %, lines) must be one
-// that a figures comment checks.
+// figure that no longer agrees, at its README line and its binding's line. As a net for new
+// figures, any number in README.md followed by a unit of speed, time, memory, ratio or size
+// (TFLOP/s, ms, s, MiB, GiB, ×, %, lines) must be one that a binding checks.
 
 #include "test_util.h"
 
@@ -398,7 +400,8 @@ std::string figure_problem(const std::vector<std::string>& figure, const Lookup&
 }
 
 // ---------------------------------------------------------------------------------------------
-// The document: its figures comments, the paragraphs and tables below them
+// The document and its bindings: each block of the bindings file names a paragraph or a table of
+// the document, and binds its figures to their data
 
 const std::regex kNumber("[0-9]+(?:\\.[0-9]+)?");
 
@@ -408,10 +411,11 @@ struct Report {
     std::set<std::pair<size_t, size_t>> seen;   // (line, column) where each starts
 };
 
-// One figure: checks it, counts it, and remembers where it stands.
+// One figure: checks it, counts it, and remembers where it stands. `binding` says where its
+// lookup is written ("file:line").
 void check_figure(Report& rep, const std::string& doc, size_t line, size_t col,
                   const std::vector<std::string>& figure, const Lookup& l,
-                  const std::string& what) {
+                  const std::string& what, const std::string& binding) {
     ++rep.figures;
     rep.seen.insert({line, col});
     std::string problem;
@@ -423,43 +427,83 @@ void check_figure(Report& rep, const std::string& doc, size_t line, size_t col,
     if (problem.empty()) return;
     const std::string shown = figure.size() == 2 ? figure[0] + "–" + figure[1] : figure[0];
     rep.problems.push_back(doc + ":" + std::to_string(line + 1) + ": " + shown + " (" + what +
-                           ") from " + l.file + " " + problem);
+                           ") from " + l.file + " " + problem + " (bound at " + binding + ")");
 }
 
 struct Spec {
     std::string text;    // a pattern in the paragraph, or a table row's first cell
     std::string lookup;  // what follows the colon
-    size_t line;         // of the comment
+    std::string where;   // "file:line" of the binding
 };
+
+// One block of a bindings file: `figures: KEY`, then what binds the paragraph KEY is in.
+struct Binding {
+    std::string key;
+    std::string where;                 // "file:line" of the `figures:` line
+    std::vector<Spec> specs;
+    std::vector<std::string> columns;  // a table's columns
+    std::string cells;                 // a table's cells, where a row names none of its own
+};
+
+// The blocks of a bindings file (its lines trimmed, as source_lines gives them).
+std::vector<Binding> read_bindings(const std::vector<std::string>& lines, const std::string& file,
+                                   std::vector<std::string>* problems) {
+    std::vector<Binding> out;
+    for (size_t n = 0; n < lines.size(); ++n) {
+        const std::string& l = lines[n];
+        const std::string at = file + ":" + std::to_string(n + 1);
+        if (l.empty() || l[0] == '#') continue;
+        if (l.rfind("figures:", 0) == 0) {
+            out.push_back({trimmed(l.substr(8)), at, {}, {}, ""});
+            if (out.back().key.empty()) problems->push_back(at + ": `figures:` names no text");
+        } else if (out.empty()) {
+            problems->push_back(at + ": a binding before the first `figures:` line");
+        } else if (l.rfind("columns:", 0) == 0) {
+            out.back().columns = split(l.substr(8), ',');
+        } else if (l.rfind("cells:", 0) == 0 && !out.back().specs.empty()) {
+            out.back().specs.back().lookup += "; " + l;
+        } else if (l.rfind("cells:", 0) == 0) {
+            out.back().cells = l.substr(6);
+        } else if (l[0] == '"' && l.find("\":", 1) != std::string::npos) {
+            out.back().specs.push_back(
+                {l.substr(1, l.find("\":") - 1), l.substr(l.find("\":") + 2), at});
+        } else if (!out.back().specs.empty()) {
+            out.back().specs.back().lookup += " " + l;  // a lookup goes on
+        } else {
+            problems->push_back(at + ": not \"text\": lookup, columns: or cells:");
+        }
+    }
+    return out;
+}
 
 // A table: every row needs a spec; every number of a cell is one figure.
 void check_table(Report& rep, const std::string& doc, const std::vector<std::string>& lines,
-                 size_t first, size_t end, const std::vector<Spec>& specs,
-                 const std::vector<std::string>& columns, const std::string& cells) {
+                 size_t first, size_t end, const Binding& b) {
     std::set<std::string> used;
     for (size_t n = first + 2; n < end; ++n) {  // past the header and the |---| line
         const std::vector<std::string> cell = split(lines[n], '|');
         const std::string label = cell.size() > 1 ? trimmed(cell[1]) : "";
-        const auto spec = std::find_if(specs.begin(), specs.end(),
+        const auto spec = std::find_if(b.specs.begin(), b.specs.end(),
                                        [&](const Spec& s) { return s.text == label; });
-        if (spec == specs.end()) {
+        if (spec == b.specs.end()) {
             rep.problems.push_back(doc + ":" + std::to_string(n + 1) + ": the row \"" + label +
-                                   "\" has no lookup in the figures comment above the table");
+                                   "\" has no lookup in its binding (" + b.where + ")");
             continue;
         }
         used.insert(label);
-        std::string base = spec->lookup, row_cells = cells;
+        std::string base = spec->lookup, row_cells = b.cells;
         if (base.find("; cells:") != std::string::npos) {
             row_cells = base.substr(base.find("; cells:") + 8);
             base = base.substr(0, base.find("; cells:"));
         }
         const std::vector<std::string> slots = split(row_cells, ',');
-        if (cell.size() - 2 != columns.size())
+        if (cell.size() - 2 != b.columns.size())
             rep.problems.push_back(doc + ":" + std::to_string(n + 1) + ": " +
                                    std::to_string(cell.size() - 2) + " cells, but " +
-                                   std::to_string(columns.size()) + " columns named");
+                                   std::to_string(b.columns.size()) + " columns named at " +
+                                   b.where);
         size_t col = lines[n].find('|', 1);  // where the cell after the label starts
-        for (size_t c = 2; c < cell.size() && c - 2 < columns.size(); ++c) {
+        for (size_t c = 2; c < cell.size() && c - 2 < b.columns.size(); ++c) {
             std::vector<std::pair<std::string, size_t>> numbers;
             for (auto it = std::sregex_iterator(cell[c].begin(), cell[c].end(), kNumber);
                  it != std::sregex_iterator(); ++it)
@@ -467,27 +511,26 @@ void check_table(Report& rep, const std::string& doc, const std::vector<std::str
             if (numbers.size() != slots.size())
                 rep.problems.push_back(doc + ":" + std::to_string(n + 1) + ": \"" + cell[c] +
                                        "\" holds " + std::to_string(numbers.size()) +
-                                       " numbers; the comment says " +
+                                       " numbers; its binding (" + spec->where + ") says " +
                                        std::to_string(slots.size()));
             for (size_t k = 0; k < numbers.size() && k < slots.size(); ++k) {
                 try {
                     Lookup l = parse_lookup(base);
-                    for (const std::string& t : words(columns[c - 2] + " " + slots[k]))
+                    for (const std::string& t : words(b.columns[c - 2] + " " + slots[k]))
                         add_term(l, t);
                     check_figure(rep, doc, n, numbers[k].second, {numbers[k].first}, l,
-                                 label + ", column " + std::to_string(c - 1));
+                                 label + ", column " + std::to_string(c - 1), spec->where);
                 } catch (const std::exception& e) {
-                    rep.problems.push_back(doc + ":" + std::to_string(spec->line + 1) + ": " +
-                                           e.what());
+                    rep.problems.push_back(spec->where + ": " + e.what());
                 }
             }
             col += cell[c].size() + 1;
         }
     }
-    for (const Spec& s : specs)
+    for (const Spec& s : b.specs)
         if (!used.count(s.text))
-            rep.problems.push_back(doc + ":" + std::to_string(s.line + 1) + ": no table row \"" +
-                                   s.text + "\" below");
+            rep.problems.push_back(s.where + ": no row \"" + s.text + "\" in the table at " +
+                                   doc + ":" + std::to_string(first + 1));
 }
 
 // A paragraph: each spec's pattern must be in it, its # a figure (#–#: a range).
@@ -496,12 +539,13 @@ void check_paragraph(Report& rep, const std::string& doc, const std::vector<std:
     std::string text;
     for (size_t n = first; n < end; ++n) text += lines[n] + (n + 1 < end ? "\n" : "");
     for (const Spec& s : specs) {
-        const std::string at = doc + ":" + std::to_string(s.line + 1) + ": ";
+        const std::string at = s.where + ": ";
         try {
             std::vector<std::string> groups;
             std::smatch m;
             if (!std::regex_search(text, m, pattern_regex(s.text, &groups))) {
-                rep.problems.push_back(at + "\"" + s.text + "\" is not in the paragraph below");
+                rep.problems.push_back(at + "\"" + s.text + "\" is not in the paragraph at " +
+                                       doc + ":" + std::to_string(first + 1));
                 continue;
             }
             if (groups.empty() || groups.size() > 2 ||
@@ -513,58 +557,65 @@ void check_paragraph(Report& rep, const std::string& doc, const std::vector<std:
                                           ? 0 : text.rfind('\n', pos) + 1);
             std::vector<std::string> figure;
             for (size_t g = 1; g <= groups.size(); ++g) figure.push_back(m[g]);
-            check_figure(rep, doc, line, col, figure, parse_lookup(s.lookup), s.text);
+            check_figure(rep, doc, line, col, figure, parse_lookup(s.lookup), s.text, s.where);
         } catch (const std::exception& e) {
             rep.problems.push_back(at + e.what());
         }
     }
 }
 
-// Checks every figures comment of a document (its lines, trimmed, as source_lines gives them),
-// then looks for figures with a unit that no comment checks.
-Report check_document(const std::vector<std::string>& lines, const std::string& doc) {
+// Checks a document (its lines, trimmed, as source_lines gives them) against the blocks of its
+// bindings file, then looks for figures with a unit that no binding checks.
+Report check_document(const std::vector<std::string>& lines, const std::string& doc,
+                      const std::vector<std::string>& bindings, const std::string& file) {
     Report rep;
+    std::vector<std::pair<size_t, size_t>> paragraphs;  // [first, end): runs of non-blank lines
     for (size_t n = 0; n < lines.size(); ++n) {
-        if (lines[n].rfind("<!-- figures", 0) != 0 || ends_with(lines[n], "-->")) continue;
-        std::vector<Spec> specs;
-        std::vector<std::string> columns;
-        std::string cells;
-        size_t k = n + 1;
-        for (; k < lines.size(); ++k) {
-            std::string l = lines[k];
-            const bool last = ends_with(l, "-->");
-            if (last) l = trimmed(l.substr(0, l.size() - 3));
-            if (l.rfind("columns:", 0) == 0) columns = split(l.substr(8), ',');
-            else if (l.rfind("cells:", 0) == 0 && !specs.empty()) specs.back().lookup += "; " + l;
-            else if (l.rfind("cells:", 0) == 0) cells = l.substr(6);
-            else if (!l.empty() && l[0] == '"' && l.find("\":", 1) != std::string::npos)
-                specs.push_back({l.substr(1, l.find("\":") - 1), l.substr(l.find("\":") + 2), k});
-            else if (!l.empty() && !specs.empty())
-                specs.back().lookup += " " + l;  // a lookup goes on
-            if (last) break;
-        }
-        size_t end = k + 1;
+        if (lines[n].empty()) continue;
+        size_t end = n;
         while (end < lines.size() && !lines[end].empty()) ++end;
-        if (k + 1 < lines.size() && lines[k + 1].rfind("|", 0) == 0)
-            check_table(rep, doc, lines, k + 1, end, specs, columns, cells);
-        else
-            check_paragraph(rep, doc, lines, k + 1, end, specs);
-        n = k;
+        paragraphs.push_back({n, end});
+        n = end;
     }
-    // The net: a number with a unit, outside code blocks and comments, must have been checked.
+    for (const Binding& b : read_bindings(bindings, file, &rep.problems)) {
+        if (b.key.empty()) continue;
+        std::vector<std::pair<size_t, size_t>> found;
+        for (const auto& p : paragraphs)
+            if (std::any_of(lines.begin() + long(p.first), lines.begin() + long(p.second),
+                            [&](const std::string& l) { return l.find(b.key) != l.npos; }))
+                found.push_back(p);
+        if (found.size() != 1) {
+            rep.problems.push_back(b.where + ": \"" + b.key + "\" is in " +
+                                   (found.empty() ? std::string("no")
+                                                  : std::to_string(found.size())) +
+                                   " paragraphs of " + doc + "; it must be in one");
+            continue;
+        }
+        const auto [first, end] = found[0];
+        if (lines[first].rfind("|", 0) == 0)
+            check_table(rep, doc, lines, first, end, b);
+        else
+            check_paragraph(rep, doc, lines, first, end, b.specs);
+    }
+    // The net: a number with a unit, outside code blocks and comments, must have been checked;
+    // and the bindings live in the bindings file, not in comments of the document.
     const std::regex with_unit(
         "([0-9]+(?:\\.[0-9]+)?)(?:–[0-9]+(?:\\.[0-9]+)?)?\\*?"
         "(?: ?(?:TFLOP/s|ms|s|MiB|GiB|%|lines)(?![A-Za-z])|×)");  // "16384 × 32" is no ratio
     bool code = false, comment = false;
     for (size_t n = 0; n < lines.size(); ++n) {
         if (lines[n].rfind("```", 0) == 0) code = !code;
+        if (!code && lines[n].rfind("<!-- figures", 0) == 0)
+            rep.problems.push_back(doc + ":" + std::to_string(n + 1) + ": a figures comment, "
+                                   "which nothing reads: bind the figures in " + file);
         if (lines[n].rfind("<!--", 0) == 0) comment = true;
         if (!code && !comment) {
             for (auto it = std::sregex_iterator(lines[n].begin(), lines[n].end(), with_unit);
                  it != std::sregex_iterator(); ++it) {
                 if (rep.seen.count({n, size_t(it->position(1))})) continue;
                 rep.problems.push_back(doc + ":" + std::to_string(n + 1) + ": \"" + it->str() +
-                                       "\" has no figures comment naming where it comes from");
+                                       "\" has no binding in " + file +
+                                       " naming where it comes from");
             }
         }
         if (comment && ends_with(lines[n], "-->")) comment = false;
@@ -575,42 +626,52 @@ Report check_document(const std::vector<std::string>& lines, const std::string& 
 }  // namespace
 
 TEST_CASE("Every figure README.md quotes is what its data file says", "[cpu][readme]") {
-    const Report rep = check_document(source_lines("README.md"), "README.md");
+    const Report rep = check_document(source_lines("README.md"), "README.md",
+                                      source_lines("lab/readme-figures.txt"),
+                                      "lab/readme-figures.txt");
     for (const std::string& problem : rep.problems) FAIL_CHECK(problem);
-    INFO("README.md's figures comments should check its tables and its measured prose");
+    INFO("lab/readme-figures.txt should check README.md's tables and its measured prose");
     CHECK(rep.figures >= 100);
 }
 
-// The check itself must be able to fail: a figure one digit off, a source-less figure, a missing
-// pattern. lab/data/bench_h100.csv's fp32 forward takes no extra memory at any shape, so this
+// The check itself must be able to fail: a figure one digit off, a figure nothing binds, a binding
+// whose text is not in its paragraph, a block that names no paragraph, a figures comment left in
+// the document. lab/data/bench_h100.csv's fp32 forward takes no extra memory at any shape, so this
 // stays true when the data is re-measured.
 TEST_CASE("A figure that disagrees with its data file fails the README check", "[cpu][readme]") {
-    const auto doc = [](const std::string& figure) {
-        return std::vector<std::string>{
-            "<!-- figures:",
-            "\"the forward takes # MiB\": lab/data/bench_h100.csv dtype=fp32 dim=64 seq=2048 causal=1",
-            "flash_fwd_extra_mib",
-            "-->",
-            "At N = 2048 the forward takes " + figure + " MiB beyond its inputs.",
-            "",
-            "Elsewhere it runs at 99 TFLOP/s."};
+    const std::vector<std::string> bindings = {
+        "# where X.md's figures come from",
+        "figures: At N = 2048",
+        "\"the forward takes # MiB\": lab/data/bench_h100.csv dtype=fp32 dim=64 seq=2048 causal=1",
+        "flash_fwd_extra_mib"};
+    const auto check = [&](const std::string& first) {
+        return check_document({first, "", "Elsewhere it runs at 99 TFLOP/s."}, "X.md", bindings,
+                              "B.txt");
     };
-    const Report good = check_document(doc("0"), "X.md");
+    const Report good = check("At N = 2048 the forward takes 0 MiB beyond its inputs.");
     REQUIRE(good.figures == 1);
     REQUIRE(good.problems.size() == 1);  // the net: the unchecked 99 TFLOP/s
-    CHECK_THAT(good.problems[0], Catch::Contains("X.md:7") && Catch::Contains("99 TFLOP/s"));
+    CHECK_THAT(good.problems[0], Catch::Contains("X.md:3") && Catch::Contains("99 TFLOP/s"));
 
-    const Report bad = check_document(doc("1"), "X.md");
+    const Report bad = check("At N = 2048 the forward takes 1 MiB beyond its inputs.");
     REQUIRE(bad.problems.size() == 2);
-    CHECK_THAT(bad.problems[0], Catch::Contains("X.md:5: 1 (the forward takes # MiB)") &&
+    CHECK_THAT(bad.problems[0], Catch::Contains("X.md:1: 1 (the forward takes # MiB)") &&
                                     Catch::Contains("bench_h100.csv") &&
-                                    Catch::Contains("should be 0"));
+                                    Catch::Contains("should be 0") && Catch::Contains("B.txt:3"));
 
-    std::vector<std::string> gone = doc("0");
-    gone[4] = "The forward's memory is not quoted here.";
-    const Report missing = check_document(gone, "X.md");
+    const Report missing = check("At N = 2048 the forward's memory is not quoted here.");
     REQUIRE(missing.problems.size() == 2);
-    CHECK_THAT(missing.problems[0], Catch::Contains("X.md:2") && Catch::Contains("not in the"));
+    CHECK_THAT(missing.problems[0], Catch::Contains("B.txt:3") && Catch::Contains("not in the") &&
+                                        Catch::Contains("X.md:1"));
+
+    const Report unbound = check("The forward's memory is not quoted here.");
+    REQUIRE(unbound.problems.size() == 2);
+    CHECK_THAT(unbound.problems[0], Catch::Contains("B.txt:2") && Catch::Contains("no paragraphs"));
+
+    const Report commented = check_document(
+        {"<!-- figures:", "-->", "At N = 2048 the forward takes 0 MiB."}, "X.md", bindings, "B.txt");
+    REQUIRE(commented.problems.size() == 1);
+    CHECK_THAT(commented.problems[0], Catch::Contains("X.md:1: a figures comment"));
 }
 
 // =============================================================================================
