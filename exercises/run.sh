@@ -13,8 +13,10 @@
 # The tree is copied once and built (test_flash); each patch gets its own copy of that build, so
 # that only the files it edits are compiled again, all copies at once. Then the commands run one
 # after another (the GPU to itself), each under `timeout` as a last resort: the test binary's own
-# deadline is what should stop a hang. Each log: a header of '# ' lines, then the command's
-# output (its first 300 and last 60 lines, saying how many were cut between).
+# deadline is what should stop a hang. Each log: a header of '# ' lines; the table of every test
+# case the command selected, one '| ' line each: PASS or FAIL, the test case, its first failure
+# (the test binary writes it where FLASH_TEST_TABLE says); then the command's output (its first
+# 300 and last 60 lines, saying how many were cut between).
 #
 # The sources sha1 in the header is what tells `make check` that a log is still current. It is
 # the sha1 of the output of `sha1sum FILE...` (one line "HASH  PATH" per file, paths relative to
@@ -90,7 +92,9 @@ for id in "${ids[@]}"; do
     fi
     echo "== $id: $cmd"
     start=$SECONDS
-    (cd "$work/$id" && timeout -k 10 "$limit" bash -c "$cmd") >"$work/$id.out" 2>&1
+    rm -f "$work/$id.table"
+    (cd "$work/$id" && FLASH_TEST_TABLE="$work/$id.table" timeout -k 10 "$limit" bash -c "$cmd") \
+        >"$work/$id.out" 2>&1
     rc=$?
     secs=$((SECONDS - start))
     total=$(wc -l <"$work/$id.out")
@@ -103,6 +107,8 @@ for id in "${ids[@]}"; do
         echo "# exit status: $rc after $secs s (time limit $limit s; 124 or 137: the limit ended it)"
         echo "# sources sha1: $sum"
         sources "$id" | while read -r f; do echo "# source: $(sha1sum "$f")"; done
+        echo "# table: every test case the command selected: PASS or FAIL | test case | first failure"
+        [ -f "$work/$id.table" ] && sed 's/^/| /' "$work/$id.table"
         if [ "$total" -le $((head_lines + tail_lines)) ]; then
             cat "$work/$id.out"
         else

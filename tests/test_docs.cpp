@@ -888,6 +888,8 @@ struct LogFacts {
     int total = -1, failed = -1;                // the last Catch2 summary's test cases
     std::string first_failure;                  // the test case header (name and sections),
                                                 // its lines joined by single spaces
+    std::vector<std::string> table;             // "| PASS | name" / "| FAIL | name | first failure"
+    int table_failed = 0;                       // its FAIL rows
 };
 
 std::string squeezed(const std::string& s) {  // runs of whitespace to one space, trimmed
@@ -918,6 +920,10 @@ LogFacts read_log(const std::string& text) {
         const std::string name = lines[n].substr(2, colon - 2), value = lines[n].substr(colon + 2);
         if (name == "source") f.sources.push_back(value);
         else f.header.emplace(name, value);
+    }
+    for (size_t k = n; k < lines.size() && lines[k].rfind("| ", 0) == 0; ++k) {
+        f.table.push_back(lines[k]);
+        f.table_failed += lines[k].rfind("| FAIL | ", 0) == 0;
     }
     const std::regex all_passed("^All tests passed \\(\\d+ assertions? in (\\d+) test cases?\\)");
     for (size_t k = n; k < lines.size(); ++k) {
@@ -960,6 +966,13 @@ LogFacts read_log(const std::string& text) {
             ++next;
         }
         k = next - 1;
+    }
+    // With a table, the first failure is its first FAIL row's test case (the output may be cut).
+    for (const std::string& row : f.table) {
+        if (row.rfind("| FAIL | ", 0) != 0) continue;
+        const std::string rest = row.substr(9);
+        f.first_failure = squeezed(rest.substr(0, rest.find(" | ")));
+        break;
     }
     return f;
 }
@@ -1035,7 +1048,7 @@ std::string exercise_id(const std::string& path) {  // exercises/1.10.log -> 1.1
 
 }  // namespace
 
-TEST_CASE("Every exercise has a current log, and NOTES.md states what the log shows",
+TEST_CASE("Every exercise has a log with its table, and NOTES.md states what the log shows",
           "[cpu][exercises]") {
     std::vector<std::string> problems;
     std::set<std::string> patches, logs;
@@ -1071,6 +1084,35 @@ TEST_CASE("Every exercise has a current log, and NOTES.md states what the log sh
             problems.push_back(log_path + ": NOTES.md has no line \"Outcome on a GPU (`" +
                                log_path + "`): ...\"");
         if (!patches.count(id)) continue;
+        const LogFacts log = read_log(file_text(log_path));
+        // The table: one row a test case the command selected, as many as the run's summary
+        // counts, its FAIL rows as many as it says failed.
+        if (log.table.empty()) {
+            problems.push_back(log_path + " has no table of its test cases (exercises/run.sh "
+                               "writes one): run exercises/run.sh " + id + " on a GPU");
+        } else if (int(log.table.size()) != log.total || log.table_failed != log.failed) {
+            problems.push_back(log_path + "'s table has " + std::to_string(log.table.size()) +
+                               " rows, " + std::to_string(log.table_failed) + " FAIL; its run " +
+                               "counted " + std::to_string(log.total) + " test cases, " +
+                               std::to_string(log.failed) + " failed");
+        }
+    }
+    for (const std::string& p : problems) FAIL_CHECK(p);
+}
+
+// The maintainer's check (make check-exercises; hidden from make check, which a student runs with
+// an exercise applied): every log is still current with the files it ran, by their SHA-1s.
+TEST_CASE("Every exercise log is current with the sources it ran", "[.freshness]") {
+    std::vector<std::string> problems;
+    std::set<std::string> patches, logs;
+    for (const std::string& f : files_under("exercises")) {
+        if (ends_with(f, ".patch")) patches.insert(exercise_id(f));
+        if (ends_with(f, ".log")) logs.insert(exercise_id(f));
+    }
+    REQUIRE(!logs.empty());
+    for (const std::string& id : logs) {
+        if (!patches.count(id)) continue;
+        const std::string log_path = "exercises/" + id + ".log";
         const LogFacts log = read_log(file_text(log_path));
         std::vector<std::string> now;
         const std::string sum = sources_sha1(id, &now);
