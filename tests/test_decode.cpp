@@ -94,7 +94,7 @@ const std::vector<std::pair<int, int>> kGroups = {{3, 3}, {8, 2}, {16, 2}, {8, 1
 
 // q_len 1..8 (odd and even, the bound), kv_len from 1 past the tile edges (64 keys a tile at
 // d <= 128) to 4099, causal and not, every group, d = 128; batch 2 up to 1000 keys. The
-// default run (make test) takes q_len 1, 3 and 8 at kv_len 1, 65 (a partial second tile) and 1000
+// default run (make test) takes q_len 1 and 8 at kv_len 1, 65 (a partial second tile) and 1000
 // (several splits) for every group, causal and not, and 4099 once (q_len 8, causal, 8 over 2);
 // `make stress` the rest (stress = true).
 std::vector<AttentionShape> decode_grid(bool stress) {
@@ -105,7 +105,7 @@ std::vector<AttentionShape> decode_grid(bool stress) {
                 for (bool causal : {false, true}) {
                     const bool short_kv = kv_len == 1 || kv_len == 65 || kv_len == 1000;
                     const bool long_kv = kv_len == 4099 && q_len == 8 && causal && g.first == 8;
-                    const bool in_default = (q_len == 1 || q_len == 3 || q_len == 8) &&
+                    const bool in_default = (q_len == 1 || q_len == 8) &&
                                             (short_kv || long_kv);
                     if (in_default == stress) continue;
                     shapes.push_back(decode_shape(kv_len <= 1000 ? 2 : 1, g.first, g.second,

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <thread>
 #include <type_traits>
+#include <unistd.h>
 
 // =============================================================================================
 // Shapes and random inputs
@@ -472,9 +473,23 @@ RunTotals g_totals;
 int g_gpu_cases_skipped = 0;
 // One line of the FLASH_TEST_TABLE file (main's listener writes one a test case).
 void table_line(const char* outcome, const std::string& name, const std::string& first_failure);
-void print_summary_line() {
-    std::cout << "flash tests: " << g_totals.passed << " passed, " << g_totals.failed
-              << " failed, " << g_gpu_cases_skipped << " skipped" << std::endl;
+std::string summary_line() {
+    return "flash tests: " + std::to_string(g_totals.passed) + " passed, " +
+           std::to_string(g_totals.failed) + " failed, " + std::to_string(g_gpu_cases_skipped) +
+           " skipped";
+}
+void print_summary_line() { std::cout << summary_line() << std::endl; }
+// The last words of a run a deadline ends, straight to the file descriptors: a reporter that
+// captures output (junit, xml) has std::cout and std::cerr redirected into its buffers, which the
+// exit would drop. Then the exit, running no destructor (they would call CUDA).
+[[noreturn]] void say_and_exit(const std::string& line) {
+    std::cout.flush();
+    std::cerr.flush();
+    const std::string err = line + "\n", out = summary_line() + "\n";
+    if (write(STDERR_FILENO, err.data(), err.size()) < 0 ||
+        write(STDOUT_FILENO, out.data(), out.size()) < 0)
+        std::_Exit(4);
+    std::_Exit(3);
 }
 }  // namespace
 
@@ -489,13 +504,8 @@ void end_run_on_deadline(const std::string& line) {
     } catch (...) {  // Catch aborting the run (-a, -x N): the exit below still comes
     }
     table_line("FAIL", Catch::getResultCapture().getCurrentTestName(), line);
-    std::cout.flush();
-    std::cerr << line << std::endl;
     g_totals.failed += 1;  // this test case, which never ends
-    print_summary_line();
-    std::cout.flush();
-    std::cerr.flush();
-    std::_Exit(3);
+    say_and_exit(line);
 }
 
 namespace {
@@ -518,14 +528,9 @@ Watchdog g_watchdog;
             test_case = g_watchdog.test_case;
             line = g_watchdog.line;
         }
-        std::cout.flush();
-        std::cerr << line << std::endl;
         table_line("FAIL", test_case, line);
         g_totals.failed += 1;  // the test case that never ends
-        print_summary_line();
-        std::cout.flush();
-        std::cerr.flush();
-        std::_Exit(3);
+        say_and_exit(line);
     }
 }
 void disarm_deadline() {
