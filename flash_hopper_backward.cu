@@ -594,8 +594,8 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
                           Km = tensor_map(K, size_t(BH), s.kv_len, D, Bc),
                           Vm = tensor_map(V, size_t(BH), s.kv_len, D, Bc);
         // Interleaving heads' tiles keeps one head's tiles apart in time (chapter 2's groups): HG
-        // heads' tickets at a time, K/V tile by K/V tile. Under the mask about two waves of blocks a
-        // group (HG Tc = 2 SMs, at most 32 heads), but 32 heads at d = 256; without the mask 4.
+        // heads' tickets at a time, K/V tile by K/V tile. Under the mask about two waves of blocks
+        // a group (HG Tc = 2 SMs, at most 32 heads), but 32 heads at d = 256; without it 4.
         const int sms = flash_device_props().multiProcessorCount;
         const int HG = !s.causal ? 4 : D == 256 ? 32 : std::clamp(2 * sms / Tc, 1, 32);
         // The kernel's turns: one a (query head, Q tile of 64), within the passes' B*H*ceil(q_len
