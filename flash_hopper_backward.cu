@@ -42,6 +42,7 @@
 // each holds half of the columns (Split = 2; both then compute the same S^T and dP^T, 40% more
 // products at d = 256).
 constexpr int kBwdConsumers = 2, kBwdBr = 64;
+static_assert(kBwdBr >= kBackwardMinBr, "the scratch has turns for Q tiles of kBackwardMinBr rows up");
 // Stages of Q_i, dO_i, L_i, D_i: two, four at d = 64, whose tiles are short (with two, the
 // consumers would wait for the next tile).
 __host__ __device__ constexpr int bwd_stages(int d) { return d == 64 ? 4 : 2; }
