@@ -57,6 +57,7 @@ B := build
 # The library: each chapter's kernels, what they share (lib/checks.cpp) and the API layer that
 # picks a chapter (lib/dispatch.cpp).
 LIB_OBJS := $(B)/flash.o $(B)/flash_fp16.o $(B)/flash_decode.o $(B)/checks.o $(B)/dispatch.o
+LIB_OBJS += $(B)/backward_passes.o
 ifeq ($(HAVE_SM90A),1)
 LIB_OBJS += $(B)/flash_hopper.o $(B)/flash_hopper_backward.o
 endif
@@ -113,6 +114,8 @@ $(B)/%.o: %.cu $(HEADERS) $(B)/flags | $(B)
 $(B)/%.o: %.cpp $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
 $(B)/%.o: lib/%.cpp $(HEADERS) $(B)/flags | $(B)
+	$(COMPILE) -c $< -o $@
+$(B)/%.o: lib/%.cu $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
 $(B)/%.o: tests/%.cpp $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@

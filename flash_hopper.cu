@@ -7,8 +7,8 @@
 // a stage is full and when it is free again. Each tile's softmax runs while the previous tile's
 // O_i += P~ V_j is on the tensor cores. The grid is persistent: a block an SM, each taking tile
 // after tile from a counter. Head dims: kFlashHopperHeadDims (flash.h); fp16 and bf16; compute
-// capability 9.0 only. Not here: FlashAttention-3's O written by TMA, its ping-pong (slower here,
-// NOTES.md section 17), its fp8.
+// capability 9.0 only. Not here: FlashAttention-3's O written by TMA, its ping-pong (NOTES.md
+// section 17 says why), its fp8. How it was built, step by step and measured: lab/chapter3.md.
 //
 // Build: wgmma exists only in the sm_90a target, so this file alone is compiled with
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c flash_hopper.cu
@@ -26,9 +26,12 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 // Consumer warpgroups, 64 rows of Q_i each (Br = 64 consumers): two, but three at d = 64, where a
 // tile's products are short beside its softmax. Registers a thread, set with setmaxnreg: 65536
@@ -42,8 +45,8 @@ __host__ __device__ constexpr int consumer_regs(int consumers) { return consumer
 __host__ __device__ constexpr int hopper_Bc(int head_dim) { return head_dim == 256 ? 48 : 128; }
 // The pipeline's stages, K/V tiles in shared memory at once (227 KiB an SM): three, the same at
 // every head dim (208 KiB with Q_i at d = 256, where tiles of 64 keys would leave room for two
-// only, and two stages run 17-32% slower: NOTES.md section 17). A function of the head dim all
-// the same, as Br and Bc are, so that one head dim can be given its own count.
+// only, and with two, tile j + 1's copies wait until O_i += P~ V_{j-1} is done). A function of
+// the head dim all the same, as Br and Bc are, so that one head dim can be given its own count.
 __host__ __device__ constexpr int hopper_stages(int /* head_dim */) { return 3; }
 // The grid: persistent, one block an SM looping over the tiles. -DHOPPER_PERSISTENT=0 gives every
 // tile its own block instead, to measure what the persistent grid buys.
@@ -55,11 +58,31 @@ constexpr bool kPersistent = HOPPER_PERSISTENT;
 // consecutive, so 16 of them read 16 / group K/V heads, which then stay in L2.
 constexpr int kHopperHeadGroup = 16;
 
-// The hand-out, named barrier 1, where the producer's first warp, which has fetched a tile's
-// number, gives it to the consumer warpgroups, which take it as they start the tile.
+// The named barrier (barrier.sync takes an id, 0 being __syncthreads'): the hand-out, where the
+// producer's first warp, which has fetched a tile's number, gives it to the consumer warpgroups,
+// which take it as they start the tile.
+constexpr int kBarrierHandout = 1;
 template <int Consumers>
-__device__ __forceinline__ void handout() { named_barrier(1, 32 + kWarpgroup * Consumers); }
+__device__ __forceinline__ void handout() {
+    named_barrier(kBarrierHandout, 32 + kWarpgroup * Consumers);
+}
 
+// The block's shared memory, laid out by a struct (as the backward's, and FlashAttention-3's
+// SharedStorage): Q_i (Br rows), then the stages of K_j and V_j (Bc rows each), each tile as
+// blocks of 64 columns in the 128-byte swizzle, starting on a 1024-byte boundary (the swizzle
+// works on address bits 4-9); then the mbarriers: full[s] and empty[s] of stage s, full[Stages]
+// and empty[Stages] for Q_i; then the tile numbers, two slots.
+template <typename T, int D, int Bc, int Consumers>
+struct FwdShared {
+    static constexpr int Br = 64 * Consumers, Stages = hopper_stages(D);
+    alignas(1024) T Q_i[Br * D];
+    struct Stage {
+        alignas(1024) T K_j[Bc * D];
+        alignas(1024) T V_j[Bc * D];
+    } KV[Stages];
+    uint64_t full[Stages + 1], empty[Stages + 1];
+    int work[2];                                       // tile numbers, at Q_i's phase
+};
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. A persistent grid, one block an SM, each block running tiles (Q tile i, batch*head)
@@ -81,16 +104,12 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                             float* __restrict__ L, int q_len, int kv_len, bool causal, int Tr,
                             int tiles, int head_group, int group, float scale_log2, int* next) {
     constexpr int Br = 64 * Consumers, Stages = hopper_stages(D);
-    extern __shared__ __align__(16) unsigned char shared[];
-    // Q_i (Br rows), then the stages of K_j and V_j (Bc rows each), each as blocks of 64 columns,
-    // all 1024-byte aligned; after them the mbarriers: full[s] and empty[s] of stage s,
-    // full[Stages] and empty[Stages] for Q_i; then the tile numbers, two slots.
-    T* Q_i = reinterpret_cast<T*>(shared + (1024 - smem_addr(shared) % 1024) % 1024);
-    T* KV = Q_i + Br * D;
-    auto *full = reinterpret_cast<uint64_t*>(KV + Stages * 2 * Bc * D), *empty = full + Stages + 1;
-    int* work = reinterpret_cast<int*>(empty + Stages + 1);  // tile numbers, at Q_i's phase
-    const auto K_at = [&](int stage) { return KV + stage * 2 * Bc * D; };  // the stage's K_j,
-    const auto V_at = [&](int stage) { return K_at(stage) + Bc * D; };     // and V_j after it
+    auto& sh = shared_storage<FwdShared<T, D, Bc, Consumers>>();
+    T* Q_i = sh.Q_i;
+    uint64_t *full = sh.full, *empty = sh.empty;
+    int* work = sh.work;
+    const auto K_at = [&](int stage) { return sh.KV[stage].K_j; };  // the stage's K_j
+    const auto V_at = [&](int stage) { return sh.KV[stage].V_j; };  // and V_j
     // Line 3: tile -> (Q tile i, head bh) and its K/V tiles Tc, as chapter 2: heads in groups of
     // head_group, each group's Q tiles longest (causal) first, its heads taking turns.
     const auto decode = [&](int tile) {                // -> {i, bh, Tc}
@@ -241,11 +260,11 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 
 // ---------------------------------------------------------------------------------------------
 // The launcher: chapter 2's checks, then compute capability 9.0.
-// Q_i, the stages of K_j and V_j (2 bytes an element), alignment, 2 (stages + 1) mbarriers and two
-// tile numbers.
-static constexpr size_t flash_hopper_shared_bytes(int d) {
-    return size_t(hopper_Br(d) + 2 * hopper_stages(d) * hopper_Bc(d)) * d * 2 + 1024 +
-           8 * (2 * hopper_stages(d) + 3);
+// Shared memory: FwdShared (shared_bytes_through, lib/hopper.cuh; bf16's is fp16's size).
+template <int D>
+constexpr size_t flash_hopper_shared_bytes() {
+    using Shared = FwdShared<__half, D, hopper_Bc(D), hopper_consumers(D)>;
+    return shared_bytes_through(offsetof(Shared, work) + sizeof(Shared::work));
 }
 // The budgets, checked where they are set, at every head dim of kFlashHopperHeadDims. Shared
 // memory: 227 KiB a block on an H100 or H200. Registers: setmaxnreg takes multiples of 8 from 24
@@ -260,7 +279,11 @@ constexpr bool every_head_dim(bool (*fits)(int)) {
         if (!fits(d)) return false;
     return true;
 }
-static_assert(every_head_dim([](int d) { return flash_hopper_shared_bytes(d) <= 227 * 1024; }),
+template <size_t... I>
+constexpr bool shared_fits(std::index_sequence<I...>) {
+    return ((flash_hopper_shared_bytes<kFlashHopperHeadDims[I]>() <= 227 * 1024) && ...);
+}
+static_assert(shared_fits(std::make_index_sequence<std::size(kFlashHopperHeadDims)>()),
               "a block past 227 KiB");
 static_assert(every_head_dim([](int d) { return registers_fit(hopper_consumers(d)); }),
               "setmaxnreg's registers past the SM's 65536");
@@ -272,7 +295,7 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
                                   const AttentionShape& s, cudaStream_t stream) {
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value, Br = hopper_Br(D), Bc = hopper_Bc(D);
-        constexpr size_t bytes = flash_hopper_shared_bytes(D);
+        constexpr size_t bytes = flash_hopper_shared_bytes<D>();
         const int tiles = grid_blocks(s, s.q_len, Br, "q_len");  // Q tiles of all heads
         const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_consumers(D)>;
         allow_shared(kernel, bytes);

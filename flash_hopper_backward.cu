@@ -9,9 +9,11 @@
 // them (dV_j += P^T dO_i, dK_j += dS^T Q_i: wgmma with A in registers, FlashAttention-3's trick);
 // only dS goes through shared memory, once, for dQ_i = dS K_j, which reads it, and K_j, transposed
 // (imm-trans 1). dQ_i's part goes back through shared memory too, and two warps of their own add
-// it into dQacc (fp32) by TMA reduce-adds, in chapter 2's fixed order: bitwise deterministic. (The
-// first version had the consumers add it with atomics, each waiting for its block's turn: 15-24%
-// slower at d = 128, lab/chapter3-backward.md.)
+// it into dQacc (fp32) by TMA reduce-adds, in chapter 2's fixed order: bitwise deterministic.
+//
+// The kernel, as FlashAttention-3's backward, is a short dispatcher over roles: the producer
+// (produce: lines 6 and 9), the dQ writers (write_dq) and the consumers (consume: lines 7-18, a
+// function a step). What was measured, tried and dropped on the way: lab/chapter3-backward.md.
 //
 // Grouped K/V heads (AttentionShape::kv_heads): a block is (batch, K/V head, K/V tile j) and walks
 // the Q tiles of the group's heads / kv_heads query heads, so that dK_j and dV_j sum over the group
@@ -29,6 +31,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -36,11 +39,12 @@
 // The tile. Q tiles of Br = 64 rows (one wgmma's M); two consumer warpgroups. Up to d = 128 each
 // owns 64 keys of a K/V tile of Bc = 128 and holds all d columns of their dK_j and dV_j (d floats a
 // thread at d = 128); at d = 256 that would be 256 floats, so the two share 64 keys (Bc = 64) and
-// each holds half of the columns (Split = 2; both compute the same S^T and dP^T, 40% more products
-// there: the price of this first version). Stages of Q_i, dO_i, L_i, D_i: bwd_stages.
+// each holds half of the columns (Split = 2; both then compute the same S^T and dP^T, 40% more
+// products at d = 256).
 constexpr int kBwdConsumers = 2, kBwdBr = 64;
-// Stages of Q_i, dO_i, L_i, D_i: two, four at d = 64, whose tiles are short (3-8% faster than
-// two on an H100; six no faster, nor three at d = 128: lab/chapter3-backward.md, step 4).
+static_assert(kBwdBr >= kBackwardMinBr, "the scratch has turns for Q tiles of kBackwardMinBr rows up");
+// Stages of Q_i, dO_i, L_i, D_i: two, four at d = 64, whose tiles are short (with two, the
+// consumers would wait for the next tile).
 __host__ __device__ constexpr int bwd_stages(int d) { return d == 64 ? 4 : 2; }
 __host__ __device__ constexpr int bwd_split(int d) { return d == 256 ? 2 : 1; }
 __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bwd_split(d); }
@@ -53,19 +57,22 @@ __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bw
 //  - d = 256: the consumers take turns too (tile n: consumer n % 2), each all four of its tile's
 //    64-column products, passed on as eight chunks of 32 columns, the two buffers in turn (8 KiB
 //    each: two of 16 KiB do not fit beside two stages). While one stages dQ_i, the other computes
-//    the next tile: 1-9% faster than the first consumer staging every tile's dQ_i while the
-//    second waited for it at each tile's barrier (lab/chapter3-backward.md, step 6).
+//    the next tile instead of waiting for it.
 // A buffer's uses must come in order: the parity of its barriers' phases tells a user which use it
 // waits for, and a user ahead of the other could take an older phase of the same parity for the one
 // it waits for. Where both consumers use a buffer, a barrier orders them: at d = 64 the one each
-// tile has anyway (dS^T is in), at d = 256 one that tile n's consumer passes to tile n + 1's once
-// its chunks are in (named barriers 3 and 4). Measured and dropped (lab/chapter3-backward.md, steps
-// 3 and 4): at d = 64 both consumers each over its own 64 keys, summed in the buffer, 10-20% slower
-// than taking turns; at d = 256 each tile's chunks split between the consumers, 0.91-1.05x.
+// tile has anyway (dS^T is in: kBarrierDsIn), at d = 256 one that tile n's consumer passes to tile
+// n + 1's once its chunks are in (kBarrierDqPass).
 constexpr int kBwdDqBuffers = 2;
 static_assert(kBwdDqBuffers == 2, "a writer warp a buffer, two consumers taking turns at them");
 __host__ __device__ constexpr int bwd_dq_cols(int d) { return d == 256 ? 32 : 64; }
 __host__ __device__ constexpr int bwd_dq_chunks(int d) { return d / bwd_dq_cols(d); }
+// The named barriers (barrier.sync and barrier.arrive take an id, 0 being __syncthreads'), and who
+// meets at each:
+constexpr int kBarrierDsIn = 2;     // Split = 1: both consumers, each having stored its dS^T
+constexpr int kBarrierDqPass = 3;   // Split = 2: kBarrierDqPass + n % 2 (3 or 4), where tile n's
+                                    // consumer waits until tile n - 1's has staged its chunks
+constexpr int kBarrierWriters = 5;  // the two dQ writers: both have completed a tile's adds
 // Registers a thread, set with setmaxnreg (the forward's pair at two consumers, as FlashAttention-3
 // has it). setmaxnreg only moves registers within the block's own: its 384 threads start with 168
 // each (65536 / 384, rounded down to a multiple of 8: ptxas -v), 64512 in all, and
@@ -78,6 +85,77 @@ static_assert(kWarpgroup * (kBwdProducerRegs + kBwdConsumers * kBwdConsumerRegs)
                   kBwdProducerRegs >= 24 && kBwdConsumerRegs <= 256 &&
                   kBwdProducerRegs % 8 == 0 && kBwdConsumerRegs % 8 == 0,
               "setmaxnreg asks for more registers than the block starts with");
+
+// The block's shared memory (FlashAttention-3 lays its own out as a struct too, SharedStorage).
+// The tiles of T are blocks of 64 columns in the 128-byte swizzle, as TMA writes them and wgmma
+// reads them; the swizzle works on address bits 4-9, so each tile starts on a 1024-byte boundary.
+template <typename T, int D>
+struct BwdShared {
+    static constexpr int Bc = bwd_Bc(D), Br = kBwdBr, Stages = bwd_stages(D);
+    alignas(1024) T K_j[Bc * D];                       // line 6, once
+    alignas(1024) T V_j[Bc * D];
+    alignas(1024) T Q_s[Stages][Br * D];               // stage s: Q_s[s] and dO_s[s] hold
+    alignas(1024) T dO_s[Stages][Br * D];              // Q_i and dO_i (line 9)
+    alignas(1024) T dS_s[2][Bc * Br];                  // dS^T (Bc x Br, swizzled as TMA would):
+                                                       // tile n's in dS_s[n % 2]
+    alignas(1024) float dQ_s[kBwdDqBuffers][Br * bwd_dq_cols(D)];  // dQ buffer b: its chunk as
+                                                       // boxes of Br rows x 32 floats, swizzled
+    struct { float L_i[Br], D_i[Br]; } LD[Stages];     // stage s: L_i, D_i (line 9)
+    // The mbarriers: the stages' full (the producer's 32 lanes, with the bytes of its copies) and
+    // empty (each consumer thread's arrival); K_j and V_j are in; dQ buffer b is filled (a
+    // warpgroup's 128 arrivals) and read (its writer's one).
+    uint64_t full[Stages], empty[Stages];
+    uint64_t kv_full;
+    uint64_t dq_full[kBwdDqBuffers], dq_empty[kBwdDqBuffers];
+};
+// The launcher's bytes (shared_bytes_through, lib/hopper.cuh), within the 227 KiB of a block.
+template <int D>
+constexpr size_t bwd_hopper_shared_bytes() {
+    using Shared = BwdShared<__half, D>;               // (bf16's is the same: 2-byte elements)
+    return shared_bytes_through(offsetof(Shared, dq_empty) + sizeof(Shared::dq_empty));
+}
+static_assert(bwd_hopper_shared_bytes<64>() <= 227 * 1024 &&
+                  bwd_hopper_shared_bytes<128>() <= 227 * 1024 &&
+                  bwd_hopper_shared_bytes<256>() <= 227 * 1024,
+              "a block past 227 KiB");
+
+// A block's work (lines 5 and 8): K/V tile j of K/V head kvh (of batch * kv_heads), and the Q tiles
+// that see it, `tiles` of them in a fixed order, the n-th being tile_at(n).
+struct BwdBlock {
+    int q_len, kv_len;
+    bool causal;
+    int group, Tr;                 // query heads a K/V head, Q tiles a query head
+    int kvh, j;                    // line 5
+    int i_first, per_head, tiles;  // the first Q tile that sees tile j; how many do, a query head
+    int mine;                      // the block's place in each dQ_i's order of adds
+    // The n-th Q tile {query head, i}: at each i the group's heads in turn, so that every block
+    // reaches (head, i) at the same step n and none waits long for its dQ turn there (head after
+    // head, as chapter 2 walks, a block under the mask would reach each next head before the
+    // longer blocks ahead of it in the turns, and wait for them). Under the mask from the last Q
+    // tile (chapter 2's order, so dQ_i's adds follow j up).
+    __device__ int2 tile_at(int n) const {
+        const int r = n / group;
+        return int2{kvh * group + n % group, causal ? Tr - 1 - r : i_first + r};
+    }
+};
+// Ticket -> the block's work, chapter 2's order: heads in groups of HG, each group's tiles from the
+// right (causal: from the left, longest first), its heads taking turns. Line 8: the Q tiles i
+// that see key tile j.
+template <int Bc, int Br>
+__device__ __forceinline__ BwdBlock bwd_block(int ticket, int q_len, int kv_len, bool causal,
+                                              int Tc, int BH, int group, int HG) {
+    BwdBlock b;
+    b.q_len = q_len, b.kv_len = kv_len, b.causal = causal, b.group = group;
+    const int head0 = ticket / (HG * Tc) * HG, heads = min(HG, BH - head0);
+    const int slot = ticket % (HG * Tc);
+    b.kvh = head0 + slot % heads;
+    b.j = causal ? slot / heads : Tc - 1 - slot / heads;
+    b.Tr = (q_len + Br - 1) / Br;
+    b.i_first = causal ? max(0, flash_first_query(b.j * Bc, q_len, kv_len)) / Br : 0;
+    b.per_head = max(b.Tr - b.i_first, 0), b.tiles = group * b.per_head;
+    b.mine = causal ? b.j : Tc - 1 - b.j;
+    return b;
+}
 
 // Accumulators set by ordinary instructions (zeros) are written before this point, so that the
 // wgmma_fence after it covers them (else ptxas injects a fence of its own at every wgmma).
@@ -100,13 +178,238 @@ __device__ __forceinline__ void keep(const uint32_t (&a)[K][4]) {
         asm volatile("" ::"r"(a[k][0]), "r"(a[k][1]), "r"(a[k][2]), "r"(a[k][3]));
 }
 
+// ---------------------------------------------------------------------------------------------
+// The producer (warpgroup 0's first warp): lines 6 and 9.
+
+// L_i and D_i of the n-th Q tile (line 9), rows lane + 32h of its Br; 0 past q_len (masked) and
+// past the last tile (`exists` false). The producer's lanes load them a tile ahead of their stage
+// (produce's loop).
+template <int Br>
+__device__ __forceinline__ void load_LD(float (&v)[Br / 32][2], const float* L, const float* Dsum,
+                                        int n, bool exists, const BwdBlock blk) {
+    const auto [bh, i] = blk.tile_at(n);
+    for (int h = 0; h < Br / 32; h++) {
+        const int x = threadIdx.x % 32 + 32 * h;
+        const bool in = exists && i * Br + x < blk.q_len;
+        const size_t at = size_t(bh) * blk.q_len + i * Br + x;
+        v[h][0] = in ? L[at] : 0.f, v[h][1] = in ? Dsum[at] : 0.f;
+    }
+}
+
+// Lane 0 loads K_j and V_j once (line 6), then each Q_i and dO_i into the next free stage by TMA
+// (line 9); all 32 lanes store the stage's L_i and D_i and arrive on its full barrier (lane 0's
+// arrival with the bytes to come). L_i, D_i are loaded a tile ahead, so that no stage's copies
+// wait for a round trip to memory.
+template <typename T, int D>
+__device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& Q,
+                                        const CUtensorMap& K, const CUtensorMap& V,
+                                        const CUtensorMap& dO, const float* L, const float* Dsum,
+                                        const BwdBlock blk) {
+    constexpr int Br = kBwdBr, Bc = bwd_Bc(D), Stages = bwd_stages(D);
+    if (threadIdx.x == 0) {                            // line 6: K_j, V_j, once
+        mbar_expect_bytes(&sh.kv_full, 2 * Bc * D * sizeof(T));
+        load_tile<Bc, D>(sh.K_j, K, blk.j * Bc, blk.kvh, &sh.kv_full);
+        load_tile<Bc, D>(sh.V_j, V, blk.j * Bc, blk.kvh, &sh.kv_full);
+    }
+    PipelineState<Stages> st;
+    float next[Br / 32][2];                            // L_i, D_i of tile n, then of n + 1
+    load_LD<Br>(next, L, Dsum, 0, 0 < blk.tiles, blk);
+    for (int n = 0; n < blk.tiles; n++, st.advance()) {  // line 9: Q_i, dO_i, L_i, D_i
+        const auto [bh, i] = blk.tile_at(n);
+        const int s = st.stage();
+        if (st.n >= Stages) mbar_wait(&sh.empty[s], st.phase_before());
+        for (int h = 0; h < Br / 32; h++)
+            sh.LD[s].L_i[threadIdx.x + 32 * h] = next[h][0],
+            sh.LD[s].D_i[threadIdx.x + 32 * h] = next[h][1];
+        load_LD<Br>(next, L, Dsum, n + 1, n + 1 < blk.tiles, blk);
+        if (threadIdx.x > 0) mbar_arrive(&sh.full[s]);  // its L_i, D_i written: an arrival each
+        else {                                         // lane 0's arrival, with the bytes to come
+            mbar_expect_bytes(&sh.full[s], 2 * Br * D * sizeof(T));
+            load_tile<Br, D>(sh.Q_s[s], Q, i * Br, bh, &sh.full[s]);
+            load_tile<Br, D>(sh.dO_s[s], dO, i * Br, bh, &sh.full[s]);
+        }
+    }
+    // It leaves once the last stages it filled are read (as the forward's producer).
+    for (PipelineState<Stages> e{max(st.n - Stages, 0)}; e.n < st.n; e.advance())
+        mbar_wait(&sh.empty[e.stage()], e.phase());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The dQ writers (the producer warpgroup's second and third warps; FlashAttention-3's way to add
+// dQ): writer w takes the chunks of buffer w, in the order the consumers fill them (tile n's chunks
+// c = 0 .. Chunks - 1, chunk q = n Chunks + c in buffer q % Bufs); its lane 0 adds each into dQacc
+// with one TMA reduce-add per 32 columns (the first block in the order stores instead) and gives
+// the buffer back once the TMA has read it. Two writers, so that one buffer's read by the TMA
+// overlaps the other's. The order across blocks is chapter 2's: before its first chunk of a tile a
+// writer waits for the block's turn at that (query head, Q tile), and once the tile's adds are
+// complete (both writers', where the tile has chunks in both buffers; at d = 64 a tile is one
+// chunk, in buffer n % 2) the turn passes on, before any wait for the next tile (NOTES section
+// 14). The consumers never wait for a turn, and never issue an atomic.
+template <typename T, int D>
+__device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap& dQacc,
+                                         int* turns, const BwdBlock blk) {
+    constexpr int Chunks = bwd_dq_chunks(D), Bufs = kBwdDqBuffers, Cols = bwd_dq_cols(D);
+    constexpr int Br = kBwdBr;
+    const int w = threadIdx.x / 32 - 1;                // writer w, buffer w
+    const bool lane0 = threadIdx.x % 32 == 0;
+    for (int n = 0, q = 0; n < blk.tiles; n++) {
+        const auto [bh, i] = blk.tile_at(n);
+        int* turn = turns + size_t(bh) * blk.Tr + i;
+        bool adding = false;                           // it has chunks of tile n
+        for (int c = 0; c < Chunks; c++, q++) {
+            if (q % Bufs != w) continue;               // the other writer's chunk
+            mbar_wait(&sh.dq_full[w], q / Bufs % 2);   // the chunk is in its buffer
+            if (!adding) wait_turn(turn, blk.mine), fence_proxy_async_global(), adding = true;
+            if (lane0) {
+                for (int h = 0; h < Cols / 32; h++)    // its boxes of 32 columns
+                    tma_store(dQacc, sh.dQ_s[w] + 32 * h * Br, Cols * c + 32 * h, i * Br, bh,
+                              blk.mine > 0);
+                bulk_commit(), bulk_wait_read<0>();
+                mbar_arrive(&sh.dq_empty[w]);
+            }
+            __syncwarp();
+        }
+        if (lane0 && adding) bulk_wait<0>(), fence_proxy_async_global();  // its adds are complete
+        if (Chunks >= Bufs) named_barrier(kBarrierWriters, 32 * Bufs);  // and the other writer's
+        if (lane0 && (Chunks >= Bufs ? w == 0 : adding)) pass_turn(turn);
+        __syncwarp();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The consumers (warpgroups 1 and 2): lines 7-18, one function a step, consume calling them.
+
+// A consumer thread: its warpgroup wg (0 .. C - 1), warp and lane (lane = 4g + t: acc_at's
+// layout), and the keys kw.. and columns cw.. of dK_j, dV_j it holds (at Split = 2 both
+// warpgroups hold keys 0 .. 63, each half of the columns).
+template <int D>
+struct ConsumerThread {
+    static constexpr int Split = bwd_split(D), Dw = D / Split;  // Dw: columns it holds
+    int wg, warp, g, t, kw, cw;
+    __device__ ConsumerThread()
+        : wg(threadIdx.x / kWarpgroup - 1), warp(threadIdx.x % kWarpgroup / 32),
+          g(threadIdx.x % 32 / 4), t(threadIdx.x % 4), kw(wg / Split * 64), cw(wg % Split * Dw) {}
+};
+
+// Line 10: S^T = K_j Q_i^T; line 13: dP^T = V_j dO_i^T (the warpgroup's 64 keys), 16 of d a step,
+// both operands K-major in shared memory. S^T is waited for, dP^T left running.
+template <typename T, int D>
+__device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP)[kBwdBr / 2],
+                                              const BwdShared<T, D>& sh, int s, int kw) {
+    constexpr int Br = kBwdBr, Bc = bwd_Bc(D);
+    const char* K_w = reinterpret_cast<const char*>(sh.K_j) + kw * kRowBytes;
+    const char* V_w = reinterpret_cast<const char*>(sh.V_j) + kw * kRowBytes;
+    const char* Q_i = reinterpret_cast<const char*>(sh.Q_s[s]);
+    const char* dO_i = reinterpret_cast<const char*>(sh.dO_s[s]);
+    written(S), written(dP);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < D / 16; k++)
+        wgmma_ss<T, Br>(S, smem_desc(K_w + k / 4 * Bc * kRowBytes + k % 4 * 32, 0),
+                        smem_desc(Q_i + k / 4 * Br * kRowBytes + k % 4 * 32, 0));
+    wgmma_commit();
+#pragma unroll
+    for (int k = 0; k < D / 16; k++)
+        wgmma_ss<T, Br>(dP, smem_desc(V_w + k / 4 * Bc * kRowBytes + k % 4 * 32, 0),
+                        smem_desc(dO_i + k / 4 * Br * kRowBytes + k % 4 * 32, 0));
+    wgmma_commit();
+    wgmma_wait<1>(S);                                  // S^T is done (dP^T may not be)
+}
+
+// Line 11: P^T = exp(S^T - L_i) in S's registers, masked where the tile is an edge one (edge: it
+// reaches past a key's first query, kv_len or q_len). acc_at(S, r, c): key kw + 16 warp + g + 8r,
+// query 8(c/2)+2t+c%2 of the Q tile at row q0.
+template <int D>
+__device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], const float* L_i, int q0,
+                                              bool edge, const BwdBlock blk,
+                                              const ConsumerThread<D> me, float scale_log2) {
+    constexpr int Br = kBwdBr, Bc = bwd_Bc(D);
+    const int q_len = blk.q_len, kv_len = blk.kv_len;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int key = blk.j * Bc + me.kw + 16 * me.warp + me.g + 8 * r;
+        const int first =                              // the key's first query
+            key >= kv_len ? q_len : blk.causal ? flash_first_query(key, q_len, kv_len) : 0;
+#pragma unroll
+        for (int c = 0; c < Br / 4; c++) {
+            const int qi = 8 * (c / 2) + 2 * me.t + c % 2;
+            float& p = acc_at(S, r, c);
+            p = exp2_ftz(p * scale_log2 - L_i[qi] * kLog2e);
+            if (edge && (q0 + qi < first || q0 + qi >= q_len)) p = 0.f;
+        }
+    }
+}
+
+// Line 14: dS^T = P^T o (dP^T - D_i), in dP's registers; then P^T and dS^T in T, as the A
+// fragments of lines 12 and 16 (A's register a: elements 8k + 2a, + 1).
+template <typename T>
+__device__ __forceinline__ void ds_fragments(uint32_t (&P)[kBwdBr / 16][4],
+                                             uint32_t (&dS)[kBwdBr / 16][4],
+                                             float (&S)[kBwdBr / 2], float (&dP)[kBwdBr / 2],
+                                             const float* D_i, int t) {
+    constexpr int Br = kBwdBr;
+#pragma unroll
+    for (int c = 0; c < Br / 4; c++)
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            acc_at(dP, r, c) =
+                acc_at(S, r, c) * (acc_at(dP, r, c) - D_i[8 * (c / 2) + 2 * t + c % 2]);
+#pragma unroll
+    for (int k = 0; k < Br / 16; k++)
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            P[k][a] = pair_bits<T>(S[8 * k + 2 * a], S[8 * k + 2 * a + 1]);
+            dS[k][a] = pair_bits<T>(dP[8 * k + 2 * a], dP[8 * k + 2 * a + 1]);
+        }
+}
+
+// dS^T to shared memory for line 15, keys x queries in the 128-byte swizzle, into tile n's
+// buffer: row `key`, the 16-byte chunk of queries 8b.. at chunk b ^ (key % 8). Its element pairs
+// (g + 8r, 8b + 2t) are dS[b / 2][2 (b % 2) + r].
+template <typename T, int D>
+__device__ __forceinline__ void store_dS_T(BwdShared<T, D>& sh, int n,
+                                           const uint32_t (&dS)[kBwdBr / 16][4],
+                                           const ConsumerThread<D> me) {
+    char* dS_T = reinterpret_cast<char*>(sh.dS_s[n % 2]);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int key = me.kw + 16 * me.warp + me.g + 8 * r;
+#pragma unroll
+        for (int b = 0; b < kBwdBr / 8; b++)
+            *reinterpret_cast<uint32_t*>(dS_T + key * kRowBytes + (b ^ key % 8) * 16 + 4 * me.t) =
+                dS[b / 2][2 * (b % 2) + r];
+    }
+    fence_proxy_async();                               // wgmma (the async proxy) reads it next
+}
+
+// Line 12: dV_j += P^T dO_i; line 16: dK_j += dS^T Q_i: A from registers, B (queries x columns)
+// read transposed, its 64-column blocks Br rows apart. At most 128 columns a wgmma. Left running.
+template <typename T, int D>
+__device__ __forceinline__ void products_dV_dK(float (&dV_j)[D / bwd_split(D) / 2],
+                                               float (&dK_j)[D / bwd_split(D) / 2],
+                                               const uint32_t (&P)[kBwdBr / 16][4],
+                                               const uint32_t (&dS)[kBwdBr / 16][4],
+                                               const BwdShared<T, D>& sh, int s, int cw) {
+    constexpr int Br = kBwdBr, Dw = D / bwd_split(D), N = Dw < 128 ? Dw : 128;
+    const char* Q_i = reinterpret_cast<const char*>(sh.Q_s[s]);
+    const char* dO_i = reinterpret_cast<const char*>(sh.dO_s[s]);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < Br / 16; k++)
+#pragma unroll
+        for (int h = 0; h < Dw / N; h++) {
+            const int at = ((cw + h * N) / 64 * Br + 16 * k) * kRowBytes;
+            wgmma_rs<T, N>(dV_j + h * N / 2, P[k], smem_desc(dO_i + at, Br * kRowBytes));
+            wgmma_rs<T, N>(dK_j + h * N / 2, dS[k], smem_desc(Q_i + at, Br * kRowBytes));
+        }
+    wgmma_commit();
+}
+
 // Box h (columns 32h..) of a consumer's 64 x 64 accumulators of dQ_i into a dQ buffer, as the TMA
 // reads it: 128 bytes a row, in each row the 16-byte chunk of columns 4b.. at b ^ (row % 8) (the
 // 128-byte swizzle). A store of the warp's 8-byte pairs takes two passes of 16 lanes; in each,
 // lanes t and t ^ 2 of rows g and g ^ 1 would meet in one bank if they stored the same column
-// group b, so lanes t = 2, 3 take the group two ahead (k + 2): no bank conflict. (Storing in b's
-// order, ncu counted 1.8 times the shared-memory wavefronts needed; lab/chapter3-backward.md,
-// step 6.)
+// group b, so lanes t = 2, 3 take the group two ahead (k + 2): no bank conflict.
 __device__ __forceinline__ void stage_dq(char* to, float (&dQ)[32], int h) {
     const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
@@ -124,68 +427,118 @@ __device__ __forceinline__ void stage_dq(char* to, float (&dQ)[32], int h) {
     }
 }
 
-// L_i and D_i of the n-th Q tile (line 9), rows lane + 32h of its Br, 0 past q_len (masked) and past
-// the last tile: the producer's lanes load them a tile ahead of their stage (the kernel's loop).
-template <int Br, typename TileAt>
-__device__ __forceinline__ void load_LD(float (&v)[Br / 32][2], const float* L, const float* Dsum,
-                                        int n, int tiles, int q_len, TileAt tile_at) {
-    const auto [bh, i] = tile_at(n);
-    for (int h = 0; h < Br / 32; h++) {
-        const int x = threadIdx.x % 32 + 32 * h;
-        const bool in = n < tiles && i * Br + x < q_len;
-        const size_t at = size_t(bh) * q_len + i * Br + x;
-        v[h][0] = in ? L[at] : 0.f, v[h][1] = in ? Dsum[at] : 0.f;
+// Line 15: dQ_i = dS K_j, its columns 64c.. (one wgmma of N = 64): A = dS (tile n's dS^T read
+// transposed), B = K_j read transposed.
+template <typename T, int D>
+__device__ __forceinline__ void product_dQ(float (&dQ_i)[32], const BwdShared<T, D>& sh, int n,
+                                           int c) {
+    constexpr int Bc = bwd_Bc(D);
+    const char* dS_T = reinterpret_cast<const char*>(sh.dS_s[n % 2]);
+    const char* K_c = reinterpret_cast<const char*>(sh.K_j);
+    written(dQ_i);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < Bc / 16; k++)
+        wgmma_ss<T, 64, true>(dQ_i,  // lbo: where a next 64-column block would be
+                              smem_desc(dS_T + 16 * k * kRowBytes, Bc * kRowBytes),
+                              smem_desc(K_c + (c * Bc + 16 * k) * kRowBytes, Bc * kRowBytes));
+    wgmma_commit();
+    wgmma_wait<0>(dQ_i);
+}
+
+// Tile n's dQ_i, columns 64c.., to the dQ writers: its boxes of 32 columns into chunk q's buffer
+// (stage_dq), once the writer has read the buffer's last chunk; the chunk's arrival on the
+// buffer's full barrier once all of its boxes are in.
+template <typename T, int D>
+__device__ __forceinline__ void send_dq(BwdShared<T, D>& sh, float (&dQ_i)[32], int n, int c) {
+    constexpr int Br = kBwdBr, Bufs = kBwdDqBuffers, Chunks = bwd_dq_chunks(D);
+    constexpr int Cols = bwd_dq_cols(D);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {                      // its boxes of 32 columns: chunk q, buffer b
+        const int q = n * Chunks + (64 * c + 32 * h) / Cols, b = q % Bufs;
+        if (32 * h % Cols == 0 && q >= Bufs) mbar_wait(&sh.dq_empty[b], (q / Bufs - 1) % 2);
+        stage_dq(reinterpret_cast<char*>(sh.dQ_s[b] + 32 * h % Cols * Br), dQ_i, h);
+        if ((32 * h + 32) % Cols == 0)                 // the chunk is in: the TMA reads it next
+            fence_proxy_async(), mbar_arrive(&sh.dq_full[b]);
     }
 }
 
-// The dQ writers (the producer warpgroup's second and third warps; FlashAttention-3's way to add
-// dQ): writer w takes the chunks of buffer w, in the order the consumers fill them (tile n's chunks
-// c = 0 .. Chunks - 1, chunk q = n Chunks + c in buffer q % Bufs); its lane 0 adds each into dQacc
-// with one TMA reduce-add per 32 columns (the first block in the order stores instead) and gives
-// the buffer back once the TMA has read it. Two writers, so that one buffer's read by the TMA
-// overlaps the other's (with one, handing the buffers back in turn, d = 256's consumers waited for
-// them; two are 0-4% faster: lab/chapter3-backward.md, step 6). The order across blocks is chapter
-// 2's: before its first chunk of a tile a writer waits for the block's turn at that (query head, Q
-// tile), and once the tile's adds are complete (both writers', where the tile has chunks in both
-// buffers; at d = 64 a tile is one chunk, in buffer n % 2) the turn passes on, before any wait for
-// the next tile (NOTES section 14). The consumers never wait for a turn, and never issue an atomic.
-template <int D, typename TileAt>
-__device__ void write_dq(const CUtensorMap& dQacc, const float* dQ_s, uint64_t* full,
-                         uint64_t* empty, int* turns, int Tr, int tiles, int mine, TileAt tile_at) {
-    constexpr int Chunks = bwd_dq_chunks(D), Bufs = kBwdDqBuffers, Cols = bwd_dq_cols(D);
-    constexpr int Br = kBwdBr;
-    const int w = threadIdx.x / 32 - 1;                // writer w, buffer w
-    const bool lane0 = threadIdx.x % 32 == 0;
-    for (int n = 0, q = 0; n < tiles; n++) {
-        const auto [bh, i] = tile_at(n);
-        int* turn = turns + size_t(bh) * Tr + i;
-        bool adding = false;                           // it has chunks of tile n
-        for (int c = 0; c < Chunks; c++, q++) {
-            if (q % Bufs != w) continue;               // the other writer's chunk
-            mbar_wait(&full[w], q / Bufs % 2);         // the chunk is in its buffer
-            if (!adding) wait_turn(turn, mine), fence_proxy_async_global(), adding = true;
-            if (lane0) {
-                for (int h = 0; h < Cols / 32; h++)    // its boxes of 32 columns
-                    tma_store(dQacc, dQ_s + (w * Cols + 32 * h) * Br, Cols * c + 32 * h, i * Br,
-                              bh, mine > 0);
-                bulk_commit(), bulk_wait_read<0>();
-                mbar_arrive(&empty[w]);
-            }
-            __syncwarp();
+// Line 18: dK_j / sqrt(d) (S was unscaled), dV_j, rows past kv_len left out.
+template <typename T, int D>
+__device__ __forceinline__ void store_dK_dV(T* dK, T* dV, float (&dK_j)[D / bwd_split(D) / 2],
+                                            float (&dV_j)[D / bwd_split(D) / 2],
+                                            const BwdBlock blk, const ConsumerThread<D> me) {
+    constexpr int Bc = bwd_Bc(D), Dw = D / bwd_split(D);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int key = blk.j * Bc + me.kw + 16 * me.warp + me.g + 8 * r;
+        const size_t at = (size_t(blk.kvh) * blk.kv_len + key) * D + me.cw + 2 * me.t;
+#pragma unroll
+        for (int b = 0; b < Dw / 8 && key < blk.kv_len; b++) {
+            *reinterpret_cast<uint32_t*>(dK + at + 8 * b) = pair_bits<T>(
+                acc_at(dK_j, r, 2 * b) * rsqrtf(D), acc_at(dK_j, r, 2 * b + 1) * rsqrtf(D));
+            *reinterpret_cast<uint32_t*>(dV + at + 8 * b) =
+                pair_bits<T>(acc_at(dV_j, r, 2 * b), acc_at(dV_j, r, 2 * b + 1));
         }
-        if (lane0 && adding) bulk_wait<0>(), fence_proxy_async_global();  // its adds are complete
-        if (Chunks >= Bufs) named_barrier(5, 32 * Bufs);  // and the other writer's
-        if (lane0 && (Chunks >= Bufs ? w == 0 : adding)) pass_turn(turn);
-        __syncwarp();
     }
 }
 
+// A consumer warpgroup: its keys' dK_j, dV_j in registers (line 7), then for each Q tile in the
+// block's order (line 8) the five products and the steps between them, in a stage of the ring.
+template <typename T, int D>
+__device__ __forceinline__ void consume(BwdShared<T, D>& sh, const BwdBlock blk, T* dK, T* dV,
+                                        float scale_log2) {
+    constexpr int C = kBwdConsumers, Br = kBwdBr, Stages = bwd_stages(D), Bc = bwd_Bc(D);
+    constexpr int Split = bwd_split(D);
+    const ConsumerThread<D> me;
+    float dK_j[D / Split / 2] = {}, dV_j[D / Split / 2] = {};  // line 7
+    mbar_wait(&sh.kv_full, 0);                         // K_j and V_j are in
+    PipelineState<Stages> st;
+    for (int n = 0; n < blk.tiles; n++, st.advance()) {  // line 8: for each Q_i
+        const int s = st.stage(), q0 = blk.tile_at(n).y * Br;
+        mbar_wait(&sh.full[s], st.phase());            // Q_i, dO_i, L_i, D_i are in
+        float S[Br / 2] = {}, dP[Br / 2] = {};
+        products_S_dP(S, dP, sh, s, me.kw);            // lines 10, 13
+        // Line 11 masks only where the tile reaches past a key's first query, kv_len or q_len.
+        const bool edge = (blk.j + 1) * Bc > blk.kv_len || q0 + Br > blk.q_len ||
+                          (blk.causal && q0 < flash_first_query((blk.j + 1) * Bc - 1, blk.q_len,
+                                                                blk.kv_len));
+        probabilities(S, sh.LD[s].L_i, q0, edge, blk, me, scale_log2);  // line 11
+        wgmma_wait<0>(dP);                             // dP^T is done
+        uint32_t P[Br / 16][4], dS[Br / 16][4];        // P^T and dS^T in T, as A fragments
+        ds_fragments<T>(P, dS, S, dP, sh.LD[s].D_i, me.t);  // line 14
+        // dS^T for line 15. At Split = 2 both warpgroups hold it; the one that computes dQ_i
+        // (kBwdDqBuffers' comment) stores it, into its own buffer: n % 2 = wg.
+        const bool adds = D == 128 || me.wg == n % C;  // it computes dQ_i, or its part
+        if (Split == 1 || adds) store_dS_T(sh, n, dS, me);
+        products_dV_dK(dV_j, dK_j, P, dS, sh, s, me.cw);  // lines 12, 16 run on meanwhile
+        if (Split == 1) named_barrier(kBarrierDsIn, kWarpgroup * C);  // every dS^T is in
+        else if (adds && n > 0)                        // tile n - 1's dQ_i is staged
+            named_barrier(kBarrierDqPass + n % 2, kWarpgroup * C);
+#pragma unroll 1
+        for (int cb = 0; cb < (adds ? D / 64 / (D == 128 ? C : 1) : 0); cb++) {
+            const int c = D == 128 ? me.wg : cb;       // line 15: dQ_i, columns 64c..
+            float dQ_i[32] = {};
+            product_dQ(dQ_i, sh, n, c);
+            send_dq(sh, dQ_i, n, c);
+        }
+        if (Split == 2 && adds && n + 1 < blk.tiles)   // tile n's is: tile n + 1's may go on
+            named_arrive(kBarrierDqPass + (n + 1) % 2, kWarpgroup * C);
+        wgmma_wait<0>(dV_j), written(dK_j);            // lines 12, 16 done: stage, A fragments free
+        // Every consumer thread gives the stage back itself, so that its own reads of L_i, D_i
+        // (the producer's plain stores) are ordered before the refill by its own arrival: one
+        // lane's after a __syncwarp orders them too, but racecheck follows only a thread's own.
+        keep(P), keep(dS);
+        mbar_arrive(&sh.empty[s]);
+    }
+    store_dK_dV(dK, dV, dK_j, dV_j, blk, me);          // line 18
+}
+
+// ---------------------------------------------------------------------------------------------
 // The kernel: one block per (batch*kv head, K/V tile j), in ticket order (chapter 2's). Warpgroup
 // 0's first warp is the producer (lane 0 issues the TMA copies, all 32 lanes copy L_i and D_i), its
-// second and third the dQ writers; warpgroups 1 and 2 the consumers. Shared memory, 1024-aligned:
-// K_j and V_j (Bc rows), the stages of Q_i and dO_i (Br rows), each as blocks of 64 columns in the
-// 128-byte swizzle; dS^T (Bc x Br, swizzled as TMA would) twice; the dQ buffers (two boxes of Br
-// rows x 32 floats each, the same swizzle); the stages' L_i and D_i; the mbarriers.
+// second and third the dQ writers, its fourth idle; warpgroups 1 and 2 the consumers. Shared
+// memory: BwdShared.
 template <typename T, int D, int Split>
 __global__ void __launch_bounds__(kBwdThreads, 1)
 flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
@@ -197,244 +550,31 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                              int* __restrict__ turns, int* next_ticket, T* __restrict__ dK,
                              T* __restrict__ dV, int q_len, int kv_len, bool causal, int Tc,
                              int BH, int group, int HG, float scale_log2) {
-    constexpr int C = kBwdConsumers, Br = kBwdBr, Stages = bwd_stages(D), Bc = 64 * C / Split;
-    constexpr int Bufs = kBwdDqBuffers, Chunks = bwd_dq_chunks(D), Cols = bwd_dq_cols(D);
-    constexpr int Dw = D / Split;                      // columns of dK_j, dV_j a warpgroup holds
-    extern __shared__ __align__(16) unsigned char shared[];
-    T* K_j = reinterpret_cast<T*>(shared + (1024 - smem_addr(shared) % 1024) % 1024);
-    T *V_j = K_j + Bc * D, *Q_s = V_j + Bc * D;       // stage s: Q_s + s Br D, dO_s + s Br D
-    T *dO_s = Q_s + Stages * Br * D, *dS_s = dO_s + Stages * Br * D;  // dS^T: 2, n % 2 for tile n
-    float* dQ_s = reinterpret_cast<float*>(dS_s + 2 * Bc * Br);  // dQ chunks: 2 boxes a buffer
-    float* LD = dQ_s + Bufs * Br * Cols;               // stage s: L_i, then D_i
-    auto *full = reinterpret_cast<uint64_t*>(LD + Stages * 2 * Br), *empty = full + Stages,
-         *kv_full = empty + Stages, *dq_full = kv_full + 1, *dq_empty = dq_full + Bufs;
-    // The mbarriers (before init_barriers' fence, which covers them all): K_j and V_j are in; dQ
-    // buffer b is filled (a warpgroup's 128 arrivals) and read (the writer's one); the stages'
-    // empty (each consumer thread's arrival) and full (the producer's 32 lanes').
-    if (threadIdx.x == 0) {
-        mbar_init(kv_full, 1);
-        for (int b = 0; b < Bufs; b++) mbar_init(&dq_full[b], 128), mbar_init(&dq_empty[b], 1);
-        init_barriers(full, empty, Stages, 128 * C, 32);
+    static_assert(Split == bwd_split(D), "the launcher's Split is bwd_split(D)");
+    BwdShared<T, D>& sh = shared_storage<BwdShared<T, D>>();
+    if (threadIdx.x == 0) {                            // the mbarriers, before any use
+        mbar_init(&sh.kv_full, 1);
+        for (int b = 0; b < kBwdDqBuffers; b++)
+            mbar_init(&sh.dq_full[b], 128), mbar_init(&sh.dq_empty[b], 1);
+        init_barriers(sh.full, sh.empty, bwd_stages(D), 128 * kBwdConsumers, 32);
     }
     const int ticket = block_ticket(next_ticket);      // its barrier publishes the mbarriers too
-    // Ticket -> (kv head, K/V tile j), chapter 2's order: heads in groups of HG, each group's tiles
-    // from the right (causal: from the left, longest first), its heads taking turns. Line 5.
-    const int head0 = ticket / (HG * Tc) * HG, heads = min(HG, BH - head0);
-    const int slot = ticket % (HG * Tc), kvh = head0 + slot % heads;
-    const int j = causal ? slot / heads : Tc - 1 - slot / heads;
-    // Line 8: the Q tiles i that see key tile j, of each query head kvh group + g of the group;
-    // under the mask from the last (chapter 2's order, so dQ_i's adds follow j up).
-    const int Tr = (q_len + Br - 1) / Br;
-    const int i_first = causal ? max(0, flash_first_query(j * Bc, q_len, kv_len)) / Br : 0;
-    const int per_head = max(Tr - i_first, 0), tiles = group * per_head;
-    const int mine = causal ? j : Tc - 1 - j;          // the block's place in each dQ_i's order
-    // The n-th Q tile {query head, i}: at each i the group's heads in turn, so that every block
-    // reaches (head, i) at the same step n and none waits long for its dQ turn there. (Head after
-    // head, as chapter 2 walks, a block under the mask reaches each next head before the longer
-    // blocks ahead of it in the turns: 0.94x MHA's TFLOP/s at d = 128, now 1.03x; chapter4.md.)
-    const auto tile_at = [&](int n) {
-        const int r = n / group;
-        return int2{kvh * group + n % group, causal ? Tr - 1 - r : i_first + r};
-    };
-    if (threadIdx.x < kWarpgroup) {                    // the producer: lines 6 and 9
+    const BwdBlock blk = bwd_block<bwd_Bc(D), kBwdBr>(ticket, q_len, kv_len, causal, Tc, BH,
+                                                       group, HG);
+    if (threadIdx.x < kWarpgroup) {                    // warpgroup 0: few registers
         setmaxnreg<false, kBwdProducerRegs>();
         if (threadIdx.x >= 32 * (1 + kBwdDqBuffers)) return;
-        if (threadIdx.x >= 32)                         // the next warps: the dQ writers
-            return write_dq<D>(dQacc, dQ_s, dq_full, dq_empty, turns, Tr, tiles, mine, tile_at);
-        if (threadIdx.x == 0) {                               // line 6: K_j, V_j, once
-            mbar_expect_bytes(kv_full, 2 * Bc * D * sizeof(T));
-            load_tile<Bc, D>(K_j, K, j * Bc, kvh, kv_full);
-            load_tile<Bc, D>(V_j, V, j * Bc, kvh, kv_full);
-        }
-        // L_i, D_i are loaded a tile ahead, so that no stage waits for its own: loaded and stored
-        // in turn, they held each stage's TMA copies back by a round trip to memory, which set the
-        // pace at d = 64 (1.06-1.3x faster with this on an H100; lab/chapter4.md).
-        PipelineState<Stages> st;
-        float next[Br / 32][2];                        // L_i, D_i of tile n, then of n + 1
-        load_LD<Br>(next, L, Dsum, 0, tiles, q_len, tile_at);
-        for (int n = 0; n < tiles; n++, st.advance()) {  // line 9: Q_i, dO_i, L_i, D_i
-            const auto [bh, i] = tile_at(n);
-            const int s = st.stage();
-            if (st.n >= Stages) mbar_wait(&empty[s], st.phase_before());
-            for (int h = 0; h < Br / 32; h++)
-                LD[s * 2 * Br + threadIdx.x + 32 * h] = next[h][0],
-                LD[s * 2 * Br + Br + threadIdx.x + 32 * h] = next[h][1];
-            load_LD<Br>(next, L, Dsum, n + 1, tiles, q_len, tile_at);
-            if (threadIdx.x > 0) mbar_arrive(&full[s]);  // its L_i, D_i written: an arrival each
-            else {                                     // lane 0's arrival, with the bytes to come
-                mbar_expect_bytes(&full[s], 2 * Br * D * sizeof(T));
-                load_tile<Br, D>(Q_s + s * Br * D, Q, i * Br, bh, &full[s]);
-                load_tile<Br, D>(dO_s + s * Br * D, dO, i * Br, bh, &full[s]);
-            }
-        }
-        // It leaves once the last stages it filled are read (as the forward's producer).
-        for (PipelineState<Stages> e{max(st.n - Stages, 0)}; e.n < st.n; e.advance())
-            mbar_wait(&empty[e.stage()], e.phase());
-        return;
+        if (threadIdx.x >= 32) return write_dq(sh, dQacc, turns, blk);  // the dQ writers
+        return produce(sh, Q, K, V, dO, L, Dsum, blk);  // the producer
     }
-    setmaxnreg<true, kBwdConsumerRegs>();
-    const int wg = threadIdx.x / kWarpgroup - 1;       // which consumer, 0 .. C - 1
-    const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    const int kw = wg / Split * 64, cw = wg % Split * Dw;  // its keys kw.., its columns cw..
-    const char *K_c = reinterpret_cast<const char*>(K_j), *K_w = K_c + kw * kRowBytes;
-    const char* V_w = reinterpret_cast<const char*>(V_j) + kw * kRowBytes;
-    float dK_j[Dw / 2] = {}, dV_j[Dw / 2] = {};        // line 7
-    mbar_wait(kv_full, 0);                             // K_j and V_j are in
-    PipelineState<Stages> st;
-    for (int n = 0; n < tiles; n++, st.advance()) {   // line 8: for each Q_i
-        const auto [bh, i] = tile_at(n);
-        const int s = st.stage(), q0 = i * Br;
-        const char* Q_i = reinterpret_cast<const char*>(Q_s + s * Br * D);
-        const char* dO_i = reinterpret_cast<const char*>(dO_s + s * Br * D);
-        const float *L_i = LD + s * 2 * Br, *D_i = L_i + Br;
-        mbar_wait(&full[s], st.phase());               // Q_i, dO_i, L_i, D_i are in
-        // Line 10: S^T = K_j Q_i^T; line 13: dP^T = V_j dO_i^T (its 64 keys), 16 of d a step.
-        float S[Br / 2] = {}, dP[Br / 2] = {};
-        written(S), written(dP);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < D / 16; k++)
-            wgmma_ss<T, Br>(S, smem_desc(K_w + k / 4 * Bc * kRowBytes + k % 4 * 32, 0),
-                            smem_desc(Q_i + k / 4 * Br * kRowBytes + k % 4 * 32, 0));
-        wgmma_commit();
-#pragma unroll
-        for (int k = 0; k < D / 16; k++)
-            wgmma_ss<T, Br>(dP, smem_desc(V_w + k / 4 * Bc * kRowBytes + k % 4 * 32, 0),
-                            smem_desc(dO_i + k / 4 * Br * kRowBytes + k % 4 * 32, 0));
-        wgmma_commit();
-        wgmma_wait<1>(S);                              // S^T is done (dP^T may not be)
-        // Line 11: P^T = exp(S^T - L_i), masked only where the tile reaches past a key's first
-        // query, kv_len or q_len. acc_at(S, r, c): key kw + 16 warp + g + 8r, query 8(c/2)+2t+c%2.
-        const bool edge = (j + 1) * Bc > kv_len || q0 + Br > q_len ||
-                          (causal && q0 < flash_first_query((j + 1) * Bc - 1, q_len, kv_len));
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int key = j * Bc + kw + 16 * warp + g + 8 * r;
-            const int first =                          // the key's first query
-                key >= kv_len ? q_len : causal ? flash_first_query(key, q_len, kv_len) : 0;
-#pragma unroll
-            for (int c = 0; c < Br / 4; c++) {
-                const int qi = 8 * (c / 2) + 2 * t + c % 2;
-                float& p = acc_at(S, r, c);
-                p = exp2_ftz(p * scale_log2 - L_i[qi] * kLog2e);
-                if (edge && (q0 + qi < first || q0 + qi >= q_len)) p = 0.f;
-            }
-        }
-        wgmma_wait<0>(dP);                             // dP^T is done
-        uint32_t P[Br / 16][4], dS[Br / 16][4];        // P^T and dS^T in T, as A fragments
-#pragma unroll
-        for (int c = 0; c < Br / 4; c++)               // line 14: dS^T = P^T o (dP^T - D_i)
-#pragma unroll
-            for (int r = 0; r < 2; r++)
-                acc_at(dP, r, c) =
-                    acc_at(S, r, c) * (acc_at(dP, r, c) - D_i[8 * (c / 2) + 2 * t + c % 2]);
-#pragma unroll
-        for (int k = 0; k < Br / 16; k++)
-#pragma unroll
-            for (int a = 0; a < 4; a++) {              // A's register a: elements 8k + 2a, + 1
-                P[k][a] = pair_bits<T>(S[8 * k + 2 * a], S[8 * k + 2 * a + 1]);
-                dS[k][a] = pair_bits<T>(dP[8 * k + 2 * a], dP[8 * k + 2 * a + 1]);
-            }
-        // dS^T to shared memory for line 15, keys x queries in the 128-byte swizzle: row `key`,
-        // the 16-byte chunk of queries 8b.. at chunk b ^ (key % 8). Its element pairs (g + 8r,
-        // 8b + 2t) are dS[b / 2][2 (b % 2) + r]. At Split = 2 both hold it; the one that computes
-        // dQ_i (kBwdDqBuffers' comment) writes it, into its own buffer: n % 2 = wg.
-        char* dS_T = reinterpret_cast<char*>(dS_s + n % 2 * Bc * Br);
-        const bool adds = D == 128 || wg == n % C;     // it computes dQ_i, or its part
-        if (Split == 1 || adds) {
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const int key = kw + 16 * warp + g + 8 * r;
-#pragma unroll
-                for (int b = 0; b < Br / 8; b++)
-                    *reinterpret_cast<uint32_t*>(dS_T + key * kRowBytes + (b ^ key % 8) * 16 +
-                                                 4 * t) = dS[b / 2][2 * (b % 2) + r];
-            }
-            fence_proxy_async();                       // wgmma (the async proxy) reads it next
-        }
-        // Line 12: dV_j += P^T dO_i; line 16: dK_j += dS^T Q_i: A from registers, B (queries x
-        // columns) read transposed, its 64-column blocks Br rows apart. At most 128 columns a
-        // wgmma.
-        constexpr int N = Dw < 128 ? Dw : 128;
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < Br / 16; k++)
-#pragma unroll
-            for (int h = 0; h < Dw / N; h++) {
-                const int at = ((cw + h * N) / 64 * Br + 16 * k) * kRowBytes;
-                wgmma_rs<T, N>(dV_j + h * N / 2, P[k], smem_desc(dO_i + at, Br * kRowBytes));
-                wgmma_rs<T, N>(dK_j + h * N / 2, dS[k], smem_desc(Q_i + at, Br * kRowBytes));
-            }
-        wgmma_commit();                                // (lines 12, 16 run on meanwhile)
-        if (Split == 1) named_barrier(2, kWarpgroup * C);  // every warpgroup's dS^T is in
-        else if (adds && n > 0) named_barrier(3 + n % 2, kWarpgroup * C);  // tile n - 1's dQ_i in
-        // Line 15: dQ_i = dS K_j, chunk c (columns 64c..) a wgmma: A = dS (dS^T read
-        // transposed), B = K_j read transposed; then into a dQ buffer for the writers. Which
-        // warpgroup computes which chunk: kBwdDqBuffers' comment.
-#pragma unroll 1
-        for (int cb = 0; cb < (adds ? D / 64 / (D == 128 ? C : 1) : 0); cb++) {
-            const int c = D == 128 ? wg : cb;         // columns 64c.. of the n-th tile's dQ_i
-            float dQ_i[32] = {};
-            written(dQ_i);
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < Bc / 16; k++)
-                wgmma_ss<T, 64, true>(dQ_i,  // lbo: where a next 64-column block would be
-                                      smem_desc(dS_T + 16 * k * kRowBytes, Bc * kRowBytes),
-                                      smem_desc(K_c + (c * Bc + 16 * k) * kRowBytes,
-                                                Bc * kRowBytes));
-            wgmma_commit();
-            wgmma_wait<0>(dQ_i);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {              // its boxes of 32 columns: chunk q, buffer b
-                const int q = n * Chunks + (64 * c + 32 * h) / Cols, b = q % Bufs;
-                if (32 * h % Cols == 0 && q >= Bufs) mbar_wait(&dq_empty[b], (q / Bufs - 1) % 2);
-                stage_dq(reinterpret_cast<char*>(dQ_s + (b * Cols + 32 * h % Cols) * Br), dQ_i, h);
-                if ((32 * h + 32) % Cols == 0)         // the chunk is in: the TMA reads it next
-                    fence_proxy_async(), mbar_arrive(&dq_full[b]);
-            }
-        }
-        if (Split == 2 && adds && n + 1 < tiles) named_arrive(3 + (n + 1) % 2, kWarpgroup * C);
-        wgmma_wait<0>(dV_j), written(dK_j);            // lines 12, 16 done: stage, A fragments free
-        // Every consumer thread gives the stage back itself, so that its own reads of L_i, D_i
-        // (the producer's plain stores) are ordered before the refill by its own arrival: one
-        // lane's after a __syncwarp orders them too, but racecheck follows only a thread's own.
-        keep(P), keep(dS);
-        mbar_arrive(&empty[s]);
-    }
-    // Line 18: dK_j / sqrt(d) (S was unscaled), dV_j, rows past kv_len left out.
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int key = j * Bc + kw + 16 * warp + g + 8 * r;
-        const size_t at = (size_t(kvh) * kv_len + key) * D + cw + 2 * t;
-#pragma unroll
-        for (int b = 0; b < Dw / 8 && key < kv_len; b++) {
-            *reinterpret_cast<uint32_t*>(dK + at + 8 * b) = pair_bits<T>(
-                acc_at(dK_j, r, 2 * b) * rsqrtf(D), acc_at(dK_j, r, 2 * b + 1) * rsqrtf(D));
-            *reinterpret_cast<uint32_t*>(dV + at + 8 * b) =
-                pair_bits<T>(acc_at(dV_j, r, 2 * b), acc_at(dV_j, r, 2 * b + 1));
-        }
-    }
+    setmaxnreg<true, kBwdConsumerRegs>();              // the consumers: many
+    consume(sh, blk, dK, dV, scale_log2);
 }
 
 #undef HOPPER_ONLY
 
 // ---------------------------------------------------------------------------------------------
-// The launcher. Shared memory: K_j, V_j, the stages of Q_i and dO_i, dS^T twice (2 bytes an
-// element), the dQ buffers (Br x bwd_dq_cols floats each), the stages' L_i and D_i, alignment, the
-// mbarriers (2 a stage, K_j and V_j's, 2 a dQ buffer).
-static constexpr size_t bwd_hopper_shared_bytes(int d) {
-    return size_t(2 * bwd_Bc(d) * d + 2 * bwd_stages(d) * kBwdBr * d + 2 * bwd_Bc(d) * kBwdBr) * 2 +
-           size_t(kBwdDqBuffers) * kBwdBr * bwd_dq_cols(d) * sizeof(float) +
-           bwd_stages(d) * 2 * kBwdBr * sizeof(float) + 1024 +
-           8 * (2 * bwd_stages(d) + 1 + 2 * kBwdDqBuffers);
-}
-static_assert(bwd_hopper_shared_bytes(64) <= 227 * 1024 &&
-                  bwd_hopper_shared_bytes(128) <= 227 * 1024 &&
-                  bwd_hopper_shared_bytes(256) <= 227 * 1024,
-              "a block past 227 KiB");
-
-// The launch: chapter 2's passes around the kernel (flash_backward_passes, lib/checks.h: its
+// The launcher: chapter 2's passes around the kernel (flash_backward_passes, lib/chapters.h: its
 // scratch, its D pass before, its dQ = dQacc / sqrt(d) after), the kernel between them.
 template <typename T>
 static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
@@ -442,7 +582,7 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
                                    cudaStream_t stream) {
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value, Bc = bwd_Bc(D), Br = kBwdBr;
-        constexpr size_t bytes = bwd_hopper_shared_bytes(D);
+        constexpr size_t bytes = bwd_hopper_shared_bytes<D>();
         const auto kernel = flash_backward_hopper_kernel<T, D, bwd_split(D)>;
         allow_shared(kernel, bytes);
         AttentionShape kv_shape = s;                   // a block per (batch, kv head, K/V tile)
@@ -455,10 +595,8 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
                           Km = tensor_map(K, size_t(BH), s.kv_len, D, Bc),
                           Vm = tensor_map(V, size_t(BH), s.kv_len, D, Bc);
         // Interleaving heads' tiles keeps one head's tiles apart in time (chapter 2's groups): HG
-        // heads' tickets at a time, K/V tile by K/V tile. Under the mask about two waves of blocks a
-        // group (HG Tc = 2 SMs, at most 32 heads): from N = 2048 at d = 128 that is 5-7% faster than
-        // 32 heads for MHA, 5-14% for GQA of 4; at d = 256 it was 5-12% slower, so 32 stays there.
-        // Without the mask 4 heads (lab/chapter4.md, "The heads a ticket group").
+        // heads' tickets at a time, K/V tile by K/V tile. Under the mask about two waves of blocks
+        // a group (HG Tc = 2 SMs, at most 32 heads), but 32 heads at d = 256; without it 4.
         const int sms = flash_device_props().multiProcessorCount;
         const int HG = !s.causal ? 4 : D == 256 ? 32 : std::clamp(2 * sms / Tc, 1, 32);
         // The kernel's turns: one a (query head, Q tile of 64), within the passes' B*H*ceil(q_len

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Does a kernel file still compile to the same machine code? Builds FILE.cu to a cubin as the
-# Makefile's flags do (sm_90a for flash_hopper.cu, sm_90 otherwise; ARCH overrides) and compares
+# Makefile's flags do (sm_90a for flash_hopper*.cu, sm_90 otherwise; ARCH overrides) and compares
 # the bytes of every .text.<kernel> section with the same section of BASELINE.cubin, one line a
 # kernel: "same", "different", or "only in" one of the two. Symbol tables and line info are left
 # out: they change with names and comments, the instructions must not.
@@ -12,7 +12,8 @@ src=$1 base=$2
 case $src in
 *.cubin) new=$src ;;
 *)
-    arch=${3:-$([ "$(basename "$src")" = flash_hopper.cu ] && echo 90a || echo 90)}
+    case $(basename "$src") in flash_hopper*.cu) default=90a ;; *) default=90 ;; esac
+    arch=${3:-$default}
     tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
     new=$tmp/new.cubin
     nvcc -O3 -std=c++17 -I. -Ilib -gencode=arch=compute_$arch,code=sm_$arch -cubin "$src" -o "$new"

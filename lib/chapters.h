@@ -69,16 +69,19 @@ void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K
                                   __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
                                   cudaStream_t stream);
 
-// The two passes around both backwards on tensor cores (chapter 2's, in flash_fp16.cu; chapter 3's
-// launcher runs them around its own kernel), in one scratch of flash_backward_fp16_scratch_bytes(s)
-// laid out as below: the turns and the ticket zeroed, line 4 of Algorithm 2 (D = rowsum(dO o O))
-// before the kernel, and after it dQ = dQacc / sqrt(d) in T (S is unscaled in both kernels; a
-// query row that sees no key gets 0). kernel(scratch) launches the backward kernel, which adds
-// dQ's parts into dQacc in the ordered add's order (lib/ordered_add.cuh), and returns
-// cudaGetLastError(). Throws the first CUDA error, as with_scratch does.
+// The two passes around both backwards on tensor cores (lib/backward_passes.cu: chapter 2's
+// launcher and chapter 3's run them around their kernels), in one scratch of
+// flash_backward_fp16_scratch_bytes(s) laid out as below: the turns and the ticket zeroed, line 4
+// of Algorithm 2 (D = rowsum(dO o O)) before the kernel, and after it dQ = dQacc / sqrt(d) in T
+// (S is unscaled in both kernels; a query row that sees no key gets 0). kernel(scratch) launches
+// the backward kernel, which adds dQ's parts into dQacc in the ordered add's order
+// (lib/ordered_add.cuh), and returns cudaGetLastError(). Throws the first CUDA error, as
+// with_scratch does.
+constexpr int kBackwardMinBr = 32;  // the fewest rows a Q tile of either backward takes
 struct BackwardScratch {
     float* dQacc;      // B*H*q_len*d floats: dQ before its 1/sqrt(d), the first add stores
-    int* turns;        // B*H*ceil(q_len / 32) turn counters (one a query head and Q tile), zeroed
+    int* turns;        // B*H*ceil(q_len / kBackwardMinBr) turn counters (one a query head and
+                       // Q tile of kBackwardMinBr rows or more), zeroed
     int* next_ticket;  // the ticket counter, zeroed
     float* D;          // B*H*q_len floats: D_i of line 4
 };

@@ -43,6 +43,19 @@ constexpr int kRowBytes = 128;   // bytes of a swizzled row: 64 fp16 or bf16 ele
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return uint32_t(__cvta_generic_to_shared(p));
 }
+// A block's shared memory is laid out by a struct (Storage: each chapter-3 kernel's own), its
+// tiles alignas(1024). Dynamic shared memory starts only 16-byte aligned, so the struct starts at
+// the first 1024-byte boundary in it, and the launcher asks for 1024 bytes more than the struct
+// uses (shared_bytes_through, below).
+template <typename Storage>
+__device__ __forceinline__ Storage& shared_storage() {
+    static_assert(alignof(Storage) == 1024, "the swizzled tiles start on 1024-byte boundaries");
+    extern __shared__ __align__(16) unsigned char shared[];
+    return *reinterpret_cast<Storage*>(shared + (1024 - smem_addr(shared) % 1024) % 1024);
+}
+// The bytes a launcher asks for: the struct up to the end of its last member, at `end` (sizeof
+// would add the padding up to a multiple of 1024), and the 1024 to align its start.
+constexpr size_t shared_bytes_through(size_t end) { return end + 1024; }
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int arrivals) {  // mbarrier.init
     HOPPER_ONLY(asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)),
                              "r"(arrivals)));

@@ -1,0 +1,134 @@
+// backward_passes.cu: what both backwards on tensor cores run around their kernel, chapter 2's
+// (flash_fp16.cu) and chapter 3's (flash_hopper_backward.cu): one scratch, laid out by BwdScratch,
+// and two small passes over it, line 4 of FlashAttention-2's Algorithm 2 (D = rowsum(dO o O))
+// before the kernel and dQ = dQacc / sqrt(d) in T after it (flash_backward_passes, declared with
+// BackwardScratch in chapters.h). fp16 and bf16, on the CUDA cores: any GPU either chapter runs on.
+#include "chapters.h"
+#include "checks.h"
+#include "flash.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace {
+// The two of flash_fp16.cu's pair helpers that the passes use, the same here: a pair of T (__half2
+// or __nv_bfloat162) from two floats rounded to nearest (x in the low half), and back to floats.
+template <typename T>
+__device__ __forceinline__ auto pair_of(float x, float y) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) return __floats2bfloat162_rn(x, y);
+    else return __floats2half2_rn(x, y);
+}
+template <typename T>
+using Pair = decltype(pair_of<T>(0.f, 0.f));
+__device__ __forceinline__ float2 float2_of(__half2 h) { return __half22float2(h); }
+__device__ __forceinline__ float2 float2_of(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+}  // namespace
+
+// Line 4, before the kernel: D = rowsum(dO o O), fp32, over the (B*H*q_len) rows. A row is read
+// by dot_threads(D) neighbouring threads, 16 bytes each a step, so that a warp reads whole rows
+// (one thread a row would read 16 bytes of each of 32 rows a load, twice the memory traffic that
+// needs: lab/chapter2.md, step 11); their sums meet over shuffles.
+__host__ __device__ constexpr int dot_threads(int d) { return (d / 8) & -(d / 8); }  // 2 .. 32
+template <typename T, int D>
+__global__ void flash_backward_dot_fp16_kernel(const T* __restrict__ O, const T* __restrict__ dO,
+                                               float* __restrict__ Dsum, size_t rows) {
+    constexpr int TPR = dot_threads(D);
+    const int lane = threadIdx.x % 32;
+    // The warp's first row, then a grid's worth of rows on; every lane stays for the shuffles.
+    for (size_t q0 = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) / 32 * (32 / TPR);
+         q0 < rows; q0 += size_t(gridDim.x) * blockDim.x / TPR) {
+        const size_t q = q0 + lane / TPR;
+        float sum = 0.f;
+        for (int c = lane % TPR * 8; c < D && q < rows; c += 8 * TPR) {  // 8 elements of each
+            const uint4 o = *reinterpret_cast<const uint4*>(O + q * D + c);
+            const uint4 g = *reinterpret_cast<const uint4*>(dO + q * D + c);
+            for (int k = 0; k < 4; k++) {
+                const float2 a = float2_of(reinterpret_cast<const Pair<T>*>(&o)[k]);
+                const float2 b = float2_of(reinterpret_cast<const Pair<T>*>(&g)[k]);
+                sum += a.x * b.x + a.y * b.y;
+            }
+        }
+        for (int x = TPR / 2; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+        if (q < rows && lane % TPR == 0) Dsum[q] = sum;
+    }
+}
+
+// After the kernel: dQ = dQacc / sqrt(d) in T (S was unscaled), 4 elements a thread a step. A
+// row that sees no key (causal, q_len > kv_len) was never added to: it gets 0.
+template <typename T, int D>
+__global__ void flash_backward_dq_fp16_kernel(const float* __restrict__ dQacc, T* __restrict__ dQ,
+                                              size_t elems, int q_len, int kv_len, bool causal) {
+    for (size_t x = 4 * (blockIdx.x * size_t(blockDim.x) + threadIdx.x); x < elems;
+         x += 4 * size_t(gridDim.x) * blockDim.x) {
+        const bool seen = !causal || flash_last_key(int(x / D % q_len), q_len, kv_len) >= 0;
+        const float4 a = seen ? *reinterpret_cast<const float4*>(dQacc + x) : float4{};
+        reinterpret_cast<Pair<T>*>(dQ + x)[0] = pair_of<T>(a.x * rsqrtf(D), a.y * rsqrtf(D));
+        reinterpret_cast<Pair<T>*>(dQ + x)[1] = pair_of<T>(a.z * rsqrtf(D), a.w * rsqrtf(D));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The backward's scratch, in this order: dQacc (B*H*q_len*d floats), the turns (one per head and
+// Q tile, counted for the smallest Br, kBackwardMinBr, so that the size does not depend on the
+// device or the chapter: B*H*ceil(q_len / 32) ints), the ticket, D (B*H*q_len floats).
+struct BwdScratch {
+    size_t dq, turns, rows;                            // element counts
+    explicit BwdScratch(const AttentionShape& s)
+        : dq(q_elems(s)),
+          turns(l_elems(s) / s.q_len * ((s.q_len + kBackwardMinBr - 1) / kBackwardMinBr)),
+          rows(l_elems(s)) {}
+    size_t bytes() const { return sizeof(float) * (dq + rows) + sizeof(int) * (turns + 1); }
+};
+
+size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
+    validate_shape(s, kFlashFp16HeadDims, sizeof(__half));
+    require(q_elems(s) < SIZE_MAX / 8, "shape: the fp16 backward's fp32 dQ would overflow size_t");
+    return BwdScratch(s).bytes();
+}
+
+// The passes around a backward kernel (lib/chapters.h): the scratch as BwdScratch lays it out, its
+// turns and ticket zeroed, line 4 (D) before the kernel, dQ = dQacc / sqrt(d) after it.
+template <typename T>
+static void backward_passes(const T* O, const T* dO, T* dQ, const AttentionShape& s,
+                            cudaStream_t stream, const BackwardKernel& kernel) {
+    const BwdScratch scratch(s);
+    const size_t rows = scratch.rows, turns = scratch.turns;
+    // Element-wise passes: 256 threads a block, at most 64 blocks an SM's worth (grid-stride).
+    const int sms = flash_device_props().multiProcessorCount;
+    const auto grid = [&](size_t n) { return int(std::min<size_t>((n + 255) / 256, 64 * sms)); };
+    dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
+        constexpr int D = decltype(dim)::value;
+        with_scratch(scratch.bytes(), stream, [&](void* memory) {  // laid out as BwdScratch says
+            BackwardScratch m;
+            m.dQacc = static_cast<float*>(memory);
+            m.turns = reinterpret_cast<int*>(m.dQacc + scratch.dq);
+            m.next_ticket = m.turns + turns;
+            m.D = reinterpret_cast<float*>(m.next_ticket + 1);
+            // Zero bytes are the int 0: cudaMemsetAsync is right here (it would not be for a
+            // float other than 0). dQacc needs no zeroing: each dQ_i's first block stores.
+            cudaError_t err = cudaMemsetAsync(m.turns, 0, (turns + 1) * sizeof(int), stream);
+            if (err != cudaSuccess) return err;
+            flash_backward_dot_fp16_kernel<T, D>
+                <<<grid(rows * dot_threads(D)), 256, 0, stream>>>(O, dO, m.D, rows);
+            if ((err = cudaGetLastError()) != cudaSuccess) return err;
+            if ((err = kernel(m)) != cudaSuccess) return err;
+            flash_backward_dq_fp16_kernel<T, D><<<grid(scratch.dq / 4), 256, 0, stream>>>(
+                m.dQacc, dQ, scratch.dq, s.q_len, s.kv_len, s.causal);
+            return cudaGetLastError();
+        });
+    });
+}
+void flash_backward_passes(const __half* O, const __half* dO, __half* dQ,
+                           const AttentionShape& s, cudaStream_t stream,
+                           const BackwardKernel& kernel) {
+    backward_passes(O, dO, dQ, s, stream, kernel);
+}
+void flash_backward_passes(const __nv_bfloat16* O, const __nv_bfloat16* dO, __nv_bfloat16* dQ,
+                           const AttentionShape& s, cudaStream_t stream,
+                           const BackwardKernel& kernel) {
+    backward_passes(O, dO, dQ, s, stream, kernel);
+}
