@@ -28,6 +28,7 @@
 #include "checks.h"
 #include "chapters.h"
 #include "flash.h"
+#include "fragments.cuh"  // SM80_ASM, the pairs of T
 #include "log2_units.h"
 
 #include <algorithm>
@@ -78,12 +79,8 @@ __host__ __device__ constexpr size_t decode_shared_bytes(int D, int kR) {
 // registers; when `inside` is false it writes 16 zero bytes instead (source size 0): a key past
 // the split's end is a finite 0 (0 * NaN would be NaN). A thread commits the copies it has issued
 // as a group, and waits until at most N of its groups are in flight; its own copies are then
-// visible to it. (A build for an older GPU compiles them to a trap; the API refuses such a GPU.)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define SM80_ASM(...) __trap()
-#else
-#define SM80_ASM(...) asm volatile(__VA_ARGS__)
-#endif
+// visible to it. (SM80_ASM, lib/fragments.cuh: a build for an older GPU compiles them to a trap;
+// the API refuses such a GPU.)
 // With kEvictFirst, each copy carries an L2 cache policy (createpolicy, PTX ISA "Data Movement:
 // createpolicy"): evict-first asks the L2 to replace these lines before others, so that a call's
 // K and V, read once, replace each other rather than what earlier kernels left there (dirty lines,
@@ -125,14 +122,10 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #endif
 }
 
-// Two elements of T as two floats; 8 elements (16 bytes, as loaded) as eight.
-__device__ __forceinline__ float2 float2_of(__half2 h) { return __half22float2(h); }
-__device__ __forceinline__ float2 float2_of(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+// 8 elements of T (16 bytes, as loaded) as eight floats.
 template <typename T>
 __device__ __forceinline__ void eight_floats(uint4 raw, float* f) {
-    using T2 = typename std::conditional<std::is_same<T, __half>::value, __half2,
-                                         __nv_bfloat162>::type;
-    const T2* pairs = reinterpret_cast<const T2*>(&raw);
+    const Pair<T>* pairs = reinterpret_cast<const Pair<T>*>(&raw);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const float2 v = float2_of(pairs[k]);
@@ -143,13 +136,6 @@ __device__ __forceinline__ void eight_floats(uint4 raw, float* f) {
 template <typename T>
 __device__ __forceinline__ uint4 load16(const T* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
-}
-template <typename T>
-__device__ __forceinline__ void store_pair(T* p, float x, float y) {
-    if constexpr (std::is_same<T, __half>::value)
-        *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
-    else
-        *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
 }
 
 // ---------------------------------------------------------------------------------------------
