@@ -19,12 +19,11 @@
 // Decode is memory-bound: each key brings 2 d elements (its K and V rows, 4 d bytes) and costs
 // 4 d flops a query row (2 d for q.k, 2 d for p v). At R rows a block that is R flops a byte; an
 // H100 moves ~3.3 TB/s and does ~60 Tflop/s of fp32 FMA, 18 flops a byte, so up to R = 8 rows the
-// CUDA cores keep up with memory. Hence: no mma here, fp32 all the way (S, P and O). (The SMs do
-// issue an instruction in ~2/3 of their cycles at R = 4, ncu says; yet the same loop on
-// mma.sync, ~10x fewer instructions a key, was no faster on an H200, up to 7% slower at batch 8
-// and 32: lab/patches/decode-mma.patch, lab/chapter4.md.) The effort goes into keeping bytes in
-// flight: each warp streams its own keys through a two-step ring in shared memory, the next
-// step's loads on their way while it computes on this one (the split kernel's comment).
+// CUDA cores keep up with memory. Hence: no mma here, fp32 all the way (S, P and O). The effort
+// goes into keeping bytes in flight: each warp streams its own keys through a two-step ring in
+// shared memory, the next step's loads on their way while it computes on this one (the split
+// kernel's comment). What each choice below was measured against, and the variants tried and
+// dropped, with their figures: lab/chapter4.md, part 2.
 #include "checks.h"
 #include "chapters.h"
 #include "flash.h"
@@ -60,8 +59,8 @@ constexpr int kUnroll = 4;
 // Each warp streams its keys through a ring of kStages such steps in shared memory (cp.async), a
 // slot a lane: kStages - 1 steps on their way while it computes on one. 2 stages: 8 KiB a warp,
 // 64 KiB a block, so 2 blocks share an SM on an H100 (228 KiB) or an A100 (164 KiB), 1 on sm_86
-// or sm_89 (100 KiB). 3 stages (make clean all DEFINES=-DFLASH_DECODE_STAGES=3, 96 KiB a block)
-// were no faster on an H200, and 4 (1 block an SM) slower; lab/chapter4.md.
+// or sm_89 (100 KiB). Another count: make clean all DEFINES=-DFLASH_DECODE_STAGES=3 (96 KiB a
+// block; 4 leave 1 block an SM).
 #ifndef FLASH_DECODE_STAGES
 #define FLASH_DECODE_STAGES 2
 #endif
@@ -84,9 +83,9 @@ __host__ __device__ constexpr size_t decode_shared_bytes(int D, int kR) {
 // With kEvictFirst, each copy carries an L2 cache policy (createpolicy, PTX ISA "Data Movement:
 // createpolicy"): evict-first asks the L2 to replace these lines before others, so that a call's
 // K and V, read once, replace each other rather than what earlier kernels left there (dirty lines,
-// whose write-back the call would pay). Without, no hint: an explicit evict-normal policy cost an
-// H200 7-10% at large shapes. A template parameter, not a branch: a branch in the loop cost batch 1
-// 1-2%. The launcher's rule: decode_launch.
+// whose write-back the call would pay). Without, no hint at all: an explicit evict-normal policy
+// is not the same as none to every L2. A template parameter, so that the loop carries no branch
+// on it. The launcher's rule: decode_launch.
 __device__ __forceinline__ unsigned long long evict_first_policy() {
     unsigned long long policy = 0;
     SM80_ASM("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
@@ -155,8 +154,10 @@ __device__ __forceinline__ uint4 load16(const T* p) {
 //    keys (online_softmax).
 //  - At the end the partials meet through the same logsumexp identity as the combine's: first the
 //    groups of a warp (merge_groups), then the warps (write_split, in warp order: deterministic).
-// The kernel runs the parts in that order; every array a thread keeps in registers is declared in
-// it, so that a reader sees them all in one place.
+// The kernel runs the parts in that order. Every array a thread keeps in registers is declared in
+// the kernel, where all of them are in view, and where nvcc places them in registers in one pass:
+// an array local to a part is placed before the part is inlined, and the kernel's machine code
+// changes with it (scores and add_PV take Kf and Vf for that reason).
 
 // The block's shared memory: the warps' rings, then write_split's merge over them. 128-byte
 // aligned, so that each warp's copies land at the same offset within 128 bytes as the rows they
@@ -476,8 +477,6 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 // along by a shuffle. Same order on every call: deterministic. The work is small; the time is
 // the waits for L2. So the first kBatch splits' O_s are loaded before anything else, together with
 // the L_s: up to 32 splits (the rule's choice up to 33), the warp waits for L2 about once.
-// (Loading O_s only once L was known, 16 splits at a time, took ~1 us more at batch 1, 8k keys,
-// on an H100; a lane reading every L_s itself, one after another, 12 us: lab/chapter4.md.)
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
 flash_decode_combine_kernel(const float* __restrict__ Os, const float* __restrict__ Ls,
@@ -591,10 +590,9 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
     const int tiles_per_split = (tiles + splits - 1) / splits;
     const size_t rows = l_elems(s);
     // The L2 policy of K and V's copies (cp_async_16): evict-first where they are at most 4 L2s'
-    // worth of bytes, no hint beyond. On an H100 with the L2 left full of dirty lines, evict-first
-    // made batch 1 at 8k and 32k keys 6-9% faster, and from 268 MB on 2-4% slower (lab/chapter4.md,
-    // "The L2 policy"); beyond, an explicit evict-normal policy cost an H200 7-10% and gained an
-    // H100 1% ("No hint beyond").
+    // worth of bytes, where sparing the call the write-back of the dirty lines that earlier
+    // kernels left in the L2 is worth most; no hint beyond, where evict-first costs more than it
+    // spares.
     const bool evict_first = 2 * kv_elems(s) * sizeof(T) <= 4 * size_t(prop.l2CacheSize);
     with_scratch(flash_decode_scratch_bytes(s, splits), stream, [&](void* scratch) {
         float* Os = static_cast<float*>(scratch);
@@ -663,11 +661,10 @@ void decode_call(const char* fn, const T* Q, const T* K, const T* V, T* O, float
 // ---------------------------------------------------------------------------------------------
 // The split rule (flash.h): one wave of blocks (the blocks resident at once, 2 or 1 an SM as the
 // registers of the kernel's kR and the shared memory of its rings allow), and never fewer blocks
-// than SMs; each split whole tiles and
-// at least kMinTilesPerSplit of them (so that a split's fixed costs, its Q, its partial O_s
-// written and read again by the combine, stay small beside its K and V), at least 1. More waves
-// cost more: on an H200 at batch 1, 32k keys, 32 splits (one wave) took 56 us and 128 (four) 93
-// us, each block then too short to hide its first loads (lab/data/decode-splits-h200.txt).
+// than SMs; each split whole tiles and at least kMinTilesPerSplit of them (so that a split's fixed
+// costs, its Q, its partial O_s written and read again by the combine, stay small beside its K
+// and V), at least 1. Not more waves: each block pays its fixed costs (its Q, its first loads'
+// latency, the merge of its warps) again, and with fewer keys each hides them less.
 int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape& s) {
     constexpr int kMinTilesPerSplit = 4;
     const int kR = rows_kernel_for(s);
