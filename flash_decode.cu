@@ -553,7 +553,7 @@ int chunks_of(const AttentionShape& s) {
 }
 
 void require_decode_shape(const AttentionShape& s, const char* fn) {
-    validate_shape_grouped(s, kFlashDecodeHeadDims, 2);
+    validate_shape(s, kFlashDecodeHeadDims, 2);
     require(s.q_len <= kFlashDecodeMaxQLen,
             std::string(fn) + ": shape.q_len = " + std::to_string(s.q_len) + " is not supported " +
                 "by the decode kernel; allowed values: 1 to " +
@@ -684,7 +684,7 @@ int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape&
 }
 
 size_t flash_decode_scratch_bytes(const AttentionShape& s, int splits) {
-    validate_shape_grouped(s, kFlashDecodeHeadDims, 2);
+    validate_shape(s, kFlashDecodeHeadDims, 2);
     require(splits >= 1, "splits = " + std::to_string(splits) + " is invalid; allowed values: 1 "
                          "or more");
     size_t bytes = 0;
