@@ -443,9 +443,9 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     let_next_kernel_launch();
     const SplitBlock blk =
         split_block<D>(heads, kv_heads, q_len, kv_len, splits, chunks, tiles_per_split);
-    const KeyLanes<D> me;
-    const int first = ring.start(me, K, V, blk);  // line 7's first steps on their way, then Q:
-    float q[kR][8], o[kR][8], m[kR], l[kR];        // the lane's rows (load_rows)
+    const KeyLanes<D> me;                          // the lane's warp, key row g and columns c0
+    const int first = ring.start(me, K, V, blk);  // line 7's first steps on their way, then
+    float q[kR][8], o[kR][8], m[kR], l[kR];        // lines 4-5: the lane's share of the rows
     int end[kR];
     load_rows<T, D>(q, o, m, l, end, me, Q, blk, q_len, kv_len, causal, scale_log2);
     int stage = 0;  // step n's stage, n % kStages: advanced in one place, below

@@ -183,11 +183,9 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // stands in S's registers (NOTES.md section 9).
         for (int k = 0; k < Bc / 16; k++) {
             uint32_t p[M][4], b[4];
-            for (int mt = 0; mt < M; mt++)  // A's 4 registers: row, and which 8 of the 16 keys
-                p[mt][0] = pair_bits<T>(S[mt][2 * k][0], S[mt][2 * k][1]),          // g, 0-7
-                p[mt][1] = pair_bits<T>(S[mt][2 * k][2], S[mt][2 * k][3]),          // g + 8, 0-7
-                p[mt][2] = pair_bits<T>(S[mt][2 * k + 1][0], S[mt][2 * k + 1][1]),  // g, 8-15
-                p[mt][3] = pair_bits<T>(S[mt][2 * k + 1][2], S[mt][2 * k + 1][3]);  // g + 8, 8-15
+            for (int mt = 0; mt < M; mt++)
+                p[mt][0] = pack2<T>(S[mt][2 * k]), p[mt][1] = pack2<T>(S[mt][2 * k] + 2),
+                p[mt][2] = pack2<T>(S[mt][2 * k + 1]), p[mt][3] = pack2<T>(S[mt][2 * k + 1] + 2);
             for (int n = 0; n < D / 16; n++) {
                 load_16x16<true>(b, V_j + stage + 16 * k * ld + 16 * n, ld);
                 for (int mt = 0; mt < M; mt++) {
@@ -204,7 +202,8 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // A row that saw a key has l >= 1 (its max's own term is e^0); one that saw none has
         // l = 0 and O_i = 0: it gets O = 0 / 1 = 0 and L = -inf.
         for (int n = 0; n < D / 8 && query + 8 * r < q_len; n++)  // columns 2n, 2n + 1
-            store_pair(O + at * D + 8 * n + 2 * t, acc_at(O_i, r, 2 * n) / fmaxf(l_row, 1.f),
+            store_pair(O + at * D + 8 * n + 2 * t,
+                       acc_at(O_i, r, 2 * n) / fmaxf(l_row, 1.f),
                        acc_at(O_i, r, 2 * n + 1) / fmaxf(l_row, 1.f));
         if (t == 0 && query + 8 * r < q_len)
             L[at] = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
