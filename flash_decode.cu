@@ -19,15 +19,15 @@
 // Decode is memory-bound: each key brings 2 d elements (its K and V rows, 4 d bytes) and costs
 // 4 d flops a query row (2 d for q.k, 2 d for p v). At R rows a block that is R flops a byte; an
 // H100 moves ~3.3 TB/s and does ~60 Tflop/s of fp32 FMA, 18 flops a byte, so up to R = 8 rows the
-// CUDA cores keep up with memory. Hence: no mma here, fp32 all the way (S, P and O). (The SMs do
-// issue an instruction in ~2/3 of their cycles at R = 4, ncu says; yet the same loop on
-// mma.sync, ~10x fewer instructions a key, was no faster on an H200, up to 7% slower at batch 8
-// and 32: lab/patches/decode-mma.patch, lab/chapter4.md.) The effort goes into keeping bytes in
-// flight: each warp streams its own keys through a two-step ring in shared memory, the next
-// step's loads on their way while it computes on this one (the split kernel's comment).
+// CUDA cores keep up with memory. Hence: no mma here, fp32 all the way (S, P and O). The effort
+// goes into keeping bytes in flight: each warp streams its own keys through a two-step ring in
+// shared memory, the next step's loads on their way while it computes on this one (the split
+// kernel's comment). What each choice below was measured against, and the variants tried and
+// dropped, with their figures: lab/chapter4.md, part 2.
 #include "checks.h"
 #include "chapters.h"
 #include "flash.h"
+#include "fragments.cuh"  // SM80_ASM, the pairs of T
 #include "log2_units.h"
 
 #include <algorithm>
@@ -59,8 +59,8 @@ constexpr int kUnroll = 4;
 // Each warp streams its keys through a ring of kStages such steps in shared memory (cp.async), a
 // slot a lane: kStages - 1 steps on their way while it computes on one. 2 stages: 8 KiB a warp,
 // 64 KiB a block, so 2 blocks share an SM on an H100 (228 KiB) or an A100 (164 KiB), 1 on sm_86
-// or sm_89 (100 KiB). 3 stages (make clean all DEFINES=-DFLASH_DECODE_STAGES=3, 96 KiB a block)
-// were no faster on an H200, and 4 (1 block an SM) slower; lab/chapter4.md.
+// or sm_89 (100 KiB). Another count: make clean all DEFINES=-DFLASH_DECODE_STAGES=3 (96 KiB a
+// block; 4 leave 1 block an SM).
 #ifndef FLASH_DECODE_STAGES
 #define FLASH_DECODE_STAGES 2
 #endif
@@ -78,18 +78,14 @@ __host__ __device__ constexpr size_t decode_shared_bytes(int D, int kR) {
 // registers; when `inside` is false it writes 16 zero bytes instead (source size 0): a key past
 // the split's end is a finite 0 (0 * NaN would be NaN). A thread commits the copies it has issued
 // as a group, and waits until at most N of its groups are in flight; its own copies are then
-// visible to it. (A build for an older GPU compiles them to a trap; the API refuses such a GPU.)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define SM80_ASM(...) __trap()
-#else
-#define SM80_ASM(...) asm volatile(__VA_ARGS__)
-#endif
+// visible to it. (SM80_ASM, lib/fragments.cuh: a build for an older GPU compiles them to a trap;
+// the API refuses such a GPU.)
 // With kEvictFirst, each copy carries an L2 cache policy (createpolicy, PTX ISA "Data Movement:
 // createpolicy"): evict-first asks the L2 to replace these lines before others, so that a call's
 // K and V, read once, replace each other rather than what earlier kernels left there (dirty lines,
-// whose write-back the call would pay). Without, no hint: an explicit evict-normal policy cost an
-// H200 7-10% at large shapes. A template parameter, not a branch: a branch in the loop cost batch 1
-// 1-2%. The launcher's rule: decode_launch.
+// whose write-back the call would pay). Without, no hint at all: an explicit evict-normal policy
+// is not the same as none to every L2. A template parameter, so that the loop carries no branch
+// on it. The launcher's rule: decode_launch.
 __device__ __forceinline__ unsigned long long evict_first_policy() {
     unsigned long long policy = 0;
     SM80_ASM("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
@@ -125,14 +121,10 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #endif
 }
 
-// Two elements of T as two floats; 8 elements (16 bytes, as loaded) as eight.
-__device__ __forceinline__ float2 float2_of(__half2 h) { return __half22float2(h); }
-__device__ __forceinline__ float2 float2_of(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+// 8 elements of T (16 bytes, as loaded) as eight floats.
 template <typename T>
 __device__ __forceinline__ void eight_floats(uint4 raw, float* f) {
-    using T2 = typename std::conditional<std::is_same<T, __half>::value, __half2,
-                                         __nv_bfloat162>::type;
-    const T2* pairs = reinterpret_cast<const T2*>(&raw);
+    const Pair<T>* pairs = reinterpret_cast<const Pair<T>*>(&raw);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const float2 v = float2_of(pairs[k]);
@@ -144,210 +136,241 @@ template <typename T>
 __device__ __forceinline__ uint4 load16(const T* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
 }
-template <typename T>
-__device__ __forceinline__ void store_pair(T* p, float x, float y) {
-    if constexpr (std::is_same<T, __half>::value)
-        *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
-    else
-        *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
-}
 
 // ---------------------------------------------------------------------------------------------
 // The split kernel: block (b, kv head, split, chunk) runs the forward loop of FlashAttention-2
-// (Algorithm 1, lines 5-12: S = Q K_j^T, m, P~ = exp(S - m), l, O rescaled and += P~ V_j) for the
+// (Algorithm 1, lines 4-11: S = Q K_j^T, m, P~ = exp(S - m), l, O rescaled and += P~ V_j) for the
 // rows [chunk * kRows, +kRows) of its K/V group over the keys of its split, and writes O_s = O / l
-// and L_s = m + log l (lines 12-13, per split). blockIdx.x = chunk + chunks * (split + splits *
-// (kv head + kv_heads * b)): the chunks of one split (rows beyond 8 of a large group) are
-// neighbours, so the second reads the split's K and V from L2.
-//
-// Decode reads every byte of K and V once and does little with it, so the loop is built to keep
-// bytes on their way from memory while it computes, and to spend few instructions on each:
-//  - No __syncthreads in the loop: every warp takes keys of its own (the split's keys dealt out
-//    kWarpKeys at a time, warp after warp), 16 bytes a lane. Lane layout: kLanesPerKey = D / 8
-//    lanes share a key row, 8 elements each (d = 128: 16 lanes, so one warp-load brings 2 rows,
-//    512 bytes).
-//  - A lane's loads go to its own slots of its warp's ring in shared memory (cp.async), and it
-//    reads back only what it copied itself: no barrier, not even __syncwarp. Step n + 1's copies
-//    are issued before step n's math, so the memory works while the warp computes. (This
-//    kernel's first version loaded straight into registers: each step's loads issued, then
-//    waited for, then the math. On an H200 the ring was ~3% faster at batch 8 and 32 from 8k
-//    keys, up to 6% at batch 1; lab/chapter4.md.)
-//  - q . k: each lane multiplies its 8 elements with Q's (held in registers, fp32, pre-scaled by
-//    log2(e) / sqrt(d) so that the scores are in log2 units and exp is exp2), then the
-//    kLanesPerKey lanes of the key add their sums with log2(kLanesPerKey) __shfl_xor_sync steps.
-//  - Each group of kLanesPerKey lanes keeps its own online softmax (m, l and its 8 columns of O,
-//    for every row): no exchange between key rows in the loop, one rescale per kU keys.
+// and L_s = m + log l (lines 12-13, per split). Decode reads every byte of K and V once and does
+// little with it, so the loop is built to keep bytes on their way from memory while it computes,
+// and to spend few instructions on each:
+//  - No __syncthreads in the loop: every warp takes keys of its own, 16 bytes a lane, through a
+//    ring of its own in shared memory (KeyRing), the next step's copies issued before this step's
+//    math.
+//  - q . k: each lane multiplies its 8 elements with Q's, then the lanes of the key add their sums
+//    by shuffles (scores).
+//  - Each group of lanes that shares a key row keeps its own online softmax (m, l and its 8
+//    columns of O, for every row): no exchange between key rows in the loop, one rescale per kU
+//    keys (online_softmax).
 //  - At the end the partials meet through the same logsumexp identity as the combine's: first the
-//    groups of a warp (shuffles), then the warps (shared memory, in warp order: deterministic).
-template <typename T, int D, int kR, bool kEvictFirst>
-__global__ void __launch_bounds__(kSplitThreads, decode_blocks_per_sm(kR))
-flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
-                          const T* __restrict__ V, float* __restrict__ Os,
-                          float* __restrict__ Ls, int heads, int kv_heads, int q_len, int kv_len,
-                          bool causal, int splits, int chunks, int tiles_per_split,
-                          float scale_log2) {
-    constexpr int Bc = decode_Bc(D);
-    constexpr int kLanesPerKey = D / 8;                    // 8, 16, 32 at d = 64, 128, 256
-    constexpr int kKeysPerLoad = 32 / kLanesPerKey;        // key rows a warp-load brings: 4, 2, 1
-    constexpr int kU = kUnroll;                            // warp-loads in flight an iteration
-    constexpr int kWarpKeys = kU * kKeysPerLoad;           // keys a warp takes an iteration
-    static_assert(D % 8 == 0 && 32 % kLanesPerKey == 0, "a key row is whole 16-byte lanes");
-    // 128-byte aligned, so that each warp's copies land at the same offset within 128 bytes as the
-    // rows they come from. Aligned only to 16, a 4-byte __shared__ variable added to this kernel
-    // moves the array (and the rings) by 16 bytes: 3-13% slower on an H100 (lab/chapter4.md).
-    extern __shared__ __align__(128) uint4 shared[];
-    // [kSplitWarps][kStages][2 kU][32]: each warp's ring, a stage's kU K slots, then kU V slots
-    uint4* ring = shared + threadIdx.x / 32 * kStages * 2 * kU * 32 + threadIdx.x % 32;
-    float* Ow = reinterpret_cast<float*>(shared);  // after the loop: [kSplitWarps][kR][D] O,
-    float* mw = Ow + kSplitWarps * kR * D;         // [kSplitWarps][kR] m and
-    float* lw = mw + kSplitWarps * kR;             // [kSplitWarps][kR] l of each warp
-    let_next_kernel_launch();
+//    groups of a warp (merge_groups), then the warps (write_split, in warp order: deterministic).
+// The kernel runs the parts in that order. Every array a thread keeps in registers is declared in
+// the kernel, where all of them are in view, and where nvcc places them in registers in one pass:
+// an array local to a part is placed before the part is inlined, and the kernel's machine code
+// changes with it (scores and add_PV take Kf and Vf for that reason).
 
+// The block's shared memory: the warps' rings, then write_split's merge over them. 128-byte
+// aligned, so that each warp's copies land at the same offset within 128 bytes as the rows they
+// come from, whatever static shared memory comes before it.
+extern __shared__ __align__(128) uint4 shared[];
+
+// How a warp's lanes share its keys at head dim D. kLanesPerKey = D / 8 lanes hold a key row, 8
+// elements (16 bytes) each, so that one warp-load brings kKeysPerLoad rows (d = 128: 16 lanes a
+// row, 2 rows, 512 bytes); a step of a warp's loop is kU warp-loads of K and of V, kWarpKeys keys,
+// and the block's warps take kStep keys a step. A lane's place: its warp, its lane, g (which key
+// row of a warp-load is its) and c0 (its 8 columns of d).
+template <int D>
+struct KeyLanes {
+    static constexpr int kLanesPerKey = D / 8;              // 8, 16, 32 at d = 64, 128, 256
+    static constexpr int kKeysPerLoad = 32 / kLanesPerKey;  // 4, 2, 1
+    static constexpr int kU = kUnroll;                      // warp-loads in flight a step
+    static constexpr int kWarpKeys = kU * kKeysPerLoad;
+    static constexpr int kStep = kSplitWarps * kWarpKeys;
+    static_assert(D % 8 == 0 && 32 % kLanesPerKey == 0, "a key row is whole 16-byte lanes");
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int g = lane / kLanesPerKey;
+    int c0 = lane % kLanesPerKey * 8;
+};
+
+// Where a split block works. blockIdx.x = chunk + chunks * (split + splits * (kv head + kv_heads
+// * b)): the chunks of one split (rows beyond 8 of a large group) are neighbours, so the second
+// reads the split's K and V from L2. The group's rows are contiguous in Q, O and L: heads
+// kvh * group .. + group - 1, q_len rows each; row r of the block is query (row0 + r) % q_len of
+// its head.
+struct SplitBlock {
+    int split;
+    int row0, R;        // the block's first row of its group's group * q_len, and its rows (<= kR)
+    size_t first_row;   // the row of Q, O_s and L_s that is the block's row 0
+    size_t rows_total;  // rows of Q, O and L: batch * heads * q_len
+    size_t kv_head;     // the K/V head's first element in K and V
+    int k0, k1;         // the split's keys [k0, k1): whole Bc-key tiles, the last cut at kv_len
+};
+template <int D>
+__device__ __forceinline__ SplitBlock split_block(int heads, int kv_heads, int q_len, int kv_len,
+                                                  int splits, int chunks, int tiles_per_split) {
+    constexpr int Bc = decode_Bc(D);
+    SplitBlock blk;
     int id = blockIdx.x;
     const int chunk = id % chunks;
     id /= chunks;
-    const int split = id % splits;
+    blk.split = id % splits;
     id /= splits;
     const int kvh = id % kv_heads, b = id / kv_heads;
     const int group = heads / kv_heads;
-    const int row0 = chunk * kRows;  // the block's first row of the group's group * q_len
-    const int R = min(kRows, group * q_len - row0);  // <= kR: the launcher's choice of kR
-    // The group's rows are contiguous in Q, O and L: heads kvh * group .. +group - 1, q_len rows
-    // each. Row r of the block is query i = (row0 + r) % q_len of its head.
-    const size_t first_row = (size_t(b) * heads + size_t(kvh) * group) * q_len + row0;
-    const size_t rows_total = size_t(gridDim.x / (splits * chunks)) * group * q_len;  // B*H*q_len
-    const T* Kh = K + (size_t(b) * kv_heads + kvh) * size_t(kv_len) * D;
-    const T* Vh = V + (size_t(b) * kv_heads + kvh) * size_t(kv_len) * D;
-
-    // This split's keys: [k0, k1), a whole number of Bc-key tiles (none for a split past the
-    // last key); the last tile stops at kv_len.
+    blk.row0 = chunk * kRows;
+    blk.R = min(kRows, group * q_len - blk.row0);  // <= kR: the launcher's choice of kR
+    blk.first_row = (size_t(b) * heads + size_t(kvh) * group) * q_len + blk.row0;
+    blk.rows_total = size_t(gridDim.x / (splits * chunks)) * group * q_len;
+    blk.kv_head = (size_t(b) * kv_heads + kvh) * size_t(kv_len) * D;
+    // A split past the last key gets none (tile0 = tiles); no overflow: the launcher bounds it.
     const int tiles = (kv_len + Bc - 1) / Bc;
-    const int tile0 = min(split * tiles_per_split, tiles);  // no overflow: launcher bounds it
-    const int k0 = tile0 * Bc, k1 = min(min(tile0 + tiles_per_split, tiles) * Bc, kv_len);
+    const int tile0 = min(blk.split * tiles_per_split, tiles);
+    blk.k0 = tile0 * Bc, blk.k1 = min(min(tile0 + tiles_per_split, tiles) * Bc, kv_len);
+    return blk;
+}
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / kLanesPerKey;       // which key row of a warp-load is this lane's
-    const int c0 = lane % kLanesPerKey * 8;  // its 8 columns of d
+// The copy ring (line 7, for a warp's own keys). A warp's ring is kStages steps of slots in shared
+// memory, [kStages][2 kU][32] uint4: a stage's kU K slots, then its kU V slots, a slot a lane.
+// Step n of the warp takes keys [base, base + kWarpKeys), base = k0 + (n kSplitWarps + warp)
+// kWarpKeys (the same for every lane: the loop, and the shuffles in it, are warp-uniform), so that
+// the block's warps read neighbouring rows; it goes to stage n % kStages. Each lane copies its 16
+// bytes of K and of V of keys base + u kKeysPerLoad + g (u < kU), zeros for a key at or past k1,
+// and reads back only what it copied itself: no barrier, not even __syncwarp. One group of copies
+// a step, empty past the last, so that cp_async_wait counts steps.
+template <typename T, int D, bool kEvictFirst>
+struct KeyRing {
+    using Lanes = KeyLanes<D>;
+    static constexpr int kU = Lanes::kU;
+    // The lane's slot of stage 0's first K load; the others are 32 apart.
+    uint4* slot = shared + threadIdx.x / 32 * kStages * 2 * kU * 32 + threadIdx.x % 32;
+    Lanes me;
+    const T* Kh;                // the K/V head's K and V
+    const T* Vh;
+    int k1;                     // the split's end
+    unsigned long long policy;  // the copies' L2 policy (cp_async_16)
 
-    // Step n of the warp's loop takes keys [base, base + kWarpKeys), base = k0 + (n * kSplitWarps
-    // + warp) * kWarpKeys, so the block's 8 warps read neighbouring rows (base is the same for
-    // every lane: the loop, and the shuffles in it, are warp-uniform), and its copies go to stage
-    // n % kStages. copy(base, stage): the lane's 16 bytes of K and of V of each of those keys
-    // into its slots of the stage, zeros for a key at or past k1; one group of copies a step,
-    // empty past the last. The ring's first kStages - 1 steps are issued before Q is read.
-    constexpr int kStep = kSplitWarps * kWarpKeys;
-    const unsigned long long policy = kEvictFirst ? evict_first_policy() : 0;
-    auto copy = [&](int base, int stage) {
+    // The ring's first kStages - 1 steps, from the warp's first key on, which it returns.
+    __device__ int start(const Lanes& me_, const T* K, const T* V, const SplitBlock& blk) {
+        me = me_, Kh = K + blk.kv_head, Vh = V + blk.kv_head, k1 = blk.k1;
+        policy = kEvictFirst ? evict_first_policy() : 0;
+        const int first = blk.k0 + me.warp * Lanes::kWarpKeys;
+#pragma unroll
+        for (int st = 0; st < kStages - 1; ++st) copy(first + st * Lanes::kStep, st);
+        return first;
+    }
+    // The step at `base` into `stage`.
+    __device__ void copy(int base, int stage) const {
         if (base < k1) {
 #pragma unroll
             for (int u = 0; u < kU; ++u) {
-                const int j = base + u * kKeysPerLoad + g;
-                const size_t from = size_t(j < k1 ? j : 0) * D + c0;
-                cp_async_16<kEvictFirst>(ring + (stage * 2 * kU + u) * 32, Kh + from, j < k1,
+                const int j = base + u * Lanes::kKeysPerLoad + me.g;
+                const size_t from = size_t(j < k1 ? j : 0) * D + me.c0;
+                cp_async_16<kEvictFirst>(slot + (stage * 2 * kU + u) * 32, Kh + from, j < k1,
                                          policy);
-                cp_async_16<kEvictFirst>(ring + (stage * 2 * kU + kU + u) * 32, Vh + from, j < k1,
+                cp_async_16<kEvictFirst>(slot + (stage * 2 * kU + kU + u) * 32, Vh + from, j < k1,
                                          policy);
             }
         }
         cp_async_commit();
-    };
-    const int first = k0 + warp * kWarpKeys;
+    }
+    // The lane's K and V of `stage`, once its copies of that step have landed.
+    __device__ void read(int stage, uint4 (&Kraw)[kU], uint4 (&Vraw)[kU]) const {
 #pragma unroll
-    for (int st = 0; st < kStages - 1; ++st) copy(first + st * kStep, st);  // the ring's prologue
+        for (int u = 0; u < kU; ++u) {
+            Kraw[u] = slot[(stage * 2 * kU + u) * 32];
+            Vraw[u] = slot[(stage * 2 * kU + kU + u) * 32];
+        }
+    }
+};
 
-    // The lane's slice of Q (fp32, times log2(e) / sqrt(d)), its group's running m and l (log2
-    // units), its slice of O (unnormalised), and each row's key bound: row r counts key j iff
-    // j < end[r] (kv_len, the causal mask: query i sees j <= flash_last_key(i, ...), and the
-    // split's end). Rows past R are zeros, computed and never written.
-    float q[kR][8], o[kR][8], m[kR], l[kR];
-    int end[kR];
+// Lines 4-5 for the block's rows, a lane's share: q, its slice of Q (8 columns, fp32, times
+// log2(e) / sqrt(d), so that the scores are in log2 units and exp is exp2); O = 0 (o, its slice),
+// m = -inf, l = 0 (its group's running max and sum, log2 units); end[r], row r's key bound (it
+// counts key j iff j < end[r]): the split's end, under the causal mask query i's last key + 1
+// (flash_last_key). Rows past R are zeros, computed and never written.
+template <typename T, int D, int kR>
+__device__ __forceinline__ void load_rows(float (&q)[kR][8], float (&o)[kR][8], float (&m)[kR],
+                                          float (&l)[kR], int (&end)[kR], const KeyLanes<D>& me,
+                                          const T* Q, const SplitBlock& blk, int q_len,
+                                          int kv_len, bool causal, float scale_log2) {
 #pragma unroll
     for (int r = 0; r < kR; ++r) {
-        m[r] = -INFINITY, l[r] = 0.f, end[r] = k1;
+        m[r] = -INFINITY, l[r] = 0.f, end[r] = blk.k1;
 #pragma unroll
         for (int e = 0; e < 8; ++e) q[r][e] = 0.f, o[r][e] = 0.f;
-        if (r < R) {
-            eight_floats<T>(load16(Q + (first_row + r) * D + c0), q[r]);
+        if (r < blk.R) {
+            eight_floats<T>(load16(Q + (blk.first_row + r) * D + me.c0), q[r]);
 #pragma unroll
             for (int e = 0; e < 8; ++e) q[r][e] *= scale_log2;
-            if (causal) end[r] = min(k1, flash_last_key((row0 + r) % q_len, q_len, kv_len) + 1);
+            if (causal)
+                end[r] = min(blk.k1, flash_last_key((blk.row0 + r) % q_len, q_len, kv_len) + 1);
         }
     }
+}
 
-    int stage = 0;  // step n's stage, n % kStages: advanced in one place, below
-    for (int base = first; base < k1; base += kStep) {
-        // 1. This lane's copies of this step have landed (at most kStages - 2 younger groups in
-        //    flight); read them, then refill the stage the previous step used with the step
-        //    kStages - 1 ahead.
-        cp_async_wait<kStages - 2>();
-        uint4 Kraw[kU], Vraw[kU];
+// Line 8 for a step's keys j = base + u kKeysPerLoad + g: S[u][r] = q_r . k_j, a lane's 8
+// products (K widened into Kf) summed over the key's lanes by a butterfly of shuffles (every lane
+// of the key ends with the same sum, bit for bit), then the mask: -inf where row r does not count
+// key j.
+template <typename T, int D, int kR>
+__device__ __forceinline__ void scores(float (&S)[kUnroll][kR], float (&Kf)[8],
+                                       const uint4 (&Kraw)[kUnroll], const float (&q)[kR][8],
+                                       const int (&end)[kR], const KeyLanes<D>& me, int base) {
+    using Lanes = KeyLanes<D>;
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-            Kraw[u] = ring[(stage * 2 * kU + u) * 32];
-            Vraw[u] = ring[(stage * 2 * kU + kU + u) * 32];
-        }
-        copy(base + (kStages - 1) * kStep, stage == 0 ? kStages - 1 : stage - 1);
-        stage = stage == kStages - 1 ? 0 : stage + 1;
-
-        // 2. S = Q K_j^T (line 8): 8 products a lane, summed over the key's lanes by a butterfly
-        //    of shuffles (every lane of the key ends with the same sum, bit for bit), then the
-        //    mask: -inf where the row does not count key j.
-        float S[kU][kR];
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-            const int j = base + u * kKeysPerLoad + g;
-            float Kf[8];
-            eight_floats<T>(Kraw[u], Kf);
-#pragma unroll
-            for (int r = 0; r < kR; ++r) {
-                float dot = 0.f;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) dot += q[r][e] * Kf[e];
-#pragma unroll
-                for (int off = kLanesPerKey / 2; off > 0; off /= 2)
-                    dot += __shfl_xor_sync(0xffffffffu, dot, off);
-                S[u][r] = j < end[r] ? dot : -INFINITY;
-            }
-        }
-
-        // 3. Online softmax (lines 9-10), once for the kU keys of this lane's group: m_new = max(m,
-        //    S), P~ = exp2(S - m_new), l = exp2(m - m_new) l + rowsum P~, O rescaled by the same.
+    for (int u = 0; u < kUnroll; ++u) {
+        const int j = base + u * Lanes::kKeysPerLoad + me.g;
+        eight_floats<T>(Kraw[u], Kf);
 #pragma unroll
         for (int r = 0; r < kR; ++r) {
-            float m_new = m[r];
+            float dot = 0.f;
 #pragma unroll
-            for (int u = 0; u < kU; ++u) m_new = fmaxf(m_new, S[u][r]);
-            // A row that has seen no key yet has m_new = -inf: subtract 0 instead, so that
-            // exp2(-inf - -inf) = NaN never happens (P~ = exp2(-inf) = 0, alpha = 0 * 0).
-            const float m_use = m_new == -INFINITY ? 0.f : m_new;
-            const float alpha = exp2_ftz(m[r] - m_use);
-            l[r] *= alpha;
+            for (int e = 0; e < 8; ++e) dot += q[r][e] * Kf[e];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) o[r][e] *= alpha;
-#pragma unroll
-            for (int u = 0; u < kU; ++u) {
-                S[u][r] = exp2_ftz(S[u][r] - m_use);  // S becomes P~
-                l[r] += S[u][r];
-            }
-            m[r] = m_new;
-        }
-
-        // 4. O += P~ V_j (line 10): the lane's 8 columns, each row, each key.
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-            float Vf[8];
-            eight_floats<T>(Vraw[u], Vf);
-#pragma unroll
-            for (int r = 0; r < kR; ++r)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) o[r][e] += S[u][r] * Vf[e];
+            for (int off = Lanes::kLanesPerKey / 2; off > 0; off /= 2)
+                dot += __shfl_xor_sync(0xffffffffu, dot, off);
+            S[u][r] = j < end[r] ? dot : -INFINITY;
         }
     }
+}
 
-    // The warp's kKeysPerLoad groups merge, pairwise by shuffles (NOTES chapter 4's identity with
-    // two parts): m = max(m_a, m_b), l = exp2(m_a - m) l_a + exp2(m_b - m) l_b, and O alike.
+// Lines 9-10's online softmax, once for the kU keys of the lane's group: m_new = max(m, S),
+// P~ = exp2(S - m_new), l = exp2(m - m_new) l + rowsum P~, O rescaled by the same. S becomes P~.
+template <int kR>
+__device__ __forceinline__ void online_softmax(float (&S)[kUnroll][kR], float (&o)[kR][8],
+                                               float (&m)[kR], float (&l)[kR]) {
 #pragma unroll
-    for (int off = kLanesPerKey; off < 32; off *= 2) {
+    for (int r = 0; r < kR; ++r) {
+        float m_new = m[r];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, S[u][r]);
+        // A row that has seen no key yet has m_new = -inf: subtract 0 instead, so that
+        // exp2(-inf - -inf) = NaN never happens (P~ = exp2(-inf) = 0, alpha = 0 * 0).
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = exp2_ftz(m[r] - m_use);
+        l[r] *= alpha;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[r][e] *= alpha;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            S[u][r] = exp2_ftz(S[u][r] - m_use);  // S becomes P~
+            l[r] += S[u][r];
+        }
+        m[r] = m_new;
+    }
+}
+
+// Line 10's O += P~ V_j: the lane's 8 columns (V widened into Vf), each row, each key.
+template <typename T, int kR>
+__device__ __forceinline__ void add_PV(float (&o)[kR][8], float (&Vf)[8],
+                                       const float (&P)[kUnroll][kR],
+                                       const uint4 (&Vraw)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        eight_floats<T>(Vraw[u], Vf);
+#pragma unroll
+        for (int r = 0; r < kR; ++r)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[r][e] += P[u][r] * Vf[e];
+    }
+}
+
+// The warp's kKeysPerLoad groups merge, pairwise by shuffles (NOTES chapter 4's identity with
+// two parts): m = max(m_a, m_b), l = exp2(m_a - m) l_a + exp2(m_b - m) l_b, and O alike.
+template <int D, int kR>
+__device__ __forceinline__ void merge_groups(float (&o)[kR][8], float (&m)[kR], float (&l)[kR]) {
+#pragma unroll
+    for (int off = KeyLanes<D>::kLanesPerKey; off < 32; off *= 2) {
 #pragma unroll
         for (int r = 0; r < kR; ++r) {
             const float m_b = __shfl_xor_sync(0xffffffffu, m[r], off);
@@ -362,25 +385,33 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             m[r] = m_new;
         }
     }
-    // The warp's (m, l, O), from its first group's lanes, into shared memory, over the rings:
-    // once every warp is done with its ring (no copy is in flight: the last groups are empty).
+}
+
+// Lines 12-13 over this split's keys. Each warp's (m, l, O), from its first group's lanes, goes to
+// shared memory over the rings, once every warp is done with its ring (no copy is in flight: the
+// last groups are empty): [kSplitWarps][kR][D] O, then [kSplitWarps][kR] m and l. The warps then
+// merge, in warp order, and the split's results are written: O_s = O / l (0 where the rows saw no
+// key of this split: l = 0), L_s = (m + log2 l) ln 2 in natural log (-inf there).
+template <int D, int kR>
+__device__ __forceinline__ void write_split(const float (&o)[kR][8], const float (&m)[kR],
+                                            const float (&l)[kR], const KeyLanes<D>& me,
+                                            const SplitBlock& blk, float* Os, float* Ls) {
+    float* Ow = reinterpret_cast<float*>(shared);
+    float* mw = Ow + kSplitWarps * kR * D;
+    float* lw = mw + kSplitWarps * kR;
     cp_async_wait<0>();
     __syncthreads();
-    if (lane < kLanesPerKey) {
+    if (me.lane < KeyLanes<D>::kLanesPerKey) {
 #pragma unroll
         for (int r = 0; r < kR; ++r) {
-            float* dst = Ow + (warp * kR + r) * D + c0;
+            float* dst = Ow + (me.warp * kR + r) * D + me.c0;
             *reinterpret_cast<float4*>(dst) = make_float4(o[r][0], o[r][1], o[r][2], o[r][3]);
             *reinterpret_cast<float4*>(dst + 4) = make_float4(o[r][4], o[r][5], o[r][6], o[r][7]);
-            if (lane == 0) mw[warp * kR + r] = m[r], lw[warp * kR + r] = l[r];
+            if (me.lane == 0) mw[me.warp * kR + r] = m[r], lw[me.warp * kR + r] = l[r];
         }
     }
     __syncthreads();
-
-    // The warps merge, in warp order, and the split's results are written (lines 12-13 over this
-    // split's keys): O_s = O / l (0 where the rows saw no key of this split: l = 0), L_s = (m +
-    // log2 l) ln 2 in natural log (-inf there).
-    for (int x = threadIdx.x; x < R * D; x += kSplitThreads) {
+    for (int x = threadIdx.x; x < blk.R * D; x += kSplitThreads) {
         const int r = x / D, c = x % D;
         float m_all = -INFINITY;
 #pragma unroll
@@ -393,10 +424,47 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             l_all += a * lw[w * kR + r];
             o_all += a * Ow[(w * kR + r) * D + c];
         }
-        const size_t out = size_t(split) * rows_total + first_row + r;
+        const size_t out = size_t(blk.split) * blk.rows_total + blk.first_row + r;
         Os[out * D + c] = l_all > 0.f ? o_all / l_all : 0.f;
         if (c == 0) Ls[out] = l_all > 0.f ? (m_all + log2f(l_all)) * kLn2 : -INFINITY;
     }
+}
+
+// The kernel: Algorithm 1 over one split's keys, part by part.
+template <typename T, int D, int kR, bool kEvictFirst>
+__global__ void __launch_bounds__(kSplitThreads, decode_blocks_per_sm(kR))
+flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
+                          const T* __restrict__ V, float* __restrict__ Os,
+                          float* __restrict__ Ls, int heads, int kv_heads, int q_len, int kv_len,
+                          bool causal, int splits, int chunks, int tiles_per_split,
+                          float scale_log2) {
+    constexpr int kU = kUnroll, kStep = KeyLanes<D>::kStep;
+    KeyRing<T, D, kEvictFirst> ring;  // the lane's slots of its warp's ring
+    let_next_kernel_launch();
+    const SplitBlock blk =
+        split_block<D>(heads, kv_heads, q_len, kv_len, splits, chunks, tiles_per_split);
+    const KeyLanes<D> me;                          // the lane's warp, key row g and columns c0
+    const int first = ring.start(me, K, V, blk);  // line 7's first steps on their way, then
+    float q[kR][8], o[kR][8], m[kR], l[kR];        // lines 4-5: the lane's share of the rows
+    int end[kR];
+    load_rows<T, D>(q, o, m, l, end, me, Q, blk, q_len, kv_len, causal, scale_log2);
+    int stage = 0;  // step n's stage, n % kStages: advanced in one place, below
+    for (int base = first; base < blk.k1; base += kStep) {  // line 6: the warp's steps
+        // This lane's copies of the step have landed (at most kStages - 2 younger groups in
+        // flight): read them, then refill the stage the previous step used with the step
+        // kStages - 1 ahead (line 7), so that memory works while the warp computes.
+        cp_async_wait<kStages - 2>();
+        uint4 Kraw[kU], Vraw[kU];
+        ring.read(stage, Kraw, Vraw);
+        ring.copy(base + (kStages - 1) * kStep, stage == 0 ? kStages - 1 : stage - 1);
+        stage = stage == kStages - 1 ? 0 : stage + 1;
+        float S[kU][kR], Kf[8], Vf[8];
+        scores<T, D>(S, Kf, Kraw, q, end, me, base);  // line 8
+        online_softmax(S, o, m, l);                   // lines 9-10
+        add_PV<T>(o, Vf, S, Vraw);                    // line 10
+    }
+    merge_groups<D>(o, m, l);                  // the warp's groups, then its warps, and
+    write_split<D>(o, m, l, me, blk, Os, Ls);  // lines 12-13: O_s, L_s
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -409,8 +477,6 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 // along by a shuffle. Same order on every call: deterministic. The work is small; the time is
 // the waits for L2. So the first kBatch splits' O_s are loaded before anything else, together with
 // the L_s: up to 32 splits (the rule's choice up to 33), the warp waits for L2 about once.
-// (Loading O_s only once L was known, 16 splits at a time, took ~1 us more at batch 1, 8k keys,
-// on an H100; a lane reading every L_s itself, one after another, 12 us: lab/chapter4.md.)
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
 flash_decode_combine_kernel(const float* __restrict__ Os, const float* __restrict__ Ls,
@@ -487,7 +553,7 @@ int chunks_of(const AttentionShape& s) {
 }
 
 void require_decode_shape(const AttentionShape& s, const char* fn) {
-    validate_shape_grouped(s, kFlashDecodeHeadDims, 2);
+    validate_shape(s, kFlashDecodeHeadDims, 2);
     require(s.q_len <= kFlashDecodeMaxQLen,
             std::string(fn) + ": shape.q_len = " + std::to_string(s.q_len) + " is not supported " +
                 "by the decode kernel; allowed values: 1 to " +
@@ -524,10 +590,9 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
     const int tiles_per_split = (tiles + splits - 1) / splits;
     const size_t rows = l_elems(s);
     // The L2 policy of K and V's copies (cp_async_16): evict-first where they are at most 4 L2s'
-    // worth of bytes, no hint beyond. On an H100 with the L2 left full of dirty lines, evict-first
-    // made batch 1 at 8k and 32k keys 6-9% faster, and from 268 MB on 2-4% slower (lab/chapter4.md,
-    // "The L2 policy"); beyond, an explicit evict-normal policy cost an H200 7-10% and gained an
-    // H100 1% ("No hint beyond").
+    // worth of bytes, where sparing the call the write-back of the dirty lines that earlier
+    // kernels left in the L2 is worth most; no hint beyond, where evict-first costs more than it
+    // spares.
     const bool evict_first = 2 * kv_elems(s) * sizeof(T) <= 4 * size_t(prop.l2CacheSize);
     with_scratch(flash_decode_scratch_bytes(s, splits), stream, [&](void* scratch) {
         float* Os = static_cast<float*>(scratch);
@@ -596,11 +661,10 @@ void decode_call(const char* fn, const T* Q, const T* K, const T* V, T* O, float
 // ---------------------------------------------------------------------------------------------
 // The split rule (flash.h): one wave of blocks (the blocks resident at once, 2 or 1 an SM as the
 // registers of the kernel's kR and the shared memory of its rings allow), and never fewer blocks
-// than SMs; each split whole tiles and
-// at least kMinTilesPerSplit of them (so that a split's fixed costs, its Q, its partial O_s
-// written and read again by the combine, stay small beside its K and V), at least 1. More waves
-// cost more: on an H200 at batch 1, 32k keys, 32 splits (one wave) took 56 us and 128 (four) 93
-// us, each block then too short to hide its first loads (lab/data/decode-splits-h200.txt).
+// than SMs; each split whole tiles and at least kMinTilesPerSplit of them (so that a split's fixed
+// costs, its Q, its partial O_s written and read again by the combine, stay small beside its K
+// and V), at least 1. Not more waves: each block pays its fixed costs (its Q, its first loads'
+// latency, the merge of its warps) again, and with fewer keys each hides them less.
 int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape& s) {
     constexpr int kMinTilesPerSplit = 4;
     const int kR = rows_kernel_for(s);
@@ -620,7 +684,7 @@ int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape&
 }
 
 size_t flash_decode_scratch_bytes(const AttentionShape& s, int splits) {
-    validate_shape_grouped(s, kFlashDecodeHeadDims, 2);
+    validate_shape(s, kFlashDecodeHeadDims, 2);
     require(splits >= 1, "splits = " + std::to_string(splits) + " is invalid; allowed values: 1 "
                          "or more");
     size_t bytes = 0;

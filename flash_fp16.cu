@@ -3,8 +3,9 @@
 // The same contract as chapter 1 (flash.h); read it beside flash.cu and FA2's Algorithms 1 and 2.
 //
 // Build and test:   make test        Demo:   ./flash_bench --dtype fp16   (or --dtype bf16)
-// Sections, in order: constants, fragment helpers, the forward kernel, the backward (its order of
-// adds, warp tiles, helpers, kernel, and the two small passes around it), the tiles, the launchers.
+// Sections, in order: constants, helpers (the fragments' are lib/fragments.cuh's), the forward
+// kernel, the backward (its order of adds, warp tiles, helpers, kernel, and the two small passes
+// around it), the tiles, the launchers.
 // flash_forward_fp16 / _bf16 themselves are the API layer's (lib/dispatch.cpp): it runs this
 // chapter's forward, or chapter 3's where that has a kernel; this file needs no other chapter.
 //
@@ -18,6 +19,7 @@
 #include "checks.h"
 #include "chapters.h"
 #include "flash.h"
+#include "fragments.cuh"  // T, its pairs, the mma and its fragments
 #include "log2_units.h"
 #include "ordered_add.cuh"
 
@@ -43,97 +45,10 @@ static constexpr int kFwdThreads = 32 * kWarps;  // threads of a forward block
 #endif
 static constexpr int kPad = FLASH_FP16_PAD;
 
-// mma.sync.m16n8k16 and cp.async need compute capability 8.0. When nvcc compiles for an older GPU
-// (a build with no GPU present defaults to sm_75), the kernel still compiles, to a trap; the API
-// refuses such GPUs with a std::runtime_error before anything is launched.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define SM80_ASM(...) __trap()
-#pragma nv_diag_suppress 177  // the operands SM80_ASM drops leave some variables unused
-#else
-#define SM80_ASM(...) asm volatile(__VA_ARGS__)
-#endif
-
 // ---------------------------------------------------------------------------------------------
-// Fragment helpers: one mma, one 16x16 shared-memory load, one async copy. Everything in them is
-// a documented PTX instruction; none is needed to follow the algorithm, only to run it.
-
-// The element type T of Q, K, V, O and the gradients: __half (fp16) or __nv_bfloat16 (bf16). Both
-// are 16 bits, so every load, layout and tile below is the same for the two; only the mma's type
-// and the rounding of fp32 results differ. ("fp16" in a name here is the chapter's, for either.)
-template <typename T>
-constexpr bool is_bf16 = std::is_same_v<T, __nv_bfloat16>;
-// Two floats rounded to nearest to a pair of T (x in the low half): __half2 or __nv_bfloat162.
-template <typename T>
-__device__ __forceinline__ auto pair_of(float x, float y) {
-    if constexpr (is_bf16<T>) return __floats2bfloat162_rn(x, y);
-    else return __floats2half2_rn(x, y);
-}
-template <typename T>
-using Pair = decltype(pair_of<T>(0.f, 0.f));
-__device__ __forceinline__ float2 float2_of(__half2 h) { return __half22float2(h); }
-__device__ __forceinline__ float2 float2_of(__nv_bfloat162 h) { return __bfloat1622float2(h); }
-
-// C (16x8, fp32) += A (16x16, T, row-major) * B (16x8, T, "col": B's columns contiguous).
-// Per thread (lane = 4g + t): a: 4 registers of 2 Ts; b: 2; c: rows g and g+8, cols 2t, 2t+1.
-template <typename T>
-__device__ __forceinline__ void mma_16x8x16(float c[4], const uint32_t a[4], uint32_t b0,
-                                            uint32_t b1) {
-    if constexpr (is_bf16<T>)
-        SM80_ASM("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]),
-                 "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        SM80_ASM("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]),
-                 "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// A warp's product of 16M rows by N columns in mma tiles, acc[m][n] (rows 16m .. 16m + 15,
-// columns 8n .. 8n + 7: the C above), as one thread holds it: 2M rows by N / 4 columns. Its r-th
-// row is row 16 (r / 2) + g + 8 (r % 2) = 8r + g of the warp's 16M, its c-th column is column
-// acc_col(c, t) (lane = 4g + t), and acc_at(acc, r, c) is the element there.
-template <int N8>
-__device__ __forceinline__ float& acc_at(float (*acc)[N8][4], int r, int c) {
-    return acc[r / 2][c / 2][2 * (r % 2) + c % 2];
-}
-__device__ __forceinline__ int acc_col(int c, int t) { return 8 * (c / 2) + 2 * t + c % 2; }
-// v combined by op (fmaxf, or add) over the quad, the 4 lanes 4g .. 4g + 3 that together hold a
-// row of an accumulator: lanes 1 apart first, then 2, and every lane gets the result. Chapter 1's
-// row_sum is the same butterfly taken the other way round; the order decides a sum's last bits.
-template <typename Op>
-__device__ __forceinline__ float quad_reduce(float v, Op op) {
-    v = op(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return op(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float add(float a, float b) { return a + b; }
-
-// The 16x16 block of a shared-memory array (row stride `ld` halves) whose top-left is `tile`, as
-// four 8x8 quarters: r[0] rows 0-7 cols 0-7, r[1] rows 8-15 cols 0-7, r[2] rows 0-7 cols 8-15,
-// r[3] rows 8-15 cols 8-15 (lane L points at row L % 16, column 8 * (L / 16)); with Across, the
-// quarters across first: r[1] rows 0-7 cols 8-15, r[2] rows 8-15 cols 0-7 (row L % 8 + 8 (L / 16),
-// column 8 (L / 8 % 2)), so that an mma operand's two halves sit in adjacent registers (the mma
-// takes its B as a register pair: without it, every B costs two moves). Each thread gets 2 halves
-// of each quarter: (row g, cols 2t, 2t+1), or with Trans (rows 2t, 2t+1, col g).
-template <bool Trans, bool Across = false, typename T>
-__device__ __forceinline__ void load_16x16(uint32_t r[4], const T* tile, int ld) {
-    const int lane = threadIdx.x % 32;
-    const int row = Across ? lane % 8 + lane / 16 * 8 : lane % 16;
-    const int col = Across ? lane / 8 % 2 * 8 : lane / 16 * 8;
-    const unsigned p = unsigned(__cvta_generic_to_shared(tile + row * ld + col));
-    if constexpr (Trans)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(p));
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(p));
-}
-
-// Two fp32 accumulators c[0], c[1] rounded to one register of two T (c[0] in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(const float* c) {
-    const auto h = pair_of<T>(c[0], c[1]);
-    return *reinterpret_cast<const uint32_t*>(&h);
-}
+// Helpers: the element type, the pairs of T, one mma, one 16x16 shared-memory load, a thread's
+// place in an accumulator and the quad's reduction are lib/fragments.cuh's (chapter 4 shares
+// them); here, the async copies of rows and the product of two shared-memory operands.
 
 // Rows [first, first + ROWS) of a (len, D) tensor of T into shared memory (row stride D + kPad),
 // 16 bytes per cp.async; rows at or past `len` are filled with zeros (cp.async's source size 0),
@@ -286,9 +201,9 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // A row that saw a key has l >= 1 (its max's own term is e^0); one that saw none has
         // l = 0 and O_i = 0: it gets O = 0 / 1 = 0 and L = -inf.
         for (int n = 0; n < D / 8 && query + 8 * r < q_len; n++)  // columns 2n, 2n + 1
-            *reinterpret_cast<Pair<T>*>(O + at * D + 8 * n + 2 * t) =
-                pair_of<T>(acc_at(O_i, r, 2 * n) / fmaxf(l_row, 1.f),
-                           acc_at(O_i, r, 2 * n + 1) / fmaxf(l_row, 1.f));
+            store_pair(O + at * D + 8 * n + 2 * t,
+                       acc_at(O_i, r, 2 * n) / fmaxf(l_row, 1.f),
+                       acc_at(O_i, r, 2 * n + 1) / fmaxf(l_row, 1.f));
         if (t == 0 && query + 8 * r < q_len)
             L[at] = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
     }
@@ -361,8 +276,8 @@ __device__ __forceinline__ void store_tile(T* out, float (*acc)[N / 8][4], float
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int r = 0; r < 2 * M; r++)                    // row 8r + g, columns 8n + 2t, + 1
         for (int n = 0; n < N / 8 && 8 * r + g < rows; n++)
-            *reinterpret_cast<Pair<T>*>(out + size_t(8 * r + g) * LD + 8 * n + 2 * t) =
-                pair_of<T>(acc_at(acc, r, 2 * n) * scale, acc_at(acc, r, 2 * n + 1) * scale);
+            store_pair(out + size_t(8 * r + g) * LD + 8 * n + 2 * t,
+                       acc_at(acc, r, 2 * n) * scale, acc_at(acc, r, 2 * n + 1) * scale);
 }
 
 // The ordered add (above): block_ticket, wait_turn and pass_turn, in lib/ordered_add.cuh (chapter

@@ -158,10 +158,9 @@ int main(int argc, char** argv) {
         if (out)
             std::fprintf(out, "device,dtype,batch,heads,kv_heads,q_len,kv_len,head_dim,splits,"
                               "time_us,kv_gbs,copy_gbs,fraction\n");
-        // The tensors of the largest shape, allocated once; each shape uses their beginning. (Freed
-        // and allocated again for each shape, a shape timed after a larger one ran up to 16% slower
-        // on an H100, e.g. batch 32 at 4k keys 230 us after batch 8 at 128k, 198 us on its own:
-        // lab/chapter4.md.)
+        // The tensors of the largest shape, allocated once; each shape uses their beginning, so
+        // that no shape's time depends on the shapes timed before it (freed and allocated again, a
+        // shape timed after a larger one reads its new tensors slower).
         size_t q_most = 0, kv_most = 0, l_most = 0;
         for (int batch : batches)
             for (int kv_len : kv_lens) {

@@ -3,7 +3,8 @@
 # Makefile's flags do (sm_90a for flash_hopper*.cu, sm_90 otherwise; ARCH overrides) and compares
 # the bytes of every .text.<kernel> section with the same section of BASELINE.cubin, one line a
 # kernel: "same", "different", or "only in" one of the two. Symbol tables and line info are left
-# out: they change with names and comments, the instructions must not.
+# out: they change with names and comments, the instructions must not. A kernel in an anonymous
+# namespace has a hash of its file in its name (_GLOBAL__N__<hash>_...); the hash is left out too.
 #   lab/same-machine-code.sh flash_hopper.cu old/flash_hopper.cubin   (run from the repo root)
 # FILE may be a .cubin already built. Exit status 0 when every kernel is the same.
 set -euo pipefail
@@ -20,7 +21,7 @@ case $src in
     ;;
 esac
 python3 - "$new" "$base" <<'PY'
-import struct, sys
+import re, struct, sys
 
 def text_sections(path):  # name -> bytes of each .text.* section of a 64-bit little-endian ELF
     data = open(path, 'rb').read()
@@ -34,7 +35,8 @@ def text_sections(path):  # name -> bytes of each .text.* section of a 64-bit li
     for name_off, kind, _, _, off, size, *_ in heads:
         name = data[names_at + name_off:data.index(b'\0', names_at + name_off)].decode()
         if name.startswith('.text.'):
-            out[name[len('.text.'):]] = data[off:off + size] if kind != 8 else b''  # 8: NOBITS
+            kernel = re.sub(r'_GLOBAL__N__[0-9a-f]+_', '_GLOBAL__N__', name[len('.text.'):])
+            out[kernel] = data[off:off + size] if kind != 8 else b''  # 8: NOBITS
     return out
 
 new, base = text_sections(sys.argv[1]), text_sections(sys.argv[2])

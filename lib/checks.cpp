@@ -1,6 +1,7 @@
 // checks.cpp: the host-side argument checks and launch helpers of checks.h, shared by every
-// chapter, and flash.h's head-dim queries. No kernels here: the GPU code is in flash.cu,
-// flash_fp16.cu and flash_hopper.cu; which of them a public call runs is dispatch.cpp's.
+// chapter, and flash.h's head-dim queries. No kernels here: the GPU code is the four chapters'
+// (flash.cu; flash_fp16.cu; flash_hopper.cu and flash_hopper_backward.cu; flash_decode.cu); which
+// of them a public call runs is dispatch.cpp's.
 #include "checks.h"
 
 #include <climits>
@@ -90,15 +91,6 @@ void validate_shape(const AttentionShape& s, HeadDims supported, size_t elem_byt
         const size_t elems = mul_checked(rows, size_t(s.head_dim), name + " * head_dim");
         mul_checked(elems, elem_bytes, name + " * head_dim" + bytes);
     }
-}
-
-void validate_shape_grouped(const AttentionShape& s, HeadDims supported, size_t elem_bytes) {
-    AttentionShape with_heads = s;
-    with_heads.kv_heads = 0;
-    validate_shape(with_heads, supported, elem_bytes);
-    require(s.kv_heads >= 0 && s.kv_heads <= s.heads && (s.kv_heads == 0 || s.heads % s.kv_heads == 0),
-            "shape.kv_heads = " + std::to_string(s.kv_heads) + " is invalid; allowed values: 0 " +
-                "(= heads) or a divisor of heads = " + std::to_string(s.heads));
 }
 
 // Chapter 1: fp32. (sizeof(float) is also the largest element any chapter uses.)

@@ -93,11 +93,6 @@ void dispatch_head_dim(int head_dim, F&& f) {
 void validate_shape(const AttentionShape& shape, HeadDims supported, size_t elem_bytes);
 // The same with chapter 1's head dims and sizeof(float) (the largest element any chapter uses).
 void validate_shape(const AttentionShape& shape);
-// The same, but allowing grouped K/V heads (kv_heads any divisor of heads, as validate_shape
-// states it): chapter 4's decode reads them. (Until every chapter reads them, validate_shape
-// refuses kv_heads < heads; this is validate_shape on the shape with kv_heads = heads, which
-// bounds every byte count, since K and V are then no larger, after the kv_heads check.)
-void validate_shape_grouped(const AttentionShape& shape, HeadDims supported, size_t elem_bytes);
 // Elements of Q and O (batch*heads*q_len*head_dim), of K and V (... kv_len ...), of L (... q_len).
 size_t q_elems(const AttentionShape& s);
 size_t kv_elems(const AttentionShape& s);
@@ -125,7 +120,7 @@ Arg output_arg(const char* name, T* ptr, size_t elems) {
 // bytes at a time), an output overlapping any other argument, host memory the GPU cannot read.
 // fn names the API call in the message. Call validate_shape first: it bounds the byte counts.
 void validate_pointers(const char* fn, std::initializer_list<Arg> args);
-// The forward's tensors, in both chapters: inputs Q, K, V and outputs O (element type T) and L.
+// The forward's tensors, in every chapter: inputs Q, K, V and outputs O (element type T) and L.
 template <typename T>
 void validate_forward_pointers(const char* fn, const T* Q, const T* K, const T* V, T* O,
                                float* L, const AttentionShape& s) {
@@ -160,9 +155,8 @@ int grid_blocks(const AttentionShape& shape, int rows, int tile, const char* wha
 // The stream-ordered memory pool of the library's own on the current device (one per device, made
 // on first use) that every call's scratch comes from: it keeps the memory it has reserved (release
 // threshold: no limit) until flash_release_scratch. The device's default pool gives its free
-// memory back at every synchronisation, so a call after one waited for the driver to map its
-// scratch again: 8-20% of the fp16 backward at N = 1024 on an H100 (lab/chapter2.md, the
-// backward's step 10).
+// memory back at every synchronisation, so a call after one would wait for the driver to map its
+// scratch again, a wait that weighs most on short calls (lab/chapter2.md, the backward's step 10).
 cudaMemPool_t flash_kept_pool();
 
 // Scratch for a launch: calls launch(scratch), which launches kernels on `stream` and returns
