@@ -177,12 +177,12 @@ TEST_CASE("A kernel that never finishes ends the run within seconds, under -a, -
         const char* spec;
         std::vector<const char*> options;
     };
-    // The deadline scaled to 0.1: 1 s for the tiny call (10 s at scale 1), the watchdog 1.5 s.
+    // The deadline scaled to 0.05: 0.5 s for the tiny call (10 s at scale 1), the watchdog 0.75 s.
     const Run runs[] = {{"[.spin-wait]", {"-a"}}, {"[.spin-sync]", {"-x", "1", "-r", "junit"}}};
     for (const Run& run : runs) {
         std::string command = std::string("test_flash ") + run.spec;
         for (const char* o : run.options) command += std::string(" ") + o;
-        INFO("the child: FLASH_TEST_DEADLINE_SCALE=0.1 " << command);
+        INFO("the child: FLASH_TEST_DEADLINE_SCALE=0.05 " << command);
         int out[2];
         REQUIRE(pipe(out) == 0);
         std::fflush(stdout);
@@ -194,7 +194,7 @@ TEST_CASE("A kernel that never finishes ends the run within seconds, under -a, -
             dup2(out[1], 1);
             dup2(out[1], 2);
             close(out[0]);
-            setenv("FLASH_TEST_DEADLINE_SCALE", "0.1", 1);
+            setenv("FLASH_TEST_DEADLINE_SCALE", "0.05", 1);
             std::vector<const char*> argv = {"test_flash", run.spec};
             argv.insert(argv.end(), run.options.begin(), run.options.end());
             argv.push_back(nullptr);
@@ -213,7 +213,7 @@ TEST_CASE("A kernel that never finishes ends the run within seconds, under -a, -
         INFO("it ran " << seconds << " s and printed:\n" << text);
         REQUIRE(WIFEXITED(status));
         CHECK(WEXITSTATUS(status) == 3);
-        CHECK(seconds < 10.0);  // 1 to 1.5 s of deadline, the CUDA start-up, and the exit
+        CHECK(seconds < 10.0);  // 0.5 to 0.75 s of deadline, the CUDA start-up, and the exit
         CHECK_THAT(text, Contains("DEADLINE: \"A spinning kernel"));
         CHECK_THAT(text, Contains("flash tests: 0 passed, 1 failed"));
     }
