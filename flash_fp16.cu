@@ -182,9 +182,11 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // stands in S's registers (NOTES.md section 9).
         for (int k = 0; k < Bc / 16; k++) {
             uint32_t p[M][4], b[4];
-            for (int mt = 0; mt < M; mt++)
-                p[mt][0] = pack2<T>(S[mt][2 * k]), p[mt][1] = pack2<T>(S[mt][2 * k] + 2),
-                p[mt][2] = pack2<T>(S[mt][2 * k + 1]), p[mt][3] = pack2<T>(S[mt][2 * k + 1] + 2);
+            for (int mt = 0; mt < M; mt++) {
+                const float *lo = S[mt][2 * k], *hi = S[mt][2 * k + 1];  // A's two column halves
+                p[mt][0] = pair_bits<T>(lo[0], lo[1]), p[mt][1] = pair_bits<T>(lo[2], lo[3]);
+                p[mt][2] = pair_bits<T>(hi[0], hi[1]), p[mt][3] = pair_bits<T>(hi[2], hi[3]);
+            }
             for (int n = 0; n < D / 16; n++) {
                 load_16x16<true>(b, V_j + stage + 16 * k * ld + 16 * n, ld);
                 for (int mt = 0; mt < M; mt++) {

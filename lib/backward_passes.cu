@@ -6,6 +6,7 @@
 #include "chapters.h"
 #include "checks.h"
 #include "flash.h"
+#include "fragments.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -14,19 +15,6 @@
 #include <cstdint>
 #include <type_traits>
 
-namespace {
-// The two of flash_fp16.cu's pair helpers that the passes use, the same here: a pair of T (__half2
-// or __nv_bfloat162) from two floats rounded to nearest (x in the low half), and back to floats.
-template <typename T>
-__device__ __forceinline__ auto pair_of(float x, float y) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) return __floats2bfloat162_rn(x, y);
-    else return __floats2half2_rn(x, y);
-}
-template <typename T>
-using Pair = decltype(pair_of<T>(0.f, 0.f));
-__device__ __forceinline__ float2 float2_of(__half2 h) { return __half22float2(h); }
-__device__ __forceinline__ float2 float2_of(__nv_bfloat162 h) { return __bfloat1622float2(h); }
-}  // namespace
 
 // Line 4, before the kernel: D = rowsum(dO o O), fp32, over the (B*H*q_len) rows. A row is read
 // by dot_threads(D) neighbouring threads, 16 bytes each a step, so that a warp reads whole rows

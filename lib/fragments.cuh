@@ -32,17 +32,17 @@ template <typename T>
 using Pair = std::conditional_t<is_bf16<T>, __nv_bfloat162, __half2>;
 
 // fp32 to a pair of T, the one rounding (to nearest) every kernel's 16-bit output goes through, x
-// in the low half. pair_of gives the pair; pack2 the same 32 bits as one register, for an mma
-// operand, from two adjacent floats of an accumulator, c[0] and c[1] (P~ as the A of P~ V_j);
-// store_pair writes the pair to memory at p (4-byte aligned).
+// in the low half. pair_of gives the pair; pair_bits the same 32 bits as one register (an mma
+// operand: P~ as the A of P~ V_j, in chapters 2 and 3); store_pair writes the pair to memory at p
+// (4-byte aligned).
 template <typename T>
 __device__ __forceinline__ Pair<T> pair_of(float x, float y) {
     if constexpr (is_bf16<T>) return __floats2bfloat162_rn(x, y);
     else return __floats2half2_rn(x, y);
 }
 template <typename T>
-__device__ __forceinline__ uint32_t pack2(const float* c) {
-    const Pair<T> h = pair_of<T>(c[0], c[1]);
+__device__ __forceinline__ uint32_t pair_bits(float x, float y) {
+    const Pair<T> h = pair_of<T>(x, y);
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 template <typename T>

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "checks.h"
+#include "fragments.cuh"
 
 #include <cuda.h>          // CUtensorMap and its enums (types only: nothing links libcuda)
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000
@@ -250,20 +251,6 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b
 #undef AB64
 #undef WGMMA_SS
 #undef WGMMA_RS
-// Two floats as one 32-bit register of T pair, the A fragment's element pairs.
-template <typename T>
-__device__ __forceinline__ uint32_t pair_bits(float a, float b) {
-    uint32_t bits;
-    if constexpr (std::is_same<T, __half>::value) {
-        const __half2 p = __floats2half2_rn(a, b);
-        bits = *reinterpret_cast<const uint32_t*>(&p);
-    } else {
-        const __nv_bfloat162 p = __floats2bfloat162_rn(a, b);
-        bits = *reinterpret_cast<const uint32_t*>(&p);
-    }
-    return bits;
-}
-
 // Chapter 2's acc_at, for a warpgroup's accumulators (one flat array a thread, laid out as
 // mma.m16n8's, a warp's 16 rows each): element (r, c) is row 16 warp + g + 8r of the warpgroup's
 // 64, r = 0, 1, and column 8 (c / 2) + 2t + c % 2 (lane = 4g + t).
@@ -271,14 +258,7 @@ template <int N>
 __device__ __forceinline__ float& acc_at(float (&acc)[N], int r, int c) {
     return acc[c / 2 * 4 + 2 * r + c % 2];
 }
-// Chapter 2's quad_reduce: v combined by op (fmaxf, or add) over the quad, the 4 lanes 4g .. 4g + 3
-// that hold a row, lanes 1 apart first, then 2; every lane gets the result.
-template <typename Op>
-__device__ __forceinline__ float quad_reduce(float v, Op op) {
-    v = op(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return op(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float add(float a, float b) { return a + b; }
+// pair_bits, quad_reduce and add are chapter 2's, from fragments.cuh.
 
 // The pipeline (CUTLASS's PipelineState, ThunderKittens' stage and phase bit): a ring of Stages
 // buffers, each with a full and an empty mbarrier, through which tiles pass in order. Tile n
