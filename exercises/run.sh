@@ -63,6 +63,8 @@ git ls-files -z -co --exclude-standard | while IFS= read -r -d '' f; do
     [ -f "$f" ] && cp -p --parents "$f" "$work/base"/
 done
 [ -d .deps ] && cp -a .deps "$work/base"/
+# A build already made here is reused: its objects, newer than the sources (cp -p), are current.
+[ -d build ] && cp -a build "$work/base"/ && { [ -f test_flash ] && cp -p test_flash "$work/base"/; }
 (cd "$work/base" && make -j"$jobs" test_flash ${ARCH:+ARCH=$ARCH}) >"$work/base.log" 2>&1 ||
     { tail -n 30 "$work/base.log"; echo "the unpatched tree does not build" >&2; exit 1; }
 
