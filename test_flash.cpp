@@ -516,7 +516,7 @@ TEMPLATE_TEST_CASE("The Hopper backward is right when its tickets go out a few h
 // d = 64 on an H100; the last partial) and two K/V tiles (128 keys; three of 64 at d = 16 and
 // 256), whose blocks add into each dQ_i in turn: the ordered add runs under the sanitizer.
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: forward and backward match the reference",
-                   "[gpu][sanitize][forward][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
+                   "[gpu][.sanitize][forward][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
     const int n = per_type<TestType>(100, 150);
     const AttentionShape s = GENERATE_COPY(from_range(sanitizer_shapes(head_dims_of<TestType>(), n)));
     for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))  // chapters 2 and 3
@@ -526,13 +526,13 @@ TEMPLATE_TEST_CASE("Small shapes for the sanitizer: forward and backward match t
 // Chapter 2's forward's share of the sanitizer's subset, in fp16 and bf16: the same small shapes,
 // forward only, on chapter 2's kernel whatever the GPU (the test above runs the public call).
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the tensor-core forward matches the reference",
-                   "[gpu][sanitize][forward][fp16][bf16]", fp16, bf16) {
+                   "[gpu][.sanitize][forward][fp16][bf16]", fp16, bf16) {
     const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kFp16HeadDims, 100)));
     check_forward_on_gpu<TestType>(s, 1300, Kernel::chapter2());
 }
 
 TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the Hopper forward matches the reference",
-                   "[gpu][sanitize][forward][hopper][fp16][bf16]", fp16, bf16) {
+                   "[gpu][.sanitize][forward][hopper][fp16][bf16]", fp16, bf16) {
     if (!hopper_or_warn()) return;
     const AttentionShape s = GENERATE(from_range(sanitizer_shapes(kHopperHeadDims, 150)));
     check_forward_on_gpu<TestType>(s, 1350, Kernel::chapter3());
