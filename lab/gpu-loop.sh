@@ -56,4 +56,4 @@ if [ -n "$base" ]; then
 fi
 
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)"
-for r in "${rows[@]}"; do echo "$r"; done | column -t -s '|'
+for r in "${rows[@]}"; do IFS='|' read -r what time how <<<"$r"; printf '%-46s %9s  %s\n' "$what" "$time" "$how"; done
