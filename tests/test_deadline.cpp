@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -154,6 +155,42 @@ namespace {
 // a synchronising CUDA call, where only the watchdog thread can end the run.
 const AttentionShape kSpinShape{1, 1, 1, 1, 64, false};
 GpuCall spin_call() { return {"forward", "fp16", Kernel::chapter2(), kSpinShape, 2}; }
+
+// This test binary run again in a child process, with one variable of the environment set:
+// what it printed (stdout and stderr), its wait status, and how long it ran.
+struct Child {
+    std::string text;
+    int status = 0;
+    double seconds = 0;
+};
+Child run_child(const std::vector<const char*>& args, const char* name, const char* value) {
+    int out[2];
+    REQUIRE(pipe(out) == 0);
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const auto start = std::chrono::steady_clock::now();
+    const pid_t child = fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {  // a new process image: nothing of the parent's CUDA state is used
+        dup2(out[1], 1);
+        dup2(out[1], 2);
+        close(out[0]);
+        setenv(name, value, 1);
+        std::vector<const char*> argv = {"test_flash"};
+        argv.insert(argv.end(), args.begin(), args.end());
+        argv.push_back(nullptr);
+        execv("/proc/self/exe", const_cast<char* const*>(argv.data()));
+        std::_Exit(127);
+    }
+    close(out[1]);
+    Child c;
+    char buffer[4096];
+    for (ssize_t n; (n = read(out[0], buffer, sizeof buffer)) > 0;) c.text.append(buffer, size_t(n));
+    close(out[0]);
+    REQUIRE(waitpid(child, &c.status, 0) == child);
+    c.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return c;
+}
 }  // namespace
 
 TEST_CASE("A spinning kernel waited for with the deadline (the child of the test below)",
@@ -173,48 +210,39 @@ TEST_CASE("A spinning kernel behind a blocking CUDA call (the child of the test 
 
 TEST_CASE("A kernel that never finishes ends the run within seconds, under -a, -x 1 and another "
           "reporter", "[gpu][deadline]") {
-    struct Run {
-        const char* spec;
-        std::vector<const char*> options;
-    };
     // The deadline scaled to 0.05: 0.5 s for the tiny call (10 s at scale 1), the watchdog 0.75 s.
-    const Run runs[] = {{"[.spin-wait]", {"-a"}}, {"[.spin-sync]", {"-x", "1", "-r", "junit"}}};
-    for (const Run& run : runs) {
-        std::string command = std::string("test_flash ") + run.spec;
-        for (const char* o : run.options) command += std::string(" ") + o;
-        INFO("the child: FLASH_TEST_DEADLINE_SCALE=0.05 " << command);
-        int out[2];
-        REQUIRE(pipe(out) == 0);
-        std::fflush(stdout);
-        std::fflush(stderr);
-        const auto start = std::chrono::steady_clock::now();
-        const pid_t child = fork();
-        REQUIRE(child >= 0);
-        if (child == 0) {  // a new process image: nothing of the parent's CUDA state is used
-            dup2(out[1], 1);
-            dup2(out[1], 2);
-            close(out[0]);
-            setenv("FLASH_TEST_DEADLINE_SCALE", "0.05", 1);
-            std::vector<const char*> argv = {"test_flash", run.spec};
-            argv.insert(argv.end(), run.options.begin(), run.options.end());
-            argv.push_back(nullptr);
-            execv("/proc/self/exe", const_cast<char* const*>(argv.data()));
-            std::_Exit(127);
-        }
-        close(out[1]);
-        std::string text;
-        char buffer[4096];
-        for (ssize_t n; (n = read(out[0], buffer, sizeof buffer)) > 0;) text.append(buffer, size_t(n));
-        close(out[0]);
-        int status = 0;
-        REQUIRE(waitpid(child, &status, 0) == child);
-        const double seconds =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        INFO("it ran " << seconds << " s and printed:\n" << text);
-        REQUIRE(WIFEXITED(status));
-        CHECK(WEXITSTATUS(status) == 3);
-        CHECK(seconds < 10.0);  // 0.5 to 0.75 s of deadline, the CUDA start-up, and the exit
-        CHECK_THAT(text, Contains("DEADLINE: \"A spinning kernel"));
-        CHECK_THAT(text, Contains("flash tests: 0 passed, 1 failed"));
+    const std::vector<std::vector<const char*>> runs = {{"[.spin-wait]", "-a"},
+                                                        {"[.spin-sync]", "-x", "1", "-r", "junit"}};
+    for (const auto& args : runs) {
+        std::string command = "FLASH_TEST_DEADLINE_SCALE=0.05 test_flash";
+        for (const char* a : args) command += std::string(" ") + a;
+        INFO("the child: " << command);
+        const Child c = run_child(args, "FLASH_TEST_DEADLINE_SCALE", "0.05");
+        INFO("it ran " << c.seconds << " s and printed:\n" << c.text);
+        REQUIRE(WIFEXITED(c.status));
+        CHECK(WEXITSTATUS(c.status) == 3);
+        CHECK(c.seconds < 10.0);  // 0.5 to 0.75 s of deadline, the CUDA start-up, and the exit
+        CHECK_THAT(c.text, Contains("DEADLINE: \"A spinning kernel"));
+        CHECK_THAT(c.text, Contains("flash tests: 0 passed, 1 failed"));
     }
+}
+
+// The test case's own alarm, on the CPU: a child whose test case sleeps (as a test would that
+// waits on the GPU outside every guarded call) ends at FLASH_TEST_CASE_SECONDS with the message.
+TEST_CASE("A test case that sleeps past its alarm (the child of the test below)", "[.sleep-case]") {
+    std::this_thread::sleep_for(std::chrono::seconds(30));
+    FAIL("the alarm did not end the run");
+}
+
+TEST_CASE("A test case that does not end ends the run at its alarm, with the message",
+          "[cpu][deadline]") {
+    const Child c = run_child({"[.sleep-case]", "-a"}, "FLASH_TEST_CASE_SECONDS", "0.5");
+    INFO("the child: FLASH_TEST_CASE_SECONDS=0.5 test_flash [.sleep-case] -a; it ran "
+         << c.seconds << " s and printed:\n" << c.text);
+    REQUIRE(WIFEXITED(c.status));
+    CHECK(WEXITSTATUS(c.status) == 3);
+    CHECK(c.seconds < 10.0);
+    CHECK_THAT(c.text, Contains("DEADLINE: \"A test case that sleeps") &&
+                           Contains("FLASH_TEST_CASE_SECONDS"));
+    CHECK_THAT(c.text, Contains("flash tests: 0 passed, 1 failed"));
 }

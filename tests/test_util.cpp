@@ -511,11 +511,17 @@ void end_run_on_deadline(const std::string& line) {
 namespace {
 // The watchdog's state: armed by arm_deadline, disarmed by wait_for_gpu; its thread checks it ten
 // times a second. It cannot call Catch (not thread-safe): it prints and exits on its own.
-struct Watchdog {
-    std::mutex lock;
+// Two alarms: a GPU call's (DeadlineGuard) and the running test case's (armed by main's listener
+// as a test case starts, for a wait on the GPU that no guard covers: a test's own synchronising
+// call, say). Whichever passes first ends the run.
+struct Alarm {
     bool armed = false;
     std::chrono::steady_clock::time_point until;
     std::string test_case, line;
+};
+struct Watchdog {
+    std::mutex lock;
+    Alarm call, test_case;
 };
 Watchdog g_watchdog;
 [[noreturn]] void watch() {
@@ -524,36 +530,52 @@ Watchdog g_watchdog;
         std::string test_case, line;
         {
             const std::lock_guard<std::mutex> hold(g_watchdog.lock);
-            if (!g_watchdog.armed || std::chrono::steady_clock::now() < g_watchdog.until) continue;
-            test_case = g_watchdog.test_case;
-            line = g_watchdog.line;
+            const auto now = std::chrono::steady_clock::now();
+            const Alarm* rung = nullptr;
+            for (const Alarm* a : {&g_watchdog.call, &g_watchdog.test_case})
+                if (a->armed && now >= a->until) rung = a;
+            if (!rung) continue;
+            test_case = rung->test_case;
+            line = rung->line;
         }
         table_line("FAIL", test_case, line);
         g_totals.failed += 1;  // the test case that never ends
         say_and_exit(line);
     }
 }
-void disarm_deadline() {
+void set_alarm(Alarm& alarm, double seconds, const std::string& test_case, const std::string& line) {
+    static std::once_flag started;
+    std::call_once(started, [] { std::thread(watch).detach(); });
     const std::lock_guard<std::mutex> hold(g_watchdog.lock);
-    g_watchdog.armed = false;
+    alarm.armed = true;
+    alarm.until = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                      std::chrono::duration<double>(seconds));
+    alarm.test_case = test_case;
+    alarm.line = line;
+}
+void clear_alarm(Alarm& alarm) {
+    const std::lock_guard<std::mutex> hold(g_watchdog.lock);
+    alarm.armed = false;
 }
 }  // namespace
 
 DeadlineGuard::DeadlineGuard(const GpuCall& call) {
-    static std::once_flag started;
-    std::call_once(started, [] { std::thread(watch).detach(); });
     const double seconds = 1.5 * deadline_seconds(call, deadline_scale_from_env());
     const std::string test_case = Catch::getResultCapture().getCurrentTestName();
-    const std::lock_guard<std::mutex> hold(g_watchdog.lock);
-    g_watchdog.armed = true;
-    g_watchdog.until = std::chrono::steady_clock::now() +
-                       std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                           std::chrono::duration<double>(seconds));
-    g_watchdog.test_case = test_case;
-    g_watchdog.line = deadline_message(test_case, call, seconds) +
-                      " (the host was blocked in a CUDA call that waits for it)";
+    set_alarm(g_watchdog.call, seconds, test_case,
+              deadline_message(test_case, call, seconds) +
+                  " (the host was blocked in a CUDA call that waits for it)");
 }
-DeadlineGuard::~DeadlineGuard() { disarm_deadline(); }
+DeadlineGuard::~DeadlineGuard() { clear_alarm(g_watchdog.call); }
+
+double test_case_seconds() {
+    const char* text = std::getenv("FLASH_TEST_CASE_SECONDS");
+    char* end = nullptr;
+    const double seconds = text ? std::strtod(text, &end) : 0.0;
+    if (text && end != text && std::isfinite(seconds) && seconds > 0) return seconds;
+    return 300.0 * deadline_scale_from_env();
+}
 
 void wait_for_gpu(cudaStream_t stream, const GpuCall& call) {
     const DeadlineGuard guard(call);  // the host's own waits below are under the watchdog too
@@ -861,6 +883,12 @@ struct SummaryListener : Catch::TestEventListenerBase {
     std::string first_failure;
     void testCaseStarting(Catch::TestCaseInfo const& info) override {
         first_failure.clear();
+        const double seconds = test_case_seconds();
+        std::ostringstream line;
+        line << "DEADLINE: \"" << info.name << "\" did not end within " << seconds
+             << " s (FLASH_TEST_CASE_SECONDS): likely a kernel that never finishes, waited for "
+                "by a CUDA call outside the harness's guarded calls";
+        set_alarm(g_watchdog.test_case, seconds, info.name, line.str());
         TestEventListenerBase::testCaseStarting(info);
     }
     bool assertionEnded(Catch::AssertionStats const& stats) override {
@@ -875,6 +903,7 @@ struct SummaryListener : Catch::TestEventListenerBase {
         return TestEventListenerBase::assertionEnded(stats);
     }
     void testCaseEnded(Catch::TestCaseStats const& stats) override {
+        clear_alarm(g_watchdog.test_case);
         const bool failed = stats.totals.testCases.failed > 0;
         (failed ? g_totals.failed : g_totals.passed) += 1;
         table_line(failed ? "FAIL" : "PASS", stats.testInfo.name, failed ? first_failure : "");
