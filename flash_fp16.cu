@@ -4,8 +4,9 @@
 //
 // Build and test:   make test        Demo:   ./flash_bench --dtype fp16   (or --dtype bf16)
 // Sections, in order: constants, helpers (the fragments' are lib/fragments.cuh's), the forward
-// kernel, the backward (its order of adds, warp tiles, helpers, kernel, and the two small passes
-// around it), the tiles, the launchers.
+// kernel, the backward (its order of adds, warp tiles, helpers and kernel; the two small passes
+// around it are lib/backward_passes.cu's), the tiles, the launchers. What each choice was
+// measured against, and the variants dropped: lab/chapter2.md.
 // flash_forward_fp16 / _bf16 themselves are the API layer's (lib/dispatch.cpp): it runs this
 // chapter's forward, or chapter 3's where that has a kernel; this file needs no other chapter.
 //
@@ -39,7 +40,7 @@ static constexpr int kFwdThreads = 32 * kWarps;  // threads of a forward block
 // Shared-memory rows are D + kPad halves long. Unpadded, the 8 rows one ldmatrix reads start a
 // multiple of 128 bytes apart and hit the same banks (an 8-way conflict); 8 halves (16 bytes) of
 // padding shift each row by 4 banks, so the 8 rows cover all 32. To see what it buys:
-// make clean all DEFINES=-DFLASH_FP16_PAD=0 (NOTES.md section 12, steps 1 and 2, measured it).
+// make clean all DEFINES=-DFLASH_FP16_PAD=0.
 #ifndef FLASH_FP16_PAD
 #define FLASH_FP16_PAD 8
 #endif
@@ -482,8 +483,7 @@ FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
 
 // The order of the blocks: 16 heads' Q tiles at a time, longest first (the kernel's line 3). Under
 // the causal mask the longest tiles then start first across 16 heads (largest first balances
-// the SMs' loads), and the few heads' K and V that the running blocks read stay in L2 (measured
-// against one head after another: NOTES.md section 12, step 8).
+// the SMs' loads), and the few heads' K and V that the running blocks read stay in L2.
 static constexpr int kFwdHeadGroup = 16;
 
 template <typename T, int D, int Bc>
@@ -568,8 +568,7 @@ void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __
 // 256 floats a thread). Br = 128 at d = 64, where registers allow it: each barrier and each
 // ordered add then serves twice the work. Where a block does not fit the device's shared memory
 // the next tile in bwd_tiles' list is taken (Br halved, then Bc = 64 on 4 warps). d = 16 takes
-// Bc = 64 on 4 warps: 8 warps would split dQ_i's 16 columns too finely. Measured: NOTES.md
-// section 14. Shared memory: K_j, V_j, two stages of Q_i and dO_i, P^T and dS^T (Bc x Br each,
+// Bc = 64 on 4 warps: 8 warps would split dQ_i's 16 columns too finely. Shared memory: K_j, V_j, two stages of Q_i and dO_i, P^T and dS^T (Bc x Br each,
 // padded), two stages of L_i and D_i.
 struct BwdTile {
     int Bc, Br;
