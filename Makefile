@@ -158,13 +158,14 @@ ch1 ch2 ch3 ch4: test_flash
 	./test_flash '$($(shell echo $@ | tr a-z A-Z)_SPEC)'
 # A student's make check with an exercise applied names it and how to undo it, nothing more (its
 # log and NOTES' figures are meant to disagree with the changed kernel).
-check: check_docs
+check:
 	@for p in exercises/*.patch; do \
 	    if git apply -R --check "$$p" 2>/dev/null; then \
 	        echo "make check: exercise $$p is applied (git apply -R $$p undoes it); nothing checked"; \
 	        exit 1; \
 	    fi; \
 	done
+	@$(MAKE) --no-print-directory check_docs
 	./check_docs
 # The maintainer's check: every exercise log still current with the sources it ran (remake the
 # stale ones with exercises/run.sh on a GPU).
