@@ -540,25 +540,24 @@ TEMPLATE_TEST_CASE("The backward gives bitwise identical dQ, dK and dV on every 
     }
 }
 
-TEMPLATE_TEST_CASE("The tensor-core backward adds into dQ in its fixed order: shares that cancel "
-                   "exactly leave no trace", "[gpu][backward][determinism][fp16][bf16]", fp16,
-                   bf16) {
-    // Chapter 2's backward sums each K/V tile's share of dQ_i in fp32 in memory, in a fixed order
-    // (flash_fp16.cu; without the mask the tiles from the right: j = Tc - 1 stores, then Tc - 2
-    // adds, ...), each block waiting for its turn and handing it on once its adds have landed. On
-    // random inputs an add out of order moves dQ by its last bits at most, and rarely, so the
-    // tests above would not see a turn handed on too early. Here it shows in every element:
-    //  - Q = 0: every score is 0, so every P_ij = 1 / kv_len whatever K holds;
-    //  - the last two K/V tiles hold the same V rows (so the same dS_ij) and K rows of opposite
-    //    signs, huge (H): their shares of dQ_i are A and -A exactly (the same products negated,
-    //    summed in the same order; rounding to nearest and towards zero are both odd functions);
-    //  - the other tiles' K rows are small (k): their shares, s, lie far below A's last bit.
-    // In the fixed order dQ_i = ((A - A) + s) + ... , bit for bit what it is with the two tiles'
-    // K set to 0 (0 + 0 + s + ...), which the reference checks. An add landing between the two
-    // ((A + s) - A, or -A before A's store) moves dQ_i by A's rounding, about |A| 2^-24 =
-    // (H / k) 2^-24 |s|: 2^-8 |s| in fp16 (H / k = 2^16), 2^-4 |s| in bf16 (2^20), 16 times the
-    // output's last bit or more, or by A itself.
-    const int d = GENERATE(64);  // 16, 128 and 256: make stress (the reference's cost)
+// The shares that cancel, at head dim d: the body of the two test cases below.
+// Chapter 2's backward sums each K/V tile's share of dQ_i in fp32 in memory, in a fixed order
+// (flash_fp16.cu; without the mask the tiles from the right: j = Tc - 1 stores, then Tc - 2
+// adds, ...), each block waiting for its turn and handing it on once its adds have landed. On
+// random inputs an add out of order moves dQ by its last bits at most, and rarely, so the
+// tests above would not see a turn handed on too early. Here it shows in every element:
+//  - Q = 0: every score is 0, so every P_ij = 1 / kv_len whatever K holds;
+//  - the last two K/V tiles hold the same V rows (so the same dS_ij) and K rows of opposite
+//    signs, huge (H): their shares of dQ_i are A and -A exactly (the same products negated,
+//    summed in the same order; rounding to nearest and towards zero are both odd functions);
+//  - the other tiles' K rows are small (k): their shares, s, lie far below A's last bit.
+// In the fixed order dQ_i = ((A - A) + s) + ... , bit for bit what it is with the two tiles'
+// K set to 0 (0 + 0 + s + ...), which the reference checks. An add landing between the two
+// ((A + s) - A, or -A before A's store) moves dQ_i by A's rounding, about |A| 2^-24 =
+// (H / k) 2^-24 |s|: 2^-8 |s| in fp16 (H / k = 2^16), 2^-4 |s| in bf16 (2^20), 16 times the
+// output's last bit or more, or by A itself.
+template <typename TestType>
+void check_cancelling_shares(int d) {
     const FlashTile tile = flash_choose_tile_fp16_backward(current_device_props(), d);
     const int Bc = tile.Bc, Tc = 4;
     // 64 heads of 4 K/V tiles: 256 blocks, every dQ_i (2 to 4 Q tiles a head) a chain of 4 adds.
@@ -611,113 +610,15 @@ TEMPLATE_TEST_CASE("The tensor-core backward adds into dQ in its fixed order: sh
 }
 
 TEMPLATE_TEST_CASE("The tensor-core backward adds into dQ in its fixed order: shares that cancel "
-                   "exactly leave no trace, at head dim 16 (make stress)", "[gpu][backward][determinism][fp16][bf16][.stress]", fp16,
+                   "exactly leave no trace", "[gpu][backward][determinism][fp16][bf16]", fp16,
                    bf16) {
-    // The rest of the test above's shapes: the same body, the same salt.
-    const int d = GENERATE(16);
-    const FlashTile tile = flash_choose_tile_fp16_backward(current_device_props(), d);
-    const int Bc = tile.Bc, Tc = 4;
-    const AttentionShape s{4, 16, 200, Tc * Bc, d, false};
-    INFO(describe(s) << ", K/V tiles of Bc = " << Bc << ": tiles " << Tc - 1 << " and " << Tc - 2
-                     << " cancel");
-    Problem<float> f = random_problem(s, 3100);
-    const float H = Format16<TestType>::bf ? 65536.0f : 4096.0f, k = 1.0f / 16;
-    const size_t heads = size_t(s.batch) * s.heads, rows = s.kv_len, D = d;
-    std::fill(f.Q.begin(), f.Q.end(), 0.0f);
-    for (size_t bh = 0; bh < heads; ++bh)
-        for (size_t j = 0; j < rows; ++j)
-            for (size_t x = 0; x < D; ++x) {
-                float& K = f.K[(bh * rows + j) * D + x];
-                if (j < size_t(Tc - 2) * Bc) K *= k;        // the small tiles
-                else if (j >= size_t(Tc - 1) * Bc) K *= H;  // tile Tc - 1, huge
-            }
-    for (size_t bh = 0; bh < heads; ++bh)  // tile Tc - 2: tile Tc - 1's V rows, its K rows negated
-        for (size_t j = size_t(Tc - 2) * Bc; j < size_t(Tc - 1) * Bc; ++j)
-            for (size_t x = 0; x < D; ++x) {
-                const size_t at = (bh * rows + j) * D + x, mirror = at + size_t(Bc) * D;
-                f.K[at] = -f.K[mirror];
-                f.V[at] = f.V[mirror];
-            }
-    const Problem<TestType> cancelling = converted<TestType>(f);  // negation rounds exactly
-    Problem<float> g = f;
-    for (size_t bh = 0; bh < heads; ++bh)
-        for (size_t j = size_t(Tc - 2) * Bc; j < rows; ++j)
-            for (size_t x = 0; x < D; ++x) g.K[(bh * rows + j) * D + x] = 0.0f;
-    const Problem<TestType> without = converted<TestType>(g);
-    for (const float x : converted<float>(cancelling.K)) REQUIRE(std::isfinite(x));
-    GpuAttention<TestType> gpu_without(without);
-    gpu_without.forward();
-    gpu_without.backward();
-    const Outputs<float> want = gpu_without.outputs(true);
-    check_against_reference_backward(want, without);
-    GpuAttention<TestType> gpu(cancelling);
-    const int calls = 5;
-    for (int call = 1; call <= calls; ++call) {
-        gpu.forward();
-        gpu.backward();
-        const Outputs<float> got = gpu.outputs(true);
-        if (bitwise_equal(want, got)) continue;
-        INFO("call " << call << ": with the cancelling tiles the outputs must be bitwise those "
-             "without them (O, L, dK, dV do not depend on them; dQ gets A - A = 0 first): where "
-             "dQ differs, an add landed out of its turn");
-        check_bitwise(want, got, s);
-        FAIL("dQ's adds out of order");
-    }
+    check_cancelling_shares<TestType>(64);  // 16, 128 and 256: make stress (the reference's cost)
 }
 
 TEMPLATE_TEST_CASE("The tensor-core backward adds into dQ in its fixed order: shares that cancel "
-                   "exactly leave no trace, at head dims 128 and 256 (make stress)", "[gpu][backward][determinism][fp16][bf16][.stress]", fp16,
-                   bf16) {
-    // The rest of the test above's shapes: the same body, the same salt.
-    const int d = GENERATE(128, 256);
-    const FlashTile tile = flash_choose_tile_fp16_backward(current_device_props(), d);
-    const int Bc = tile.Bc, Tc = 4;
-    const AttentionShape s{4, 16, 200, Tc * Bc, d, false};
-    INFO(describe(s) << ", K/V tiles of Bc = " << Bc << ": tiles " << Tc - 1 << " and " << Tc - 2
-                     << " cancel");
-    Problem<float> f = random_problem(s, 3100);
-    const float H = Format16<TestType>::bf ? 65536.0f : 4096.0f, k = 1.0f / 16;
-    const size_t heads = size_t(s.batch) * s.heads, rows = s.kv_len, D = d;
-    std::fill(f.Q.begin(), f.Q.end(), 0.0f);
-    for (size_t bh = 0; bh < heads; ++bh)
-        for (size_t j = 0; j < rows; ++j)
-            for (size_t x = 0; x < D; ++x) {
-                float& K = f.K[(bh * rows + j) * D + x];
-                if (j < size_t(Tc - 2) * Bc) K *= k;        // the small tiles
-                else if (j >= size_t(Tc - 1) * Bc) K *= H;  // tile Tc - 1, huge
-            }
-    for (size_t bh = 0; bh < heads; ++bh)  // tile Tc - 2: tile Tc - 1's V rows, its K rows negated
-        for (size_t j = size_t(Tc - 2) * Bc; j < size_t(Tc - 1) * Bc; ++j)
-            for (size_t x = 0; x < D; ++x) {
-                const size_t at = (bh * rows + j) * D + x, mirror = at + size_t(Bc) * D;
-                f.K[at] = -f.K[mirror];
-                f.V[at] = f.V[mirror];
-            }
-    const Problem<TestType> cancelling = converted<TestType>(f);  // negation rounds exactly
-    Problem<float> g = f;
-    for (size_t bh = 0; bh < heads; ++bh)
-        for (size_t j = size_t(Tc - 2) * Bc; j < rows; ++j)
-            for (size_t x = 0; x < D; ++x) g.K[(bh * rows + j) * D + x] = 0.0f;
-    const Problem<TestType> without = converted<TestType>(g);
-    for (const float x : converted<float>(cancelling.K)) REQUIRE(std::isfinite(x));
-    GpuAttention<TestType> gpu_without(without);
-    gpu_without.forward();
-    gpu_without.backward();
-    const Outputs<float> want = gpu_without.outputs(true);
-    check_against_reference_backward(want, without);
-    GpuAttention<TestType> gpu(cancelling);
-    const int calls = 5;
-    for (int call = 1; call <= calls; ++call) {
-        gpu.forward();
-        gpu.backward();
-        const Outputs<float> got = gpu.outputs(true);
-        if (bitwise_equal(want, got)) continue;
-        INFO("call " << call << ": with the cancelling tiles the outputs must be bitwise those "
-             "without them (O, L, dK, dV do not depend on them; dQ gets A - A = 0 first): where "
-             "dQ differs, an add landed out of its turn");
-        check_bitwise(want, got, s);
-        FAIL("dQ's adds out of order");
-    }
+                   "exactly leave no trace, at head dims 16, 128 and 256 (make stress)",
+                   "[gpu][backward][determinism][fp16][bf16][.stress]", fp16, bf16) {
+    check_cancelling_shares<TestType>(GENERATE(16, 128, 256));
 }
 
 TEST_CASE("flash_forward_bc matches the reference for tiles that do not divide the length",
@@ -1158,38 +1059,35 @@ static std::vector<std::vector<T>> fill_from_patterns(GpuAttention<T>& gpu, uint
     return patterns;
 }
 
-TEMPLATE_TEST_CASE("More than 65535 batch*heads: the heads past 65535 are right, the last included",
-                   "[gpu][big][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
-    // 65535 is the limit of a grid's y and z dimensions: a launch that puts batch*heads there
-    // fails, and one that folds it wrongly leaves the last heads unwritten or wrong. The forward
-    // (the public call) and the backward: 129 x 33 (three Q tiles of 64 rows, one partial K/V tile; when causal, rows 0..95 see no key, and
-    // chapter 2's backward adds to no dQ there); 16 x 16, one tile each way, in make stress.
+namespace {
+// 65535 is the limit of a grid's y and z dimensions: a launch that puts batch*heads there fails,
+// and one that folds it wrongly leaves the last heads unwritten or wrong. The forward (the public
+// call) and the backward at q_len x kv_len, 70000 heads, causal and not.
+template <typename T>
+void check_heads_past_65535(int q_len, int kv_len) {
     const bool causal = GENERATE(false, true);
-    const AttentionShape s{70000, 1, 129, 33, 16, causal};
+    const AttentionShape s{70000, 1, q_len, kv_len, 16, causal};
     INFO(describe(s));
-    GpuAttention<TestType> gpu(s);
-    const auto patterns = fill_from_patterns(gpu, per_type<TestType>(1000u, 5000u), true);
+    GpuAttention<T> gpu(s);
+    const auto patterns = fill_from_patterns(gpu, per_type<T>(1000u, 5000u), true);
     gpu.forward();
     gpu.backward();
     for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
                       size_t(69999)})
         check_big_head(gpu, bh, patterns, true);
 }
+}  // namespace
 
+TEMPLATE_TEST_CASE("More than 65535 batch*heads: the heads past 65535 are right, the last included",
+                   "[gpu][big][backward][fp32][fp16][bf16]", fp32, fp16, bf16) {
+    // 129 x 33: three Q tiles of 64 rows, one partial K/V tile; when causal, rows 0..95 see no
+    // key, and chapter 2's backward adds to no dQ there.
+    check_heads_past_65535<TestType>(129, 33);
+}
 TEMPLATE_TEST_CASE("More than 65535 batch*heads: the heads past 65535 are right, the last "
                    "included, at 16 x 16 (make stress)",
                    "[gpu][big][backward][fp32][fp16][bf16][.stress]", fp32, fp16, bf16) {
-    // The rest of the test above's shapes: the same body, the same salt.
-    const bool causal = GENERATE(false, true);
-    const AttentionShape s{70000, 1, 16, 16, 16, causal};
-    INFO(describe(s));
-    GpuAttention<TestType> gpu(s);
-    const auto patterns = fill_from_patterns(gpu, per_type<TestType>(1000u, 5000u), true);
-    gpu.forward();
-    gpu.backward();
-    for (size_t bh : {size_t(0), size_t(65534), size_t(65535), size_t(65536), size_t(69998),
-                      size_t(69999)})
-        check_big_head(gpu, bh, patterns, true);
+    check_heads_past_65535<TestType>(16, 16);  // one tile each way
 }
 
 TEMPLATE_TEST_CASE("More than 65535 batch*heads: the tensor-core forwards' heads past 65535 are "
