@@ -4,7 +4,7 @@
 # `make help` lists the targets.
 
 # Every build runs on all the machine's cores unless -j is given (make -j1 for a serial build).
-ifeq ($(filter -j%,$(MAKEFLAGS)),)
+ifeq ($(MAKELEVEL)$(filter -j%,$(MAKEFLAGS)),0)
 MAKEFLAGS += -j$(shell nproc 2>/dev/null || echo 2)
 endif
 

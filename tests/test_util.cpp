@@ -864,6 +864,24 @@ std::vector<Catch::TestCase> selected_test_cases(Catch::Session& session) {
 bool is_gpu_test(const Catch::TestCase& tc) {
     return std::find(tc.lcaseTags.begin(), tc.lcaseTags.end(), "gpu") != tc.lcaseTags.end();
 }
+// A spec with [gpu] left out of every alternative: ~[gpu] after each of its comma-separated terms
+// (commas inside quotes or escaped are a name's own).
+std::string without_gpu(const std::string& spec) {
+    std::string out;
+    bool quoted = false;
+    for (size_t k = 0; k < spec.size(); ++k) {
+        const char c = spec[k];
+        if (c == '\\' && k + 1 < spec.size()) {
+            out += c;
+            out += spec[++k];
+            continue;
+        }
+        if (c == '"') quoted = !quoted;
+        if (c == ',' && !quoted) out += "~[gpu]";
+        out += c;
+    }
+    return out + "~[gpu]";
+}
 // A test case's name as a test spec matches it exactly: the spec's special characters escaped.
 std::string exact_spec(const std::string& name) {
     std::string spec;
@@ -931,6 +949,14 @@ void table_line(const char* outcome, const std::string& name, const std::string&
 }
 }  // namespace
 
+namespace {
+// The run's exit: Catch's result, the summary line last.
+int finish(int result) {
+    if (g_totals.ended) print_summary_line();
+    return result;
+}
+}  // namespace
+
 int main(int argc, char* argv[]) {
     Catch::Session session;
     if (int rc = session.applyCommandLine(argc, argv)) return rc;
@@ -970,6 +996,7 @@ int main(int argc, char* argv[]) {
                 if (is_gpu_test(tc)) ++g_gpu_cases_skipped;
                 else cpu_specs.push_back(exact_spec(tc.name));
             }
+            if (g_gpu_cases_skipped == 0) return finish(session.run());  // nothing to leave out
             std::cout << "No CUDA GPU or driver found (" << why << "): running the "
                       << cpu_specs.size() << " CPU test cases selected; skipping the "
                       << g_gpu_cases_skipped << " GPU test cases (they need an NVIDIA GPU and "
@@ -979,20 +1006,26 @@ int main(int argc, char* argv[]) {
                 print_summary_line();
                 return 0;
             }
-            // The selection again, by exact names: the CPU test cases alone.
+            // The selection again without the GPU test cases: the spec with ~[gpu] in every
+            // alternative (Catch's default, no spec: ~[gpu]~[.], hidden ones left out as it
+            // does), provided that selects exactly the CPU test cases; else their exact names
             // (Catch ANDs separate spec strings; a "," between them makes an OR, as its
-            // --input-file does.)
-            Catch::ConfigData narrowed = session.configData();
-            narrowed.testsOrTags.clear();
-            for (const std::string& spec : cpu_specs) {
-                if (!narrowed.testsOrTags.empty()) narrowed.testsOrTags.push_back(",");
-                narrowed.testsOrTags.push_back(spec);
-            }
+            // --input-file does).
+            const Catch::ConfigData given = session.configData();
+            Catch::ConfigData narrowed = given;
+            if (given.testsOrTags.empty()) narrowed.testsOrTags = {"~[gpu]~[.]"};
+            for (std::string& spec : narrowed.testsOrTags) spec = without_gpu(spec);
+            if (given.testsOrTags.empty()) narrowed.testsOrTags = {"~[gpu]~[.]"};
             session.useConfigData(narrowed);
+            if (selected_test_cases(session).size() != cpu_specs.size()) {
+                narrowed.testsOrTags.clear();
+                for (const std::string& spec : cpu_specs) {
+                    if (!narrowed.testsOrTags.empty()) narrowed.testsOrTags.push_back(",");
+                    narrowed.testsOrTags.push_back(spec);
+                }
+                session.useConfigData(narrowed);
+            }
         }
     }
-
-    const int result = session.run();
-    if (g_totals.ended) print_summary_line();
-    return result;
+    return finish(session.run());
 }
