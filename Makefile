@@ -181,11 +181,13 @@ bench: flash_bench
 plot:
 	gnuplot -e "csv='bench.csv'; out='bench.png'" bench/plot.gp
 # The sanitizers slow kernels 10-100x: the tests' deadlines (tests/test_util.h) stretch 20x.
-sanitize: test_flash
+# Without compute-sanitizer or a GPU it says so in one line, before building anything.
+sanitize:
 	@command -v $(SANITIZER) >/dev/null 2>&1 || [ -x $(SANITIZER) ] || { echo "make sanitize: \
 	compute-sanitizer not found ($(SANITIZER)); it comes with the CUDA Toolkit: nothing was run"; exit 1; }
 	@[ "$(HAVE_GPU)" = 1 ] || { echo "make sanitize: no NVIDIA GPU here: the [sanitize] tests \
 	need one; nothing was run"; exit 0; }
+	@$(MAKE) --no-print-directory test_flash
 	@for tool in memcheck racecheck synccheck initcheck; do \
 	    echo "== compute-sanitizer --tool $$tool"; \
 	    FLASH_TEST_DEADLINE_SCALE=20 $(SANITIZER) --tool $$tool --error-exitcode 1 ./test_flash "[sanitize]" || exit 1; \
