@@ -11,6 +11,10 @@
 //   O_i  = sum_j P_ij V_j
 // Causal masking is bottom-right aligned: query i sees key j iff j <= i + kv_len - q_len. A row
 // that sees no key gets O_i = 0 and L_i = -inf (never NaN), and contributes nothing backward.
+// Its second half, attention_reference_general, is the ground truth for attention as models call
+// it (the planned chapter 5): the softmax scale, sliding windows, softcap, ALiBi, grouped K/V
+// heads, any strides and packed sequences of their own lengths (reference.h states the rules;
+// tests/test_reference_general.cpp checks it on the CPU).
 
 #include "checks.h"
 #include "reference.h"
@@ -189,6 +193,190 @@ void backward(const T* Q, const T* K, const T* V, const T* O, const T* dO, const
     });
 }
 
+// ---------------------------------------------------------------------------------------------
+// Chapter 5's reference (reference.h states the rules): one sequence's row i of head h at a time,
+// the visible keys a window [first, last] of the sequence's keys.
+
+// Sequence b's first row and length, of the queries (keys = false) or the keys.
+std::pair<long long, int> sequence_of(const ReferenceProblem& p, int b, bool keys) {
+    const int* cu = keys ? p.cu_seqlens_k : p.cu_seqlens_q;
+    if (!cu) return {0, keys ? p.kv_len : p.q_len};
+    return {cu[b], cu[b + 1] - cu[b]};
+}
+// Element x of row `row` (of sequence b, head h) in a tensor of strides st.
+long long at(const ReferenceProblem& p, const ReferenceStrides& st, int b, int h, long long row) {
+    const long long first = p.cu_seqlens_q || p.cu_seqlens_k ? 0 : b * st.batch;
+    return first + h * st.head + row * st.row;
+}
+
+void check_problem(const ReferenceProblem& p) {
+    require(p.batch >= 1, "batch = " + std::to_string(p.batch) + "; allowed values: >= 1");
+    require(p.heads >= 1, "heads = " + std::to_string(p.heads) + "; allowed values: >= 1");
+    require(p.head_dim >= 1, "head_dim = " + std::to_string(p.head_dim) + "; allowed values: >= 1");
+    const int kv_heads = p.kv_heads ? p.kv_heads : p.heads;
+    require(kv_heads >= 1 && p.heads % kv_heads == 0,
+            "kv_heads = " + std::to_string(p.kv_heads) + "; allowed values: 0, or a divisor of heads");
+    require(p.window_left >= -1, "window_left = " + std::to_string(p.window_left) +
+                                     "; allowed values: -1 (no bound) or >= 0");
+    require(p.window_right >= -1, "window_right = " + std::to_string(p.window_right) +
+                                      "; allowed values: -1 (no bound) or >= 0");
+    require(std::isfinite(p.softcap) && p.softcap >= 0,
+            "softcap = " + std::to_string(p.softcap) + "; allowed values: 0 (none) or > 0");
+    require(std::isfinite(p.softmax_scale) && p.softmax_scale >= 0,
+            "softmax_scale = " + std::to_string(p.softmax_scale) +
+                "; allowed values: 0 (1/sqrt(head_dim)) or > 0");
+    require(!p.cu_seqlens_q == !p.cu_seqlens_k,
+            "cu_seqlens_q and cu_seqlens_k: give both (packed sequences) or neither");
+    if (p.cu_seqlens_q) {
+        for (const int* cu : {p.cu_seqlens_q, p.cu_seqlens_k}) {
+            const std::string name = cu == p.cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k";
+            require(cu[0] == 0, name + "[0] = " + std::to_string(cu[0]) + "; allowed value: 0");
+            for (int b = 0; b < p.batch; ++b)
+                require(cu[b + 1] >= cu[b], name + "[" + std::to_string(b + 1) + "] = " +
+                                                std::to_string(cu[b + 1]) + " < " + name + "[" +
+                                                std::to_string(b) + "]; allowed: non-decreasing");
+        }
+    } else {
+        require(p.q_len >= 1, "q_len = " + std::to_string(p.q_len) + "; allowed values: >= 1");
+        require(p.kv_len >= 1, "kv_len = " + std::to_string(p.kv_len) + "; allowed values: >= 1");
+    }
+}
+
+// One row's visible keys and its scores: row i of a sequence of q rows and n keys.
+struct GeneralRow {
+    long long first = 0, last = -1;  // the visible keys, first .. last (none when last < first)
+    std::vector<double> s, cap;      // s_ij, and d(softcap)/d(scale Q.K) at each visible j
+};
+GeneralRow scores_of(const ReferenceProblem& p, int b, int h, int i) {
+    const auto [q0, q] = sequence_of(p, b, false);
+    const auto [k0, n] = sequence_of(p, b, true);
+    const int group = p.heads / (p.kv_heads ? p.kv_heads : p.heads);
+    const long long shifted = static_cast<long long>(i) + n - q;  // i'
+    GeneralRow r;
+    r.first = p.window_left < 0 ? 0 : std::max<long long>(0, shifted - p.window_left);
+    long long last = n - 1;
+    if (p.window_right >= 0) last = std::min(last, shifted + p.window_right);
+    if (p.causal) last = std::min(last, shifted);
+    r.last = last;
+    const double scale = p.softmax_scale > 0 ? p.softmax_scale : 1.0 / std::sqrt(double(p.head_dim));
+    const double* Qi = p.Q + at(p, p.q, b, h, q0 + i);
+    for (long long j = r.first; j <= r.last; ++j) {
+        const double* Kj = p.K + at(p, p.k, b, h / group, k0 + j);
+        double dot = 0.0;
+        for (int x = 0; x < p.head_dim; ++x) dot += Qi[x] * Kj[x];
+        double s = scale * dot, cap = 1.0;
+        if (p.softcap > 0) {
+            const double t = std::tanh(s / p.softcap);
+            s = p.softcap * t;
+            cap = 1.0 - t * t;  // d/ds of c tanh(s / c)
+        }
+        if (p.alibi_slopes) s -= p.alibi_slopes[h] * std::fabs(double(shifted - j));
+        r.s.push_back(s);
+        r.cap.push_back(cap);
+    }
+    return r;
+}
+// L_i = log sum_j exp(s_ij) over the visible keys (-inf when none).
+double logsumexp(const std::vector<double>& s) {
+    if (s.empty()) return -std::numeric_limits<double>::infinity();
+    const double m = *std::max_element(s.begin(), s.end());
+    double sum = 0.0;
+    for (double v : s) sum += std::exp(v - m);
+    return m + std::log(sum);
+}
+// Where L_i goes: [batch][heads][q_len], or [heads][total_q] for packed sequences.
+long long l_index(const ReferenceProblem& p, int b, int h, int i) {
+    if (p.cu_seqlens_q) return static_cast<long long>(h) * p.cu_seqlens_q[p.batch] + p.cu_seqlens_q[b] + i;
+    return (static_cast<long long>(b) * p.heads + h) * p.q_len + i;
+}
+
+}  // namespace
+
+ReferenceStrides reference_contiguous(int heads, int len, int head_dim) {
+    const long long row = head_dim, head = row * len;
+    return {head * heads, head, row};
+}
+
+void attention_reference_general(const ReferenceProblem& p) {
+    check_problem(p);
+    const int d = p.head_dim;
+    for_each_index(size_t(p.batch) * p.heads, 1e7, [&](size_t bh) {
+        const int b = int(bh / p.heads), h = int(bh % p.heads);
+        const auto [q0, q] = sequence_of(p, b, false);
+        const auto [k0, n] = sequence_of(p, b, true);
+        const int group = p.heads / (p.kv_heads ? p.kv_heads : p.heads);
+        for (int i = 0; i < q; ++i) {
+            const GeneralRow r = scores_of(p, b, h, i);
+            const double L = logsumexp(r.s);
+            std::vector<double> o(d, 0.0);
+            for (long long j = r.first; j <= r.last; ++j) {
+                const double P = std::exp(r.s[j - r.first] - L);
+                const double* Vj = p.V + at(p, p.v, b, h / group, k0 + j);
+                for (int x = 0; x < d; ++x) o[x] += P * Vj[x];
+            }
+            double* Oi = p.O + at(p, p.o, b, h, q0 + i);
+            for (int x = 0; x < d; ++x) Oi[x] = o[x];
+            p.L[l_index(p, b, h, i)] = L;
+        }
+        (void)n;
+    });
+}
+
+// dS_ij = P_ij (dP_ij - D_i), dP_ij = dO_i . V_j, D_i = sum_j P_ij dP_ij; through the softcap and
+// the scale, d(loss)/d(Q_i . K_j) = dS_ij cap_ij scale: dQ_i sums it times K_j, dK_j times Q_i,
+// and dV_j sums P_ij dO_i. One task a (sequence, K/V head): its group's rows in order, so every
+// sum runs in one fixed order.
+void attention_reference_general_backward(const ReferenceProblem& p) {
+    check_problem(p);
+    const int d = p.head_dim, kv_heads = p.kv_heads ? p.kv_heads : p.heads;
+    const int group = p.heads / kv_heads;
+    const double scale = p.softmax_scale > 0 ? p.softmax_scale : 1.0 / std::sqrt(double(d));
+    for_each_index(size_t(p.batch) * kv_heads, 1e7, [&](size_t bg) {
+        const int b = int(bg / kv_heads), g = int(bg % kv_heads);
+        const auto [q0, q] = sequence_of(p, b, false);
+        const auto [k0, n] = sequence_of(p, b, true);
+        std::vector<double> dk(size_t(n) * d, 0.0), dv(size_t(n) * d, 0.0);
+        for (int h = g * group; h < (g + 1) * group; ++h)
+            for (int i = 0; i < q; ++i) {
+                const GeneralRow r = scores_of(p, b, h, i);
+                const double L = logsumexp(r.s);
+                const double* Qi = p.Q + at(p, p.q, b, h, q0 + i);
+                const double* dOi = p.dO + at(p, p.d_o, b, h, q0 + i);
+                const size_t m = r.s.size();
+                std::vector<double> P(m), dP(m);
+                double D = 0.0;
+                for (size_t c = 0; c < m; ++c) {
+                    const double* Vj = p.V + at(p, p.v, b, g, k0 + r.first + long(c));
+                    P[c] = std::exp(r.s[c] - L);
+                    for (int x = 0; x < d; ++x) dP[c] += dOi[x] * Vj[x];
+                    D += P[c] * dP[c];
+                }
+                std::vector<double> dq(d, 0.0);
+                for (size_t c = 0; c < m; ++c) {
+                    const long long j = r.first + long(c);
+                    const double* Kj = p.K + at(p, p.k, b, g, k0 + j);
+                    const double dS = P[c] * (dP[c] - D) * r.cap[c] * scale;
+                    for (int x = 0; x < d; ++x) {
+                        dq[x] += dS * Kj[x];
+                        dk[j * d + x] += dS * Qi[x];
+                        dv[j * d + x] += P[c] * dOi[x];
+                    }
+                }
+                double* dQi = p.dQ + at(p, p.dq, b, h, q0 + i);
+                for (int x = 0; x < d; ++x) dQi[x] = dq[x];
+            }
+        for (int j = 0; j < n; ++j) {
+            double* dKj = p.dK + at(p, p.dk, b, g, k0 + j);
+            double* dVj = p.dV + at(p, p.dv, b, g, k0 + j);
+            for (int x = 0; x < d; ++x) {
+                dKj[x] = dk[size_t(j) * d + x];
+                dVj[x] = dv[size_t(j) * d + x];
+            }
+        }
+    });
+}
+
+namespace {
 }  // namespace
 
 void attention_reference_threads(unsigned threads) { g_threads = threads; }

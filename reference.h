@@ -19,3 +19,44 @@ void attention_reference_backward(const double* Q, const double* K, const double
 // How many threads the reference shares its rows out over: 0 (the default) for
 // std::thread::hardware_concurrency(). The results are the same, bit for bit, for any number.
 void attention_reference_threads(unsigned threads);
+
+// ---------------------------------------------------------------------------------------------
+// The reference for attention as models call it (chapter 5, planned: its kernels are not written
+// yet), in double: FlashAttention-2's score changes and masks (flash_attn_func's softmax_scale,
+// window_size, softcap and alibi_slopes), grouped K/V heads, any strides, and packed sequences of
+// their own lengths (flash_attn_varlen_func's cu_seqlens). For query row i of a sequence with
+// q_len rows and kv_len keys, i' = i + kv_len - q_len (the bottom-right alignment), key j:
+//   s_ij = scale Q_i . K_j                          scale = softmax_scale, or 1/sqrt(d) when 0
+//   s_ij = softcap tanh(s_ij / softcap)             where softcap > 0
+//   s_ij = s_ij - slope_h |i' - j|                  where alibi_slopes is given (one per head)
+//   visible iff i' - window_left <= j <= i' + window_right   (-1: no bound on that side;
+//                                                    causal bounds the right at 0)
+//   L_i = log sum_{visible j} exp(s_ij)   O_i = sum_{visible j} exp(s_ij - L_i) V_j
+// A row that sees no key gets O_i = 0 and L_i = -inf, and gives nothing backward.
+struct ReferenceStrides {   // in elements; the last dimension (head_dim) is contiguous
+    long long batch = 0, head = 0, row = 0;
+};
+struct ReferenceProblem {
+    int batch = 0, heads = 0, kv_heads = 0, head_dim = 0;  // kv_heads 0: heads
+    int q_len = 0, kv_len = 0;  // every sequence's lengths (dense); unused with cu_seqlens
+    // Packed sequences: sequence b's rows are cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of Q, O,
+    // dO, dQ (its keys likewise of K, V, dK, dV), batch + 1 non-decreasing offsets from 0; the
+    // batch strides are then unused, and L is [heads][total_q] (FlashAttention-2's softmax_lse).
+    const int* cu_seqlens_q = nullptr;
+    const int* cu_seqlens_k = nullptr;
+    bool causal = false;
+    double softmax_scale = 0.0;
+    int window_left = -1, window_right = -1;
+    double softcap = 0.0;
+    const double* alibi_slopes = nullptr;  // [heads], or none
+    const double *Q = nullptr, *K = nullptr, *V = nullptr, *dO = nullptr;
+    double *O = nullptr, *L = nullptr, *dQ = nullptr, *dK = nullptr, *dV = nullptr;
+    ReferenceStrides q, k, v, o, dq, dk, dv, d_o;  // Q's, K's, ... strides (do: dO's)
+};
+// The contiguous strides of [batch][heads][len][head_dim].
+ReferenceStrides reference_contiguous(int heads, int len, int head_dim);
+// Forward: O and L. Backward: dQ, dK and dV from Q, K, V and dO (it recomputes the forward's
+// statistics itself). Bad fields throw std::invalid_argument naming them, before anything is
+// written.
+void attention_reference_general(const ReferenceProblem& p);
+void attention_reference_general_backward(const ReferenceProblem& p);
