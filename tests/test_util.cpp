@@ -864,23 +864,34 @@ std::vector<Catch::TestCase> selected_test_cases(Catch::Session& session) {
 bool is_gpu_test(const Catch::TestCase& tc) {
     return std::find(tc.lcaseTags.begin(), tc.lcaseTags.end(), "gpu") != tc.lcaseTags.end();
 }
-// A spec with [gpu] left out of every alternative: ~[gpu] after each of its comma-separated terms
-// (commas inside quotes or escaped are a name's own).
-std::string without_gpu(const std::string& spec) {
-    std::string out;
+// A spec's alternatives, its comma-separated terms (commas inside quotes or escaped are a name's
+// own), each with [gpu] left out; an alternative that then selects nothing is dropped, so that
+// Catch does not report it as matching no test case.
+std::string without_gpu(const Catch::ConfigData& given, const std::string& spec) {
+    std::vector<std::string> terms(1);
     bool quoted = false;
     for (size_t k = 0; k < spec.size(); ++k) {
         const char c = spec[k];
         if (c == '\\' && k + 1 < spec.size()) {
-            out += c;
-            out += spec[++k];
+            terms.back() += c;
+            terms.back() += spec[++k];
             continue;
         }
         if (c == '"') quoted = !quoted;
-        if (c == ',' && !quoted) out += "~[gpu]";
-        out += c;
+        if (c == ',' && !quoted) terms.emplace_back();
+        else terms.back() += c;
     }
-    return out + "~[gpu]";
+    std::string out;
+    for (const std::string& term : terms) {
+        Catch::ConfigData one = given;
+        one.testsOrTags = {term + "~[gpu]"};
+        const Catch::Config config(one);
+        if (Catch::filterTests(Catch::getAllTestCasesSorted(config), config.testSpec(), config)
+                .empty())
+            continue;
+        out += (out.empty() ? "" : ",") + term + "~[gpu]";
+    }
+    return out;
 }
 // A test case's name as a test spec matches it exactly: the spec's special characters escaped.
 std::string exact_spec(const std::string& name) {
@@ -1014,8 +1025,10 @@ int main(int argc, char* argv[]) {
             const Catch::ConfigData given = session.configData();
             Catch::ConfigData narrowed = given;
             if (given.testsOrTags.empty()) narrowed.testsOrTags = {"~[gpu]~[.]"};
-            for (std::string& spec : narrowed.testsOrTags) spec = without_gpu(spec);
-            if (given.testsOrTags.empty()) narrowed.testsOrTags = {"~[gpu]~[.]"};
+            else if (given.testsOrTags.size() == 1)
+                narrowed.testsOrTags = {without_gpu(given, given.testsOrTags[0])};
+            else  // several spec strings (Catch ANDs them): the exact names below
+                narrowed.testsOrTags = {"~*"};
             session.useConfigData(narrowed);
             if (selected_test_cases(session).size() != cpu_specs.size()) {
                 narrowed.testsOrTags.clear();
