@@ -808,9 +808,10 @@ struct DeadlineGuard {
     DeadlineGuard(const DeadlineGuard&) = delete;
     DeadlineGuard& operator=(const DeadlineGuard&) = delete;
 };
-// Every test case runs under an alarm too, armed as it starts: test_case_seconds(), the
-// environment's FLASH_TEST_CASE_SECONDS or 300 s times FLASH_TEST_DEADLINE_SCALE. Past it the run
-// ends as a passed deadline does: no test case hangs without a message.
+// Every GPU test case runs under an alarm too (every test case where FLASH_TEST_CASE_SECONDS is
+// set), armed as it starts: test_case_seconds(), the environment's FLASH_TEST_CASE_SECONDS or
+// 300 s times FLASH_TEST_DEADLINE_SCALE. Past it the run ends as a passed deadline does: no test
+// case hangs without a message.
 double test_case_seconds();
 // A kernel that spins on the GPU's clock for `seconds` (tests/spin.cu): the deadline's own test.
 void launch_spinning_kernel(double seconds, cudaStream_t stream = 0);
