@@ -5,9 +5,11 @@
 // It measures a backward that takes its scratch with cudaMallocAsync, as commits before 99ed5ad
 // did; from 99ed5ad the scratch comes from the library's own kept pool, and the columns agree.
 // Build and run from the repository root on an H100 (the library built with make, ARCH=sm_90):
-//   make build/flash.o build/flash_fp16.o build/flash_hopper.o build/checks.o build/dispatch.o ARCH=sm_90
+//   make build/flash.o build/flash_fp16.o build/backward_passes.o build/flash_decode.o \
+//        build/flash_hopper.o build/flash_hopper_backward.o build/checks.o build/dispatch.o ARCH=sm_90
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I. -Ilib lab/backward-pool.cu build/flash.o build/flash_fp16.o
-//        build/flash_hopper.o build/checks.o build/dispatch.o -o backward_pool && ./backward_pool
+//        build/backward_passes.o build/flash_decode.o build/flash_hopper.o \
+//        build/flash_hopper_backward.o build/checks.o build/dispatch.o -o backward_pool && ./backward_pool
 // Each figure: the median of 10 CUDA-event-timed calls (each followed by a synchronisation, as
 // the protocol times them) after 3 warm-ups, FA2 protocol shapes, fp16.
 #include "checks.h"

@@ -2,9 +2,11 @@
 // beside chapter 2's (flash_forward_fp16_ampere) on the FA2 protocol's shapes, for NOTES.md
 // section 17's table.
 // Build and run from the repository root on an H100 (the library built with make, ARCH=sm_90):
-//   make build/flash.o build/flash_fp16.o build/flash_hopper.o build/checks.o build/dispatch.o ARCH=sm_90
+//   make build/flash.o build/flash_fp16.o build/backward_passes.o build/flash_decode.o \
+//        build/flash_hopper.o build/flash_hopper_backward.o build/checks.o build/dispatch.o ARCH=sm_90
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I. -Ilib lab/hopper-steps.cu build/flash.o build/flash_fp16.o
-//        build/flash_hopper.o build/checks.o build/dispatch.o -o hopper_steps && ./hopper_steps [fp16|bf16] [N]
+//        build/backward_passes.o build/flash_decode.o build/flash_hopper.o \
+//        build/flash_hopper_backward.o build/checks.o build/dispatch.o -o hopper_steps && ./hopper_steps [fp16|bf16] [N]
 // Shapes: batch * N = 16384, heads * d = 2048, d = 64, 128 and 256, N = 1024 .. 16384 (or the one
 // N given), causal and not.
 // Each figure is the median of 20 CUDA-event-timed calls after 3 warm-ups; forward TFLOP/s =
