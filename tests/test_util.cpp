@@ -473,19 +473,21 @@ RunTotals g_totals;
 int g_gpu_cases_skipped = 0;
 // One line of the FLASH_TEST_TABLE file (main's listener writes one a test case).
 void table_line(const char* outcome, const std::string& name, const std::string& first_failure);
-std::string summary_line() {
+// The summary line; `unfinished` more test cases counted as failed (the one a deadline ends).
+std::string summary_line(std::size_t unfinished = 0) {
     return "flash tests: " + std::to_string(g_totals.passed) + " passed, " +
-           std::to_string(g_totals.failed) + " failed, " + std::to_string(g_gpu_cases_skipped) +
-           " skipped";
+           std::to_string(g_totals.failed + unfinished) + " failed, " +
+           std::to_string(g_gpu_cases_skipped) + " skipped";
 }
 void print_summary_line() { std::cout << summary_line() << std::endl; }
-// The last words of a run a deadline ends, straight to the file descriptors: a reporter that
-// captures output (junit, xml) has std::cout and std::cerr redirected into its buffers, which the
-// exit would drop. Then the exit, running no destructor (they would call CUDA).
+// The last words of a run a deadline ends, the test case that never ends counted as failed,
+// straight to the file descriptors: a reporter that captures output (junit, xml) has std::cout
+// and std::cerr redirected into its buffers, which the exit would drop. Then the exit, running no
+// destructor (they would call CUDA).
 [[noreturn]] void say_and_exit(const std::string& line) {
     std::cout.flush();
     std::cerr.flush();
-    const std::string err = line + "\n", out = summary_line() + "\n";
+    const std::string err = line + "\n", out = summary_line(1) + "\n";
     if (write(STDERR_FILENO, err.data(), err.size()) < 0 ||
         write(STDOUT_FILENO, out.data(), out.size()) < 0)
         std::_Exit(4);
@@ -504,16 +506,14 @@ void end_run_on_deadline(const std::string& line) {
     } catch (...) {  // Catch aborting the run (-a, -x N): the exit below still comes
     }
     table_line("FAIL", Catch::getResultCapture().getCurrentTestName(), line);
-    g_totals.failed += 1;  // this test case, which never ends
     say_and_exit(line);
 }
 
 namespace {
-// The watchdog's state: armed by arm_deadline, disarmed by wait_for_gpu; its thread checks it ten
-// times a second. It cannot call Catch (not thread-safe): it prints and exits on its own.
-// Two alarms: a GPU call's (DeadlineGuard) and the running test case's (armed by main's listener
-// as a test case starts, for a wait on the GPU that no guard covers: a test's own synchronising
-// call, say). Whichever passes first ends the run.
+// The watchdog: two alarms, a GPU call's (a DeadlineGuard's) and the running GPU test case's
+// (armed by main's listener as it starts, for a wait on the GPU that no guard covers: a test's own
+// synchronising call, say). Its thread checks them ten times a second, and whichever passes first
+// ends the run. It cannot call Catch (not thread-safe): it prints and exits on its own.
 struct Alarm {
     bool armed = false;
     std::chrono::steady_clock::time_point until;
@@ -539,7 +539,6 @@ Watchdog g_watchdog;
             line = rung->line;
         }
         table_line("FAIL", test_case, line);
-        g_totals.failed += 1;  // the test case that never ends
         say_and_exit(line);
     }
 }
@@ -560,8 +559,12 @@ void clear_alarm(Alarm& alarm) {
 }
 }  // namespace
 
+// The watchdog rings later than the call's deadline, so that where the host does reach
+// wait_for_gpu's poll, the poll's failure (through Catch, with the test's context) comes first.
+constexpr double kWatchdogMargin = 1.5;
+
 DeadlineGuard::DeadlineGuard(const GpuCall& call) {
-    const double seconds = 1.5 * deadline_seconds(call, deadline_scale_from_env());
+    const double seconds = kWatchdogMargin * deadline_seconds(call, deadline_scale_from_env());
     const std::string test_case = Catch::getResultCapture().getCurrentTestName();
     set_alarm(g_watchdog.call, seconds, test_case,
               deadline_message(test_case, call, seconds) +
@@ -861,7 +864,7 @@ std::vector<Catch::TestCase> selected_test_cases(Catch::Session& session) {
     const Catch::IConfig& config = session.config();
     return Catch::filterTests(Catch::getAllTestCasesSorted(config), config.testSpec(), config);
 }
-bool is_gpu_test(const Catch::TestCase& tc) {
+bool is_gpu_test(const Catch::TestCaseInfo& tc) {
     return std::find(tc.lcaseTags.begin(), tc.lcaseTags.end(), "gpu") != tc.lcaseTags.end();
 }
 // A spec's alternatives, its comma-separated terms (commas inside quotes or escaped are a name's
@@ -915,9 +918,7 @@ struct SummaryListener : Catch::TestEventListenerBase {
         TestEventListenerBase::testCaseStarting(info);
         // The GPU test cases (a CPU test case cannot wait on a kernel; the reference's own
         // timing runs long on purpose), or every test case where FLASH_TEST_CASE_SECONDS is set.
-        const bool gpu = std::find(info.lcaseTags.begin(), info.lcaseTags.end(), "gpu") !=
-                         info.lcaseTags.end();
-        if (!gpu && !std::getenv("FLASH_TEST_CASE_SECONDS")) return;
+        if (!is_gpu_test(info) && !std::getenv("FLASH_TEST_CASE_SECONDS")) return;
         const double seconds = test_case_seconds();
         std::ostringstream line;
         line << "DEADLINE: \"" << info.name << "\" did not end within " << seconds
@@ -954,6 +955,28 @@ struct SummaryListener : Catch::TestEventListenerBase {
 CATCH_REGISTER_LISTENER(SummaryListener)
 
 namespace {
+// Runs only the CPU test cases of the selection (cpu_specs: their exact names): the selection's
+// own spec with ~[gpu] in every alternative (Catch's default, no spec: ~[gpu]~[.], hidden ones
+// left out as it does), where that selects exactly those; else their names (Catch ANDs separate
+// spec strings; a "," between them makes an OR, as its --input-file does).
+void select_cpu_tests(Catch::Session& session, const std::vector<std::string>& cpu_specs) {
+    const Catch::ConfigData given = session.configData();
+    Catch::ConfigData narrowed = given;
+    if (given.testsOrTags.size() <= 1) {
+        narrowed.testsOrTags = {given.testsOrTags.empty()
+                                    ? std::string("~[gpu]~[.]")
+                                    : without_gpu(given, given.testsOrTags[0])};
+        session.useConfigData(narrowed);
+        if (selected_test_cases(session).size() == cpu_specs.size()) return;
+    }
+    narrowed.testsOrTags.clear();
+    for (const std::string& spec : cpu_specs) {
+        if (!narrowed.testsOrTags.empty()) narrowed.testsOrTags.push_back(",");
+        narrowed.testsOrTags.push_back(spec);
+    }
+    session.useConfigData(narrowed);
+}
+
 void table_line(const char* outcome, const std::string& name, const std::string& first_failure) {
     static const char* path = std::getenv("FLASH_TEST_TABLE");
     if (!path || !*path) return;
@@ -963,9 +986,7 @@ void table_line(const char* outcome, const std::string& name, const std::string&
         flat.replace(at, 1, " / ");
     table << outcome << " | " << name << (flat.empty() ? "" : " | " + flat) << '\n';
 }
-}  // namespace
 
-namespace {
 // The run's exit: Catch's result, the summary line last.
 int finish(int result) {
     if (g_totals.ended) print_summary_line();
@@ -1022,27 +1043,7 @@ int main(int argc, char* argv[]) {
                 print_summary_line();
                 return 0;
             }
-            // The selection again without the GPU test cases: the spec with ~[gpu] in every
-            // alternative (Catch's default, no spec: ~[gpu]~[.], hidden ones left out as it
-            // does), provided that selects exactly the CPU test cases; else their exact names
-            // (Catch ANDs separate spec strings; a "," between them makes an OR, as its
-            // --input-file does).
-            const Catch::ConfigData given = session.configData();
-            Catch::ConfigData narrowed = given;
-            if (given.testsOrTags.empty()) narrowed.testsOrTags = {"~[gpu]~[.]"};
-            else if (given.testsOrTags.size() == 1)
-                narrowed.testsOrTags = {without_gpu(given, given.testsOrTags[0])};
-            else  // several spec strings (Catch ANDs them): the exact names below
-                narrowed.testsOrTags = {"~*"};
-            session.useConfigData(narrowed);
-            if (selected_test_cases(session).size() != cpu_specs.size()) {
-                narrowed.testsOrTags.clear();
-                for (const std::string& spec : cpu_specs) {
-                    if (!narrowed.testsOrTags.empty()) narrowed.testsOrTags.push_back(",");
-                    narrowed.testsOrTags.push_back(spec);
-                }
-                session.useConfigData(narrowed);
-            }
+            select_cpu_tests(session, cpu_specs);
         }
     }
     return finish(session.run());
