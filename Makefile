@@ -150,12 +150,12 @@ test: test_flash
 # One chapter's tests, make stress's twins left out (Catch2 test specs; the first build takes
 # every file, later ones only what changed: after a one-line change to flash.cu, make ch1
 # recompiles flash.cu and links).
-CH1_SPEC := "* - fp32"~[stress],[tile]~[fp16]~[stress]
-CH2_SPEC := [fp16]~[hopper]~[decode]~"* - fp32"~[stress]
-CH3_SPEC := [hopper]~[stress]
-CH4_SPEC := [gqa]~[stress],[decode]~[stress]
+ch1_spec := "* - fp32"~[stress],[tile]~[fp16]~[stress]
+ch2_spec := [fp16]~[hopper]~[decode]~"* - fp32"~[stress]
+ch3_spec := [hopper]~[stress]
+ch4_spec := [gqa]~[stress],[decode]~[stress]
 ch1 ch2 ch3 ch4: test_flash
-	./test_flash '$($(shell echo $@ | tr a-z A-Z)_SPEC)'
+	./test_flash '$($@_spec)'
 # A student's make check with an exercise applied names it and how to undo it, nothing more (its
 # log and NOTES' figures are meant to disagree with the changed kernel).
 check:

@@ -197,6 +197,11 @@ void backward(const T* Q, const T* K, const T* V, const T* O, const T* dO, const
 // Chapter 5's reference (reference.h states the rules): one sequence's row i of head h at a time,
 // the visible keys a window [first, last] of the sequence's keys.
 
+// The K/V heads (kv_heads, or heads where 0), and the score scale (softmax_scale, or 1/sqrt(d)).
+int kv_heads_of(const ReferenceProblem& p) { return p.kv_heads ? p.kv_heads : p.heads; }
+double scale_of(const ReferenceProblem& p) {
+    return p.softmax_scale > 0 ? p.softmax_scale : 1.0 / std::sqrt(double(p.head_dim));
+}
 // Sequence b's first row and length, of the queries (keys = false) or the keys.
 std::pair<long long, int> sequence_of(const ReferenceProblem& p, int b, bool keys) {
     const int* cu = keys ? p.cu_seqlens_k : p.cu_seqlens_q;
@@ -213,7 +218,7 @@ void check_problem(const ReferenceProblem& p) {
     require(p.batch >= 1, "batch = " + std::to_string(p.batch) + "; allowed values: >= 1");
     require(p.heads >= 1, "heads = " + std::to_string(p.heads) + "; allowed values: >= 1");
     require(p.head_dim >= 1, "head_dim = " + std::to_string(p.head_dim) + "; allowed values: >= 1");
-    const int kv_heads = p.kv_heads ? p.kv_heads : p.heads;
+    const int kv_heads = kv_heads_of(p);
     require(kv_heads >= 1 && p.heads % kv_heads == 0,
             "kv_heads = " + std::to_string(p.kv_heads) + "; allowed values: 0, or a divisor of heads");
     require(p.window_left >= -1, "window_left = " + std::to_string(p.window_left) +
@@ -250,7 +255,7 @@ struct GeneralRow {
 GeneralRow scores_of(const ReferenceProblem& p, int b, int h, int i) {
     const auto [q0, q] = sequence_of(p, b, false);
     const auto [k0, n] = sequence_of(p, b, true);
-    const int group = p.heads / (p.kv_heads ? p.kv_heads : p.heads);
+    const int group = p.heads / kv_heads_of(p);
     const long long shifted = static_cast<long long>(i) + n - q;  // i'
     GeneralRow r;
     r.first = p.window_left < 0 ? 0 : std::max<long long>(0, shifted - p.window_left);
@@ -258,7 +263,7 @@ GeneralRow scores_of(const ReferenceProblem& p, int b, int h, int i) {
     if (p.window_right >= 0) last = std::min(last, shifted + p.window_right);
     if (p.causal) last = std::min(last, shifted);
     r.last = last;
-    const double scale = p.softmax_scale > 0 ? p.softmax_scale : 1.0 / std::sqrt(double(p.head_dim));
+    const double scale = scale_of(p);
     const double* Qi = p.Q + at(p, p.q, b, h, q0 + i);
     for (long long j = r.first; j <= r.last; ++j) {
         const double* Kj = p.K + at(p, p.k, b, h / group, k0 + j);
@@ -303,8 +308,8 @@ void attention_reference_general(const ReferenceProblem& p) {
     for_each_index(size_t(p.batch) * p.heads, 1e7, [&](size_t bh) {
         const int b = int(bh / p.heads), h = int(bh % p.heads);
         const auto [q0, q] = sequence_of(p, b, false);
-        const auto [k0, n] = sequence_of(p, b, true);
-        const int group = p.heads / (p.kv_heads ? p.kv_heads : p.heads);
+        const long long k0 = sequence_of(p, b, true).first;
+        const int group = p.heads / kv_heads_of(p);
         for (int i = 0; i < q; ++i) {
             const GeneralRow r = scores_of(p, b, h, i);
             const double L = logsumexp(r.s);
@@ -318,7 +323,6 @@ void attention_reference_general(const ReferenceProblem& p) {
             for (int x = 0; x < d; ++x) Oi[x] = o[x];
             p.L[l_index(p, b, h, i)] = L;
         }
-        (void)n;
     });
 }
 
@@ -328,9 +332,9 @@ void attention_reference_general(const ReferenceProblem& p) {
 // sum runs in one fixed order.
 void attention_reference_general_backward(const ReferenceProblem& p) {
     check_problem(p);
-    const int d = p.head_dim, kv_heads = p.kv_heads ? p.kv_heads : p.heads;
+    const int d = p.head_dim, kv_heads = kv_heads_of(p);
     const int group = p.heads / kv_heads;
-    const double scale = p.softmax_scale > 0 ? p.softmax_scale : 1.0 / std::sqrt(double(d));
+    const double scale = scale_of(p);
     for_each_index(size_t(p.batch) * kv_heads, 1e7, [&](size_t bg) {
         const int b = int(bg / kv_heads), g = int(bg % kv_heads);
         const auto [q0, q] = sequence_of(p, b, false);
@@ -346,14 +350,14 @@ void attention_reference_general_backward(const ReferenceProblem& p) {
                 std::vector<double> P(m), dP(m);
                 double D = 0.0;
                 for (size_t c = 0; c < m; ++c) {
-                    const double* Vj = p.V + at(p, p.v, b, g, k0 + r.first + long(c));
+                    const double* Vj = p.V + at(p, p.v, b, g, k0 + r.first + (long long)c);
                     P[c] = std::exp(r.s[c] - L);
                     for (int x = 0; x < d; ++x) dP[c] += dOi[x] * Vj[x];
                     D += P[c] * dP[c];
                 }
                 std::vector<double> dq(d, 0.0);
                 for (size_t c = 0; c < m; ++c) {
-                    const long long j = r.first + long(c);
+                    const long long j = r.first + (long long)c;
                     const double* Kj = p.K + at(p, p.k, b, g, k0 + j);
                     const double dS = P[c] * (dP[c] - D) * r.cap[c] * scale;
                     for (int x = 0; x < d; ++x) {

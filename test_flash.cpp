@@ -415,23 +415,56 @@ TEST_CASE("The fp16 backward tile chooser takes the first tile of its list whose
 // against the reference run in double on the exact rounded inputs, within tolerances16 and
 // backward_tolerances16 (derived in test_util.h from the type's rounding).
 
+namespace {
+// The grid tests' bodies: each test case below and its [.stress] twin run one on their share of
+// the list (tests/test_util.h, Share), with the same salt, so that together they run it all.
+template <typename T>
+void check_forward_grid(Share share) {
+    const AttentionShape s = GENERATE_COPY(from_range(forward_grid(head_dims_of<T>(), share)));
+    check_forward_on_gpu<T>(s, per_type<T>(100u, 1100u), own_chapter<T>());
+}
+template <typename T>
+void check_hopper_forward_grid(Share share) {
+    if (!hopper_or_warn()) return;
+    const AttentionShape s = GENERATE_COPY(from_range(forward_grid(kHopperHeadDims, share)));
+    check_forward_on_gpu<T>(s, 1100, Kernel::chapter3());
+}
+template <typename T>
+void check_backward_grid(Share share) {
+    const AttentionShape s = GENERATE_COPY(from_range(backward_grid(head_dims_of<T>(), share)));
+    for (const Kernel kernel : backward_kernels<T>(s.head_dim))
+        check_backward_on_gpu<T>(s, per_type<T>(200u, 2100u), kernel);
+}
+template <typename T>
+void check_masked_backward(Share share) {
+    const AttentionShape s = GENERATE_COPY(from_range(masking_shapes(head_dims_of<T>(), share)));
+    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
+    for (const Kernel kernel : backward_kernels<T>(s.head_dim))  // chapters 2 and 3
+        check_masked_rows(check_backward_on_gpu<T>(s, per_type<T>(300u, 2400u), kernel), s);
+}
+template <typename T>
+void check_masked_forward(Share share) {
+    const Kernel kernel = GENERATE(Kernel::chapter2(), Kernel::public_call());
+    const AttentionShape s = GENERATE_COPY(from_range(masking_shapes(kFp16HeadDims, share)));
+    if (kernel == Kernel::public_call() && !public_forward_runs_hopper(s.head_dim))
+        NOT_HERE("chapter 2 again");
+    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
+    check_masked_rows(check_forward_on_gpu<T>(s, 1400, kernel), s);
+}
+}  // namespace
+
 TEMPLATE_TEST_CASE("The forward matches the reference over a grid of shapes",
                    "[gpu][forward][fp32][fp16][bf16]", fp32, fp16, bf16) {
     // Odd lengths, q_len != kv_len both ways, causal and not, batched heads, every head dim of the
     // type's chapter, on that chapter's kernel whatever the GPU (own_chapter: chapter 1 for fp32,
     // chapter 2 for fp16 and bf16); the reference runs on the inputs as rounded to TestType.
-    const AttentionShape s = GENERATE(
-        from_range(forward_grid(head_dims_of<TestType>(), Share::fast)));
-    check_forward_on_gpu<TestType>(s, per_type<TestType>(100u, 1100u), own_chapter<TestType>());
+    check_forward_grid<TestType>(Share::fast);
 }
 
 TEMPLATE_TEST_CASE("The forward matches the reference over a grid of shapes, the rest (make "
                    "stress)",
                    "[gpu][forward][fp32][fp16][bf16][.stress]", fp32, fp16, bf16) {
-    // The rest of the test above's shapes: the same body, the same salt.
-    const AttentionShape s = GENERATE(
-        from_range(forward_grid(head_dims_of<TestType>(), Share::stress)));
-    check_forward_on_gpu<TestType>(s, per_type<TestType>(100u, 1100u), own_chapter<TestType>());
+    check_forward_grid<TestType>(Share::stress);
 }
 
 TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shapes",
@@ -439,18 +472,13 @@ TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shap
     // Chapter 3 (flash_forward_*_hopper) on chapter 2's grid (odd lengths, q_len != kv_len both
     // ways, causal and not, rows that see no key, batched heads) at the head dims it runs, against
     // the same reference and the same tolerances. Only a GPU of compute capability 9.0 runs it.
-    if (!hopper_or_warn()) return;
-    const AttentionShape s = GENERATE(from_range(forward_grid(kHopperHeadDims, Share::fast)));
-    check_forward_on_gpu<TestType>(s, 1100, Kernel::chapter3());
+    check_hopper_forward_grid<TestType>(Share::fast);
 }
 
 TEMPLATE_TEST_CASE("The Hopper forward matches the reference over a grid of shapes, the rest "
                    "(make stress)",
                    "[gpu][forward][hopper][fp16][bf16][.stress]", fp16, bf16) {
-    // The rest of the test above's shapes: the same body, the same salt.
-    if (!hopper_or_warn()) return;
-    const AttentionShape s = GENERATE(from_range(forward_grid(kHopperHeadDims, Share::stress)));
-    check_forward_on_gpu<TestType>(s, 1100, Kernel::chapter3());
+    check_hopper_forward_grid<TestType>(Share::stress);
 }
 
 TEMPLATE_TEST_CASE("flash_forward_fp16 and _bf16 run chapter 3 on compute capability 9.0 at its "
@@ -481,20 +509,13 @@ TEMPLATE_TEST_CASE("The backward matches the reference over a grid of shapes",
     // Q, K, V and a random dO are rounded to TestType; the kernels run the forward for their own
     // O and L, then the backward; the reference computes its own O and L.
     // fp16 and bf16: chapter 2's backward, then on an H100 at chapter 3's head dims chapter 3's.
-    const AttentionShape s = GENERATE(
-        from_range(backward_grid(head_dims_of<TestType>(), Share::fast)));
-    for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))
-        check_backward_on_gpu<TestType>(s, per_type<TestType>(200u, 2100u), kernel);
+    check_backward_grid<TestType>(Share::fast);
 }
 
 TEMPLATE_TEST_CASE("The backward matches the reference over a grid of shapes, the rest (make "
                    "stress)",
                    "[gpu][backward][fp32][fp16][bf16][.stress]", fp32, fp16, bf16) {
-    // The rest of the test above's shapes: the same body, the same salt.
-    const AttentionShape s = GENERATE(
-        from_range(backward_grid(head_dims_of<TestType>(), Share::stress)));
-    for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))
-        check_backward_on_gpu<TestType>(s, per_type<TestType>(200u, 2100u), kernel);
+    check_backward_grid<TestType>(Share::stress);
 }
 
 TEMPLATE_TEST_CASE("The Hopper backward is right when its tickets go out a few heads at a time",
@@ -544,46 +565,24 @@ TEMPLATE_TEST_CASE("Small shapes for the sanitizer: the Hopper forward matches t
 TEMPLATE_TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU",
                    "[gpu][masking][forward][backward][hardening][fp32][fp16][bf16]", fp32, fp16,
                    bf16) {
-    const AttentionShape s = GENERATE(
-        from_range(masking_shapes(head_dims_of<TestType>(), Share::fast)));
-    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))  // chapters 2 and 3
-        check_masked_rows(check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2400u), kernel),
-                          s);
+    check_masked_backward<TestType>(Share::fast);
 }
 
 TEMPLATE_TEST_CASE("Rows that see no key get O = 0, L = -inf and zero gradients on the GPU, the "
                    "rest (make stress)",
                    "[gpu][masking][forward][backward][hardening][fp32][fp16][bf16][.stress]", fp32, fp16,
                    bf16) {
-    // The rest of the test above's shapes: the same body, the same salt.
-    const AttentionShape s = GENERATE(
-        from_range(masking_shapes(head_dims_of<TestType>(), Share::stress)));
-    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    for (const Kernel kernel : backward_kernels<TestType>(s.head_dim))  // chapters 2 and 3
-        check_masked_rows(check_backward_on_gpu<TestType>(s, per_type<TestType>(300u, 2400u), kernel),
-                          s);
+    check_masked_backward<TestType>(Share::stress);
 }
 
 TEMPLATE_TEST_CASE("Rows that see no key get O = 0 and L = -inf from the tensor-core forward",
                    "[gpu][masking][forward][hardening][fp16][bf16]", fp16, bf16) {
     // Chapter 2's kernel, then the public call where it runs chapter 3 (public_forward_runs_hopper).
-    const Kernel kernel = GENERATE(Kernel::chapter2(), Kernel::public_call());
-    const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims, Share::fast)));
-    if (kernel == Kernel::public_call() && !public_forward_runs_hopper(s.head_dim))
-        NOT_HERE("chapter 2 again");
-    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    check_masked_rows(check_forward_on_gpu<TestType>(s, 1400, kernel), s);
+    check_masked_forward<TestType>(Share::fast);
 }
 
 TEMPLATE_TEST_CASE("Rows that see no key get O = 0 and L = -inf from the tensor-core forward, the "
                    "rest (make stress)",
                    "[gpu][masking][forward][hardening][fp16][bf16][.stress]", fp16, bf16) {
-    // The rest of the test above's shapes: the same body, the same salt.
-    const Kernel kernel = GENERATE(Kernel::chapter2(), Kernel::public_call());
-    const AttentionShape s = GENERATE(from_range(masking_shapes(kFp16HeadDims, Share::stress)));
-    if (kernel == Kernel::public_call() && !public_forward_runs_hopper(s.head_dim))
-        NOT_HERE("chapter 2 again");
-    INFO(describe(s) << ": rows 0.." << masked_rows(s) - 1 << " of every head see no key");
-    check_masked_rows(check_forward_on_gpu<TestType>(s, 1400, kernel), s);
+    check_masked_forward<TestType>(Share::stress);
 }

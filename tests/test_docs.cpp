@@ -1046,16 +1046,20 @@ std::string exercise_id(const std::string& path) {  // exercises/1.10.log -> 1.1
     return name.substr(0, name.rfind('.'));
 }
 
+// The ids of the exercises' files that end in `suffix` (".patch", ".log"): exercises/1.10.log -> 1.10.
+std::set<std::string> exercise_ids(const std::string& suffix) {
+    std::set<std::string> ids;
+    for (const std::string& f : files_under("exercises"))
+        if (ends_with(f, suffix)) ids.insert(exercise_id(f));
+    return ids;
+}
+
 }  // namespace
 
 TEST_CASE("Every exercise has a log with its table, and NOTES.md states what the log shows",
           "[cpu][exercises]") {
     std::vector<std::string> problems;
-    std::set<std::string> patches, logs;
-    for (const std::string& f : files_under("exercises")) {
-        if (ends_with(f, ".patch")) patches.insert(exercise_id(f));
-        if (ends_with(f, ".log")) logs.insert(exercise_id(f));
-    }
+    const std::set<std::string> patches = exercise_ids(".patch"), logs = exercise_ids(".log");
     REQUIRE(!patches.empty());
     const std::vector<Outcome> stated =
         outcomes(text_lines(file_text("NOTES.md")), "NOTES.md", &problems);
@@ -1104,11 +1108,7 @@ TEST_CASE("Every exercise has a log with its table, and NOTES.md states what the
 // an exercise applied): every log is still current with the files it ran, by their SHA-1s.
 TEST_CASE("Every exercise log is current with the sources it ran", "[.freshness]") {
     std::vector<std::string> problems;
-    std::set<std::string> patches, logs;
-    for (const std::string& f : files_under("exercises")) {
-        if (ends_with(f, ".patch")) patches.insert(exercise_id(f));
-        if (ends_with(f, ".log")) logs.insert(exercise_id(f));
-    }
+    const std::set<std::string> patches = exercise_ids(".patch"), logs = exercise_ids(".log");
     REQUIRE(!logs.empty());
     for (const std::string& id : logs) {
         if (!patches.count(id)) continue;

@@ -167,6 +167,16 @@ std::vector<Kernel> forward_kernels(int d) {
     return kernels;
 }
 
+// The grid tests' body, forward (or forward and backward) on the share of gqa_shapes: the test
+// case and its [.stress] twin below run one each, with the same salts.
+template <typename T>
+void check_gqa_grid(bool backward, Share share) {
+    const int d = GENERATE(values<int>({std::is_same<T, float>::value ? 32 : 64, 128}));
+    const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, share)));
+    const auto p = rounded_problem<T>(s, backward ? 4100 : 4000, backward);
+    for (const Kernel& kernel : forward_kernels<T>(d)) check_gqa_on_gpu(p, backward, kernel);
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("GQA and MQA: the forward matches the reference on K and V repeated to every "
@@ -174,19 +184,12 @@ TEMPLATE_TEST_CASE("GQA and MQA: the forward matches the reference on K and V re
     // Every chapter's forward (forward_kernels), groups 1, 2, 4, 8 and MQA, odd and unequal
     // lengths, causal and not, two head dims each (64, and 128 where chapter 3 runs too; fp32 32
     // and 128: a row split over threads).
-    const int d = GENERATE(values<int>({std::is_same<TestType, float>::value ? 32 : 64, 128}));
-    const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, Share::fast)));
-    const auto p = rounded_problem<TestType>(s, 4000, false);
-    for (const Kernel& kernel : forward_kernels<TestType>(d)) check_gqa_on_gpu(p, false, kernel);
+    check_gqa_grid<TestType>(false, Share::fast);
 }
 
 TEMPLATE_TEST_CASE("GQA and MQA: the forward matches the reference on K and V repeated to every "
                    "query head, the rest (make stress)", "[gpu][gqa][forward][fp32][fp16][bf16][.stress]", fp32, fp16, bf16) {
-    // The rest of the test above's shapes: the same body, the same salt.
-    const int d = GENERATE(values<int>({std::is_same<TestType, float>::value ? 32 : 64, 128}));
-    const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, Share::stress)));
-    const auto p = rounded_problem<TestType>(s, 4000, false);
-    for (const Kernel& kernel : forward_kernels<TestType>(d)) check_gqa_on_gpu(p, false, kernel);
+    check_gqa_grid<TestType>(false, Share::stress);
 }
 
 TEMPLATE_TEST_CASE("GQA and MQA: the backward matches the reference, dK and dV summed over each "
@@ -194,19 +197,12 @@ TEMPLATE_TEST_CASE("GQA and MQA: the backward matches the reference, dK and dV s
     // Each chapter's forward and backward (forward_kernels: chapter 1 for fp32; chapter 2, and 3
     // on a Hopper), whose blocks each run a (K/V head, K/V tile) over every query head of the
     // group. d = 64 and 128 (fp32: 32 and 128); 256 in the next test.
-    const int d = GENERATE(values<int>({std::is_same<TestType, float>::value ? 32 : 64, 128}));
-    const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, Share::fast)));
-    const auto p = rounded_problem<TestType>(s, 4100);
-    for (const Kernel& kernel : forward_kernels<TestType>(d)) check_gqa_on_gpu(p, true, kernel);
+    check_gqa_grid<TestType>(true, Share::fast);
 }
 
 TEMPLATE_TEST_CASE("GQA and MQA: the backward matches the reference, dK and dV summed over each "
                    "group, the rest (make stress)", "[gpu][gqa][backward][fp32][fp16][bf16][.stress]", fp32, fp16, bf16) {
-    // The rest of the test above's shapes: the same body, the same salt.
-    const int d = GENERATE(values<int>({std::is_same<TestType, float>::value ? 32 : 64, 128}));
-    const AttentionShape s = GENERATE_COPY(from_range(gqa_shapes(d, Share::stress)));
-    const auto p = rounded_problem<TestType>(s, 4100);
-    for (const Kernel& kernel : forward_kernels<TestType>(d)) check_gqa_on_gpu(p, true, kernel);
+    check_gqa_grid<TestType>(true, Share::stress);
 }
 
 TEMPLATE_TEST_CASE("GQA at head dim 256 and on a longer sequence, forward and backward",
