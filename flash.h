@@ -2,7 +2,8 @@
 // on the CUDA cores (flash.cu); 2 in fp16 and bf16 on the tensor cores (flash_fp16.cu); 3 the fp16
 // and bf16 forward and backward on Hopper's own instructions (flash_hopper.cu,
 // flash_hopper_backward.cu); 4 grouped K/V heads in every chapter, and split-KV decoding
-// (flash_decode.cu). A fifth (masks, layouts, variable lengths) is planned, not written.
+// (flash_decode.cu); 5 attention as models call it: sliding windows, softcap, ALiBi and the
+// softmax scale (AttentionOptions, below), so far in chapter 2's kernels only.
 //
 // Only what a user calls is here. Which chapter a call runs is decided in one place, the API layer
 // lib/dispatch.cpp (flash_forward_fp16 / _bf16 are the only calls with a choice); every other call
@@ -108,6 +109,51 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
                          const __nv_bfloat16* O, const __nv_bfloat16* dO, const float* L,
                          __nv_bfloat16* dQ, __nv_bfloat16* dK, __nv_bfloat16* dV,
                          const AttentionShape& shape, cudaStream_t stream = 0);
+
+// ---------------------------------------------------------------------------------------------
+// Chapter 5: attention as models call it, FlashAttention-2's keyword arguments of flash_attn_func.
+// With q_len rows, kv_len keys and i' = i + kv_len - q_len (the bottom-right alignment), the score
+// of query i and key j is
+//   s = softmax_scale (Q_i . K_j)             softmax_scale 0: 1/sqrt(head_dim)
+//   s = softcap tanh(s / softcap)             where softcap > 0 (Gemma 2)
+//   s = s - slope_h |i' - j|                  where alibi_slopes is given (BLOOM, MPT)
+// and query i sees key j iff i' - window_left <= j <= i' + window_right (a bound of -1 leaves
+// that side open; causal bounds the right at 0: causal with a window is (left, 0), Mistral's).
+// O, L and the gradients are then as chapter 1's contract says, with these scores: L the
+// natural-log logsumexp of each row's visible s, a row that sees no key O = 0, L = -inf.
+struct AttentionOptions {
+    float softmax_scale = 0.f;  // >= 0, finite; 0: 1/sqrt(head_dim)
+    int window_left = -1, window_right = -1;  // >= -1 each
+    float softcap = 0.f;        // >= 0, finite; 0: none
+    // ALiBi: fp32 device pointer, a slope per query head ([heads]), or per batch and head
+    // ([batch][heads]) where alibi_per_batch; 16-byte aligned, as every tensor. nullptr: none.
+    const float* alibi_slopes = nullptr;
+    bool alibi_per_batch = false;
+};
+// The same calls with options. Options that change nothing (every field its default, a window
+// bound no row reaches, the default scale written out) are the calls above, bit for bit and in
+// speed. Any other runs chapter 2's kernels (flash_fp16.cu) with the options as their tile policy
+// (lib/mask_policy.cuh) on every GPU, head_dim in kFlashFp16HeadDims: chapter 3 and the decode
+// do not take options yet. A K/V tile no query of a Q tile sees is never loaded, forward or
+// backward: a window of w keys costs O(N w). Bad options throw std::invalid_argument naming the
+// field, before anything is launched.
+void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
+                        const AttentionShape& shape, const AttentionOptions& options,
+                        cudaStream_t stream = 0);
+void flash_forward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
+                        __nv_bfloat16* O, float* L, const AttentionShape& shape,
+                        const AttentionOptions& options, cudaStream_t stream = 0);
+void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
+                         const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
+                         const AttentionShape& shape, const AttentionOptions& options,
+                         cudaStream_t stream = 0);
+void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
+                         const __nv_bfloat16* O, const __nv_bfloat16* dO, const float* L,
+                         __nv_bfloat16* dQ, __nv_bfloat16* dK, __nv_bfloat16* dV,
+                         const AttentionShape& shape, const AttentionOptions& options,
+                         cudaStream_t stream = 0);
+// True iff the options change nothing (every field its default): the calls without options.
+bool flash_options_plain(const AttentionOptions& options);
 
 // ---------------------------------------------------------------------------------------------
 // Chapter 2's forward kernel (mma.sync) whatever the GPU: what flash_forward_fp16 / _bf16 run

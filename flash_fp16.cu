@@ -22,6 +22,7 @@
 #include "flash.h"
 #include "fragments.cuh"  // T, its pairs, the mma and its fragments
 #include "log2_units.h"
+#include "mask_policy.cuh"  // the mask and score: PlainPolicy, or chapter 5's ModelPolicy
 #include "ordered_add.cuh"
 
 #include <cuda_bf16.h>
@@ -113,12 +114,13 @@ __device__ __forceinline__ void mma_AB(float (*acc)[N / 8][4], const T* A, int l
 // registers. Bc: keys per K/V tile; S_ij's accumulators are M Bc / 2 floats a thread, so Bc and
 // M are bounded by registers (fwd_M, flash_choose_tile_fp16). M = 2 feeds every K_j and V_j
 // fragment a warp loads from shared memory to two mmas, where M = 1 loads it for one.
-template <typename T, int D, int Bc, int M>
+// Policy: the mask and the score (lib/mask_policy.cuh): which K/V tiles a Q tile loads, which
+// scores are tested, each score's change; scale_log2 turns its units into the exponent's.
+template <typename T, int D, int Bc, int M, typename Policy>
 __global__ void __launch_bounds__(kFwdThreads)
 flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, T* __restrict__ O, float* __restrict__ L,
-                          int q_len, int kv_len, bool causal, int Tr, int HG, int group,
-                          float scale_log2) {
+                          const Policy policy, int Tr, int HG, int group, float scale_log2) {
     constexpr int Br = 16 * M * kWarps, ld = D + kPad;  // ld: shared row stride, in Ts
     // Shared memory: Q_i, (Br, ld); then K_j and V_j, (2, Bc, ld) each: two stages (line 7).
     extern __shared__ __align__(16) unsigned char shared[];
@@ -131,45 +133,55 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const int BH = gridDim.x / Tr, head0 = blockIdx.x / (HG * Tr) * HG, heads = min(HG, BH - head0);
     const int i = Tr - 1 - int(blockIdx.x % (HG * Tr)) / heads;
     const size_t bh = head0 + blockIdx.x % (HG * Tr) % heads;  // which (batch, head)
+    const Policy pol = policy.for_head(bh);
+    const int q_len = pol.q_len, kv_len = pol.kv_len;
     const int query = i * Br + 16 * M * warp + threadIdx.x % 32 / 4;  // its rows: query + 8r
     // This head's K and V start here: its K/V head's, bh / group (GQA: group query heads share
     // one K/V head, flash.cu's layouts). Consecutive heads share it, and HG of them run together:
     // the K/V tiles they read stay in L2.
     const size_t kv_head = bh / group * kv_len * D;
-    const int kv_end = flash_kv_end(i * Br, Br, q_len, kv_len, causal);  // causal: keys needed
-    // Keys every row of Q_i sees: a K/V tile below this needs no mask.
-    const int kv_all = causal ? min(kv_end, flash_last_key(i * Br, q_len, kv_len) + 1) : kv_len;
+    // The keys Q_i needs, keys.begin .. keys.end - 1 (without a mask all, under causal to the
+    // last row's last key), in K/V tiles j0 .. ; a tile inside keys.all_begin .. keys.all_end - 1,
+    // the keys every row sees, needs no mask.
+    const KeySpan keys = pol.keys(i * Br, Br);
+    const int j0 = keys.begin / Bc;
     load_rows_async<Br, D>(Q_i, Q + bh * q_len * D, i * Br, q_len);  // line 4: load Q_i
-    load_rows_async<Bc, D>(K_j, K + kv_head, 0, kv_end);  // line 7 for j = 0
-    load_rows_async<Bc, D>(V_j, V + kv_head, 0, kv_end);
-    // Line 5: O_i = 0, m = -inf, l = 0, for this thread's rows; m is of the unscaled scores.
+    load_rows_async<Bc, D>(K_j, K + kv_head, j0 * Bc, keys.end);  // line 7 for j0
+    load_rows_async<Bc, D>(V_j, V + kv_head, j0 * Bc, keys.end);
+    // Line 5: O_i = 0, m = -inf, l = 0, for this thread's rows; m in the scores' units (unscaled).
     // -1e30 stands in for -inf: e^(m_old - m) stays 1, not NaN, while no key has been seen.
     float O_i[M][D / 8][4] = {}, m[2 * M], l[2 * M];
     for (int r = 0; r < 2 * M; r++) m[r] = -1e30f, l[r] = 0.f;
-    for (int j = 0; j * Bc < kv_end; j++) {            // line 6: for each K_j, V_j
-        const int stage = j % 2 * Bc * ld;             // where tile j is in K_j, V_j
+    for (int j = j0; j * Bc < keys.end; j++) {         // line 6: for each K_j, V_j
+        const int stage = (j - j0) % 2 * Bc * ld;      // where tile j is in K_j, V_j
         // Tile j has landed: this thread's copies, then, after the barrier, everyone's; the other
         // stage is free.
         commit_and_wait<0>();
         __syncthreads();
-        if ((j + 1) * Bc < kv_end) {                   // line 7, a tile ahead: K_{j+1}, V_{j+1}
-            load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K + kv_head, (j + 1) * Bc, kv_end);
-            load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V + kv_head, (j + 1) * Bc, kv_end);
+        if ((j + 1) * Bc < keys.end) {                 // line 7, a tile ahead: K_{j+1}, V_{j+1}
+            load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K + kv_head, (j + 1) * Bc, keys.end);
+            load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V + kv_head, (j + 1) * Bc, keys.end);
         }
         // Line 8: S_ij = Q_i K_j^T, this warp's rows.
         float S[M][Bc / 8][4] = {};
         mma_AB<M, D, Bc, false, true>(S, Q_i + 16 * M * warp * ld, ld, K_j + stage, ld);
 #pragma unroll  // (so that S's indices are constants: S stays in registers at Bc = 128)
         for (int r = 0; r < 2 * M; r++) {              // line 9 for query + 8r: mask, max
-            const int last = causal ? flash_last_key(query + 8 * r, q_len, kv_len) : kv_len - 1;
             const float m_old = m[r];
-            if ((j + 1) * Bc > kv_all)                 // the mask, in a tile past a row's last key
-                for (int c = 0; c < Bc / 4; c++)       // column c is key j Bc + acc_col(c, t)
-                    if (j * Bc + acc_col(c, t) > last) acc_at(S, r, c) = -INFINITY;
+            float du;                                  // (a derivative only the backward needs)
+            for (int c = 0; c < Bc / 4; c++)           // the score's change, if any; column c is
+                acc_at(S, r, c) = pol.score(acc_at(S, r, c), query + 8 * r, j * Bc + acc_col(c, t), du);
+            if (j * Bc < keys.all_begin || (j + 1) * Bc > keys.all_end) {  // key j Bc + acc_col(c, t)
+                const Span seen = pol.row_keys(query + 8 * r);  // the mask, where a row misses a key
+                for (int c = 0; c < Bc / 4; c++) {
+                    const int key = j * Bc + acc_col(c, t);
+                    if (key < seen.first || key > seen.last) acc_at(S, r, c) = -INFINITY;
+                }
+            }
             for (int c = 0; c < Bc / 4; c++) m[r] = fmaxf(m[r], acc_at(S, r, c));
             m[r] = quad_reduce(m[r], fmaxf);           // the max over the row's 4 threads
-            // Scores carry the scale 1/sqrt(d) and log2 e only here, in one fma each:
-            // e^((s - m) / sqrt(d)) = 2^(s c - m c), c = scale_log2.
+            // Scores carry the scale (1/sqrt(d), or the options') and log2 e only here, in one
+            // fma each: e^((s - m) / sqrt(d)) = 2^(s c - m c), c = scale_log2.
             const float alpha = exp2_ftz((m_old - m[r]) * scale_log2);  // line 10's e^(m_old - m)
             l[r] *= alpha;
             for (int c = 0; c < D / 4; c++) acc_at(O_i, r, c) *= alpha;
@@ -311,14 +323,15 @@ __device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], i
 // 16(r / 2) + g + 8(r % 2), its c-th column 8(c / 2) + 2t + c % 2 (lane = 4g + t). Two blocks an
 // SM where Q tiles have 64 rows at d <= 64: their warps hide each other's barriers and loads
 // (NOTES.md section 14), for registers capped at 128 (a few spill at d = 64).
-template <typename T, int D, int W, int Bc, int Br>
+// Policy: the forward's (lib/mask_policy.cuh); scale: the softmax scale, dK's last factor.
+template <typename T, int D, int W, int Bc, int Br, typename Policy>
 __global__ void __launch_bounds__(32 * W, D <= 64 && Br == 64 ? 2 : 1)
 flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                            const T* __restrict__ V, const T* __restrict__ dO,
                            const float* __restrict__ L, const float* __restrict__ Dsum,
                            float* __restrict__ dQacc, int* __restrict__ turns, int* next_ticket,
-                           T* __restrict__ dK, T* __restrict__ dV, int q_len, int kv_len,
-                           bool causal, int Tc, int BH, int HG, int group, float scale_log2) {
+                           T* __restrict__ dK, T* __restrict__ dV, const Policy policy, int Tc,
+                           int BH, int HG, int group, float scale_log2, float scale) {
     constexpr int ld = D + kPad, ldS = Br + kPad;
     using TS = WarpTile<Bc, Br, W>;                    // S^T, dP^T: keys x queries
     using TKV = WarpTile<Bc, D, W>;                    // dK_j, dV_j: keys x columns
@@ -339,19 +352,21 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     // taking turns. Line 5: for each K_j, V_j.
     const int ticket = block_ticket(next_ticket), head0 = ticket / (HG * Tc) * HG;
     const int heads = min(HG, BH - head0), slot = ticket % (HG * Tc);
-    const int j = causal ? slot / heads : Tc - 1 - slot / heads;
+    const bool from_left = policy.from_left();
+    const int j = from_left ? slot / heads : Tc - 1 - slot / heads;
     const size_t kv_bh = head0 + slot % heads;         // batch * kv_heads + K/V head
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    const int Tr = (q_len + Br - 1) / Br;
+    const int q_len = policy.q_len, kv_len = policy.kv_len, Tr = (q_len + Br - 1) / Br;
     const size_t kv_head = kv_bh * kv_len * D;
-    // Causal: Q tiles before the one holding the first query that sees key j Bc are skipped.
-    const int i_first = causal ? max(0, flash_first_query(j * Bc, q_len, kv_len)) / Br : 0;
-    const int i0 = causal ? Tr - 1 : i_first, di = causal ? -1 : 1;  // Q tiles: causal, last first
+    // The Q tiles that see a key of tile j, i_first .. i_last (the mask's: all without one);
+    // causal (from the left), the last first.
+    const Span rows = policy.queries(j * Bc, min((j + 1) * Bc, kv_len));
+    const int i_first = rows.first / Br, i_last = rows.last < rows.first ? -1 : rows.last / Br;
+    const int i0 = from_left ? i_last : i_first, di = from_left ? -1 : 1;
     // Line 8's loop, step n: the group's query heads one after another (GQA: group query heads
     // read this K/V head, and dK_j, dV_j sum over all of them, in this fixed order, in
     // registers), and each one's Q tiles. Without GQA (group = 1) the loop is over Q tiles only.
-    // (tiles >= 1: key j Bc < kv_len is seen by query q_len - 1 at least, so i_first < Tr.)
-    const int tiles = Tr - i_first, steps = group * tiles;  // Q tiles a query head; steps
+    const int tiles = max(i_last - i_first + 1, 0), steps = group * tiles;  // Q tiles a head; steps
     const auto head_of = [&](int n) { return kv_bh * group + n / tiles; };  // its query head bh
     const auto tile_of = [&](int n) { return i0 + di * (n % tiles); };       // its Q tile i
     auto load_Q_tile = [&](int stage, int n) {         // line 9: load Q_i, dO_i, L_i, D_i of step n
@@ -364,11 +379,12 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     };
     load_rows_async<Bc, D, 32 * W>(K_j, K + kv_head, j * Bc, kv_len);  // line 6: load K_j, V_j
     load_rows_async<Bc, D, 32 * W>(V_j, V + kv_head, j * Bc, kv_len);
-    load_Q_tile(0, 0);
+    if (steps > 0) load_Q_tile(0, 0);
     float dK_j[TKV::M][TKV::cols / 8][4] = {}, dV_j[TKV::M][TKV::cols / 8][4] = {};  // line 7
     int* added = nullptr;                              // the turn of the dQ_i added to last
     for (int n = 0; n < steps; n++) {                  // line 8: for each (query head, Q_i)
         const size_t bh = head_of(n);                  // batch * heads + query head
+        const Policy pol = policy.for_head(bh);
         const int i = tile_of(n);
         const int q0 = i * Br, fstage = n % 2 * Br, stage = fstage * ld;
         // Q_i has landed; the other stage, P^T and dS^T are free.
@@ -384,27 +400,28 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // the barrier above: the adds have had time to land, so the release waits little.
         if (added && threadIdx.x == 32 * (i % W)) pass_turn(added);
         if (n + 1 < steps) load_Q_tile(Br - fstage, n + 1);  // line 9, a tile ahead
-        // Row r of the warp's tile is key j Bc + k_w + 8r + g, which the queries first[r] ..
-        // q_len - 1 see (none when it is past kv_len). 8r is written as the mma numbers rows,
-        // 16(r / 2) + 8(r % 2), here and in acc_at below: nvcc compiles these two loops into other,
-        // larger machine code from the shorter forms (NOTES.md section 14).
-        int first[2 * TS::M];
-        for (int r = 0; r < 2 * TS::M; r++) {
-            const int key = j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2);
-            first[r] = key >= kv_len ? q_len : causal ? flash_first_query(key, q_len, kv_len) : 0;
-        }
-        // The mask only where the tile reaches past a key's first query, kv_len or q_len.
+        // Row r of the warp's tile is key j Bc + k_w + 8r + g, which the queries seen[r] see
+        // (none when it is past kv_len). 8r is written as the mma numbers rows, 16(r / 2) +
+        // 8(r % 2), here and in acc_at below: nvcc compiles these two loops into other, larger
+        // machine code from the shorter forms (NOTES.md section 14).
+        Span seen[2 * TS::M];
+        for (int r = 0; r < 2 * TS::M; r++)
+            seen[r] = pol.key_queries(j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2));
+        // The mask only where the tile reaches past kv_len, q_len or a key's queries.
         const bool edge = (j + 1) * Bc > kv_len || q0 + Br > q_len ||
-                          (causal && q0 < flash_first_query((j + 1) * Bc - 1, q_len, kv_len));
+                          !pol.full(q0, q0 + Br, j * Bc, (j + 1) * Bc);
         for (int c = 0; c < TS::cols / 4; c++) {       // column c: query q0 + qi
             const int qi = q_w + acc_col(c, t);
             const float L_q = L_i[fstage + qi] * kLog2e, D_q = D_i[fstage + qi];
             for (int r = 0; r < 2 * TS::M; r++) {
+                const int key = j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2);
                 float& p = S[r / 2][c / 2][2 * (r % 2) + c % 2];  // acc_at(S, r, c)
-                p = exp2_ftz(p * scale_log2 - L_q);    // line 11: P^T = exp(S^T - L_i), masked
-                if (edge && (q0 + qi < first[r] || q0 + qi >= q_len)) p = 0.f;
+                float du;                              // the score's change and its derivative
+                p = exp2_ftz(pol.score(p, q0 + qi, key, du) * scale_log2 - L_q);  // line 11:
+                if (edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last))  // P^T =
+                    p = 0.f;                           // exp(S^T - L_i), masked
                 float& ds = dP[r / 2][c / 2][2 * (r % 2) + c % 2];  // acc_at(dP, r, c)
-                ds = p * (ds - D_q);                   // line 14: dS^T = P^T o (dP^T - D_i)
+                ds = p * (ds - D_q) * du;              // line 14: dS^T = P^T o (dP^T - D_i)
             }
         }
         // P^T and dS^T to shared memory, in T, for the products of lines 12, 15 and 16.
@@ -416,13 +433,15 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             dV_j, P_T + kv_w * ldS, ldS, dO_i + stage + d_w, ld);
         mma_AB<TKV::M, Br, TKV::cols, false, false>(   // line 16: dK_j += dS^T Q_i
             dK_j, dS_T + kv_w * ldS, ldS, Q_i + stage + d_w, ld);
-        // Line 15: dQ_i += dS K_j, this warp's tile of it, added in turn (the tiles before j in
-        // the order first: right of j, causal left of it; the turn is passed on a step later).
+        // Line 15: dQ_i += dS K_j, this warp's tile of it, added in turn (the tiles that see Q_i
+        // before j in the order first: right of j, causal left of it; the turn is passed on a
+        // step later).
         const int dq_q = TQ::row(warp), dq_d = TQ::col(warp);
         float dQ_i[TQ::M][TQ::cols / 8][4] = {};
         mma_AB<TQ::M, Bc, TQ::cols, true, false>(dQ_i, dS_T + dq_q, ldS, K_j + dq_d, ld);
         added = turns + bh * Tr + i;
-        const int mine = causal ? j : Tc - 1 - j;
+        const KeySpan keys = pol.keys(q0, Br);         // Q_i's K/V tiles: keys.begin / Bc ..
+        const int mine = from_left ? j - keys.begin / Bc : (keys.end - 1) / Bc - j;
         wait_turn(added, mine);
         add_tile<TQ::M, TQ::cols, D>(dQacc + (bh * q_len + q0 + dq_q + g) * D + dq_d + 2 * t,
                                      dQ_i, q_len - q0 - dq_q - g, mine == 0);
@@ -430,9 +449,9 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     commit_and_wait<0>();                              // no copy may land after the block exits
     __syncthreads();                                   // every warp's last adds were issued
     if (added && threadIdx.x == 0) pass_turn(added);
-    const int key = j * Bc + TKV::row(warp);           // line 18: write dK_j / sqrt(d), dV_j
+    const int key = j * Bc + TKV::row(warp);           // line 18: write dK_j scale, dV_j
     const size_t at = kv_head + size_t(key) * D + TKV::col(warp);
-    store_tile<TKV::M, TKV::cols, D>(dK + at, dK_j, rsqrtf(D), kv_len - key);
+    store_tile<TKV::M, TKV::cols, D>(dK + at, dK_j, scale, kv_len - key);
     store_tile<TKV::M, TKV::cols, D>(dV + at, dV_j, 1.f, kv_len - key);
 }
 // ---------------------------------------------------------------------------------------------
@@ -447,6 +466,11 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 constexpr int fwd_M(int head_dim) { return head_dim <= 128 ? 2 : 1; }
 constexpr int fwd_Br(int head_dim) { return 16 * kWarps * fwd_M(head_dim); }
 constexpr int fwd_max_Bc(int head_dim) { return head_dim <= 64 ? 128 : head_dim <= 128 ? 64 : 32; }
+// With chapter 5's policy (ModelPolicy) a thread also holds its rows' masks and score changes:
+// at the plain tiles nvcc spills hundreds of bytes (d = 64, Bc = 128: 400; d = 128, Bc = 64: 364),
+// at half of them next to none (0 and 32 bytes). So the options take Bc = 64 up to d = 64, 32
+// beyond.
+constexpr int fwd_model_max_Bc(int head_dim) { return head_dim <= 64 ? 64 : 32; }
 
 static size_t fp16_shared_bytes(int head_dim, int Bc) {  // Q_i, 2 x K_j, 2 x V_j
     return size_t(fwd_Br(head_dim) + 4 * Bc) * (head_dim + kPad) * sizeof(__half);
@@ -486,36 +510,49 @@ FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
 // the SMs' loads), and the few heads' K and V that the running blocks read stay in L2.
 static constexpr int kFwdHeadGroup = 16;
 
+// Without options the plain policy (scale 1/sqrt(D)); with them chapter 5's.
 template <typename T, int D, int Bc>
 static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float* L,
-                                const AttentionShape& s, const FlashTile& tile,
-                                cudaStream_t stream) {
-    auto kernel = flash_forward_fp16_kernel<T, D, Bc, fwd_M(D)>;
+                                const AttentionShape& s, const AttentionOptions* options,
+                                const FlashTile& tile, cudaStream_t stream) {
     const int Tr = (s.q_len + tile.Br - 1) / tile.Br;  // Q tiles per head
     const int blocks = grid_blocks(s, s.q_len, tile.Br, "q_len");
-    allow_shared(kernel, tile.shared_bytes);
-    kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
-        Q, K, V, O, L, s.q_len, s.kv_len, s.causal, Tr, kFwdHeadGroup,
-        flash_kv_group(s), scale_log2_for(D));
-    FLASH_CUDA_CHECK(cudaGetLastError());
+    const auto launch = [&](auto policy, float scale_log2) {
+        auto kernel = flash_forward_fp16_kernel<T, D, Bc, fwd_M(D), decltype(policy)>;
+        allow_shared(kernel, tile.shared_bytes);
+        kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
+            Q, K, V, O, L, policy, Tr, kFwdHeadGroup, flash_kv_group(s), scale_log2);
+        FLASH_CUDA_CHECK(cudaGetLastError());
+    };
+    if constexpr (Bc <= fwd_model_max_Bc(D)) {
+        if (options) return launch(model_policy(s, *options), options_scale_log2(s, *options));
+    } else if (options) {
+        throw std::logic_error("launch_forward_fp16: options at Bc = " + std::to_string(Bc) +
+                               ", above fwd_model_max_Bc");
+    }
+    launch(PlainPolicy{s.q_len, s.kv_len, s.causal}, scale_log2_for(D));
 }
 
 // The launch once the arguments are checked (shape, pointers): the device's checks, the tile, the
-// kernel. Bc: keys per K/V tile given by the caller (checked), or none for the device's choice.
+// kernel. Bc: keys per K/V tile given by the caller (checked), or none for the device's choice;
+// options: chapter 5's (checked), or none.
 template <typename T>
 static void forward_fp16_launch(const char* fn, const cudaDeviceProp& prop, const T* Q, const T* K,
                                 const T* V, T* O, float* L, const AttentionShape& s,
-                                std::optional<int> Bc, cudaStream_t stream) {
+                                std::optional<int> Bc, cudaStream_t stream,
+                                const AttentionOptions* options = nullptr) {
     require_sm80(prop, fn);
     FlashTile tile = flash_choose_tile_fp16(prop, s.head_dim);
     if (Bc) tile = fp16_tile(prop, s.head_dim, *Bc);
+    if (options && tile.Bc > fwd_model_max_Bc(s.head_dim))  // chapter 5's tile (above)
+        tile = fp16_tile(prop, s.head_dim, fwd_model_max_Bc(s.head_dim));
     dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
         if constexpr (fwd_max_Bc(D) >= 128)
             if (tile.Bc == 128)
-                return launch_forward_fp16<T, D, 128>(Q, K, V, O, L, s, tile, stream);
-        if (tile.Bc == 64) launch_forward_fp16<T, D, 64>(Q, K, V, O, L, s, tile, stream);
-        else launch_forward_fp16<T, D, 32>(Q, K, V, O, L, s, tile, stream);
+                return launch_forward_fp16<T, D, 128>(Q, K, V, O, L, s, options, tile, stream);
+        if (tile.Bc == 64) launch_forward_fp16<T, D, 64>(Q, K, V, O, L, s, options, tile, stream);
+        else launch_forward_fp16<T, D, 32>(Q, K, V, O, L, s, options, tile, stream);
     });
 }
 
@@ -536,14 +573,16 @@ static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T
 // For the API layer (lib/dispatch.cpp), which has checked the arguments (lib/checks.h).
 void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
                                  const __half* K, const __half* V, __half* O, float* L,
-                                 const AttentionShape& s, cudaStream_t stream) {
-    forward_fp16_launch(fn, prop, Q, K, V, O, L, s, std::nullopt, stream);
+                                 const AttentionShape& s, cudaStream_t stream,
+                                 const AttentionOptions* options) {
+    forward_fp16_launch(fn, prop, Q, K, V, O, L, s, std::nullopt, stream, options);
 }
 void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
                                  const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                  const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
-                                 const AttentionShape& s, cudaStream_t stream) {
-    forward_fp16_launch(fn, prop, Q, K, V, O, L, s, std::nullopt, stream);
+                                 const AttentionShape& s, cudaStream_t stream,
+                                 const AttentionOptions* options) {
+    forward_fp16_launch(fn, prop, Q, K, V, O, L, s, std::nullopt, stream, options);
 }
 
 void flash_forward_fp16_ampere(const __half* Q, const __half* K, const __half* V, __half* O,
@@ -607,11 +646,12 @@ FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_d
     return bwd_tile(prop, head_dim, 0);
 }
 
-template <typename T, int D, int Bc, int Br>
+template <typename T, int D, int Bc, int Br, typename Policy>
 static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                  const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
+                                 const AttentionOptions& o, const Policy& policy,
                                  const FlashTile& tile, cudaStream_t stream) {
-    auto kernel = flash_backward_fp16_kernel<T, D, bwd_warps(D, Bc), Bc, Br>;
+    auto kernel = flash_backward_fp16_kernel<T, D, bwd_warps(D, Bc), Bc, Br, Policy>;
     const int Tc = (s.kv_len + Bc - 1) / Bc;           // K/V tiles per head
     AttentionShape kv_shape = s;                       // one block per K/V tile of each K/V head
     kv_shape.heads = flash_kv_heads(s);
@@ -622,20 +662,36 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     // heads' tiles keeps those of one head further apart in time, 4 without a mask; under the mask
     // 32, so that a wave holds few tiles of a head, all starting at its last Q tile (NOTES.md
     // section 14).
-    const int group = s.causal ? 32 : 4;
+    const int group = policy.from_left() ? 32 : 4;
     flash_backward_passes(O, dO, dQ, s, stream, [&](const BackwardScratch& m) {
         kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
-            Q, K, V, dO, L, m.D, m.dQacc, m.turns, m.next_ticket, dK, dV, s.q_len, s.kv_len,
-            s.causal, Tc, s.batch * flash_kv_heads(s), group, kv_group, scale_log2_for(D));
+            Q, K, V, dO, L, m.D, m.dQacc, m.turns, m.next_ticket, dK, dV, policy, Tc,
+            s.batch * flash_kv_heads(s), group, kv_group, options_scale_log2(s, o),
+            options_scale(s, o));
         return cudaGetLastError();
-    });
+    }, o);
+}
+
+
+// Without options the plain policy (scale 1/sqrt(D)); with them chapter 5's.
+template <typename T, int D, int Bc, int Br>
+static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O, const T* dO,
+                                 const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
+                                 const AttentionOptions* options, const FlashTile& tile,
+                                 cudaStream_t stream) {
+    if (options)
+        return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, *options,
+                                                  model_policy(s, *options), tile, stream);
+    launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, AttentionOptions{},
+                                       PlainPolicy{s.q_len, s.kv_len, s.causal}, tile, stream);
 }
 
 template <typename T>
 static void backward_fp16_launch(const char* fn, const cudaDeviceProp& prop, const T* Q,
                                  const T* K, const T* V, const T* O, const T* dO, const float* L,
                                  T* dQ, T* dK, T* dV, const AttentionShape& s,
-                                 std::optional<int> Bc, cudaStream_t stream);
+                                 std::optional<int> Bc, cudaStream_t stream,
+                                 const AttentionOptions* options = nullptr);
 // Bc: keys per K/V tile given by the caller (one of bwd_tiles' at this head_dim), or none for
 // the device-derived choice.
 template <typename T>
@@ -660,7 +716,8 @@ template <typename T>
 static void backward_fp16_launch(const char* fn, const cudaDeviceProp& prop, const T* Q,
                                  const T* K, const T* V, const T* O, const T* dO, const float* L,
                                  T* dQ, T* dK, T* dV, const AttentionShape& s,
-                                 std::optional<int> Bc, cudaStream_t stream) {
+                                 std::optional<int> Bc, cudaStream_t stream,
+                                 const AttentionOptions* options) {
     require_sm80(prop, fn);
     const FlashTile tile = bwd_tile(prop, s.head_dim, Bc.value_or(0));  // refuses what cannot run
     dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
@@ -670,8 +727,8 @@ static void backward_fp16_launch(const char* fn, const cudaDeviceProp& prop, con
             constexpr BwdTile t = tiles[decltype(n)::value];
             if constexpr (t.Bc > 0)
                 if (tile.Bc == t.Bc && tile.Br == t.Br)
-                    launch_backward_fp16<T, D, t.Bc, t.Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, tile,
-                                                           stream);
+                    launch_backward_fp16<T, D, t.Bc, t.Br>(Q, K, V, O, dO, L, dQ, dK, dV, s,
+                                                           options, tile, stream);
         };
         launch_if_chosen(std::integral_constant<int, 0>{});
         launch_if_chosen(std::integral_constant<int, 1>{});
@@ -684,16 +741,19 @@ static void backward_fp16_launch(const char* fn, const cudaDeviceProp& prop, con
 void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
                                   const __half* K, const __half* V, const __half* O,
                                   const __half* dO, const float* L, __half* dQ, __half* dK,
-                                  __half* dV, const AttentionShape& s, cudaStream_t stream) {
-    backward_fp16_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt, stream);
+                                  __half* dV, const AttentionShape& s, cudaStream_t stream,
+                                  const AttentionOptions* options) {
+    backward_fp16_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt, stream,
+                         options);
 }
 void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
                                   const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                   const __nv_bfloat16* V, const __nv_bfloat16* O,
                                   const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
                                   __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
-                                  cudaStream_t stream) {
-    backward_fp16_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt, stream);
+                                  cudaStream_t stream, const AttentionOptions* options) {
+    backward_fp16_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt, stream,
+                         options);
 }
 
 void flash_backward_fp16_ampere(const __half* Q, const __half* K, const __half* V,

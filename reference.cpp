@@ -275,7 +275,9 @@ GeneralRow scores_of(const ReferenceProblem& p, int b, int h, int i) {
             s = p.softcap * t;
             cap = 1.0 - t * t;  // d/ds of c tanh(s / c)
         }
-        if (p.alibi_slopes) s -= p.alibi_slopes[h] * std::fabs(double(shifted - j));
+        if (p.alibi_slopes)
+            s -= p.alibi_slopes[p.alibi_per_batch ? size_t(b) * p.heads + h : size_t(h)] *
+                 std::fabs(double(shifted - j));
         r.s.push_back(s);
         r.cap.push_back(cap);
     }

@@ -21,14 +21,14 @@ void attention_reference_backward(const double* Q, const double* K, const double
 void attention_reference_threads(unsigned threads);
 
 // ---------------------------------------------------------------------------------------------
-// The reference for attention as models call it (chapter 5, planned: its kernels are not written
-// yet), in double: FlashAttention-2's score changes and masks (flash_attn_func's softmax_scale,
+// The reference for attention as models call it (chapter 5), in double: FlashAttention-2's score changes and masks (flash_attn_func's softmax_scale,
 // window_size, softcap and alibi_slopes), grouped K/V heads, any strides, and packed sequences of
 // their own lengths (flash_attn_varlen_func's cu_seqlens). For query row i of a sequence with
 // q_len rows and kv_len keys, i' = i + kv_len - q_len (the bottom-right alignment), key j:
 //   s_ij = scale Q_i . K_j                          scale = softmax_scale, or 1/sqrt(d) when 0
 //   s_ij = softcap tanh(s_ij / softcap)             where softcap > 0
-//   s_ij = s_ij - slope_h |i' - j|                  where alibi_slopes is given (one per head)
+//   s_ij = s_ij - slope_h |i' - j|                  where alibi_slopes is given (one per head,
+//                                                    or per batch and head)
 //   visible iff i' - window_left <= j <= i' + window_right   (-1: no bound on that side;
 //                                                    causal bounds the right at 0)
 //   L_i = log sum_{visible j} exp(s_ij)   O_i = sum_{visible j} exp(s_ij - L_i) V_j
@@ -48,7 +48,8 @@ struct ReferenceProblem {
     double softmax_scale = 0.0;
     int window_left = -1, window_right = -1;
     double softcap = 0.0;
-    const double* alibi_slopes = nullptr;  // [heads], or none
+    const double* alibi_slopes = nullptr;  // [heads] ([batch][heads] where alibi_per_batch), or none
+    bool alibi_per_batch = false;
     const double *Q = nullptr, *K = nullptr, *V = nullptr, *dO = nullptr;
     double *O = nullptr, *L = nullptr, *dQ = nullptr, *dK = nullptr, *dV = nullptr;
     ReferenceStrides q, k, v, o, dq, dk, dv, d_o;  // Q's, K's, ... strides (do: dO's)

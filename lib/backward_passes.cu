@@ -7,6 +7,7 @@
 #include "checks.h"
 #include "flash.h"
 #include "fragments.cuh"
+#include "mask_policy.cuh"  // WindowMask, options_scale
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -45,17 +46,19 @@ __global__ void flash_backward_dot_fp16_kernel(const T* __restrict__ O, const T*
     }
 }
 
-// After the kernel: dQ = dQacc / sqrt(d) in T (S was unscaled), 4 elements a thread a step. A
-// row that sees no key (causal, q_len > kv_len) was never added to: it gets 0.
+// After the kernel: dQ = dQacc scale in T (S was unscaled; scale 1/sqrt(d), or the options'), 4
+// elements a thread a step. A row that sees no key (causal with q_len > kv_len, a window) was
+// never added to: it gets 0.
 template <typename T, int D>
 __global__ void flash_backward_dq_fp16_kernel(const float* __restrict__ dQacc, T* __restrict__ dQ,
-                                              size_t elems, int q_len, int kv_len, bool causal) {
+                                              size_t elems, WindowMask mask, float scale) {
     for (size_t x = 4 * (blockIdx.x * size_t(blockDim.x) + threadIdx.x); x < elems;
          x += 4 * size_t(gridDim.x) * blockDim.x) {
-        const bool seen = !causal || flash_last_key(int(x / D % q_len), q_len, kv_len) >= 0;
+        const int row = int(x / D % mask.q_len);
+        const bool seen = mask.first_key(row) <= mask.last_key(row);
         const float4 a = seen ? *reinterpret_cast<const float4*>(dQacc + x) : float4{};
-        reinterpret_cast<Pair<T>*>(dQ + x)[0] = pair_of<T>(a.x * rsqrtf(D), a.y * rsqrtf(D));
-        reinterpret_cast<Pair<T>*>(dQ + x)[1] = pair_of<T>(a.z * rsqrtf(D), a.w * rsqrtf(D));
+        reinterpret_cast<Pair<T>*>(dQ + x)[0] = pair_of<T>(a.x * scale, a.y * scale);
+        reinterpret_cast<Pair<T>*>(dQ + x)[1] = pair_of<T>(a.z * scale, a.w * scale);
     }
 }
 
@@ -82,7 +85,10 @@ size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
 // turns and ticket zeroed, line 4 (D) before the kernel, dQ = dQacc / sqrt(d) after it.
 template <typename T>
 static void backward_passes(const T* O, const T* dO, T* dQ, const AttentionShape& s,
-                            cudaStream_t stream, const BackwardKernel& kernel) {
+                            cudaStream_t stream, const BackwardKernel& kernel,
+                            const AttentionOptions& o) {
+    const WindowMask mask = WindowMask::of(s.q_len, s.kv_len, s.causal, o.window_left,
+                                           o.window_right);
     const BwdScratch scratch(s);
     const size_t rows = scratch.rows, turns = scratch.turns;
     // Element-wise passes: 256 threads a block, at most 64 blocks an SM's worth (grid-stride).
@@ -105,18 +111,18 @@ static void backward_passes(const T* O, const T* dO, T* dQ, const AttentionShape
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             if ((err = kernel(m)) != cudaSuccess) return err;
             flash_backward_dq_fp16_kernel<T, D><<<grid(scratch.dq / 4), 256, 0, stream>>>(
-                m.dQacc, dQ, scratch.dq, s.q_len, s.kv_len, s.causal);
+                m.dQacc, dQ, scratch.dq, mask, options_scale(s, o));
             return cudaGetLastError();
         });
     });
 }
 void flash_backward_passes(const __half* O, const __half* dO, __half* dQ,
                            const AttentionShape& s, cudaStream_t stream,
-                           const BackwardKernel& kernel) {
-    backward_passes(O, dO, dQ, s, stream, kernel);
+                           const BackwardKernel& kernel, const AttentionOptions& options) {
+    backward_passes(O, dO, dQ, s, stream, kernel, options);
 }
 void flash_backward_passes(const __nv_bfloat16* O, const __nv_bfloat16* dO, __nv_bfloat16* dQ,
                            const AttentionShape& s, cudaStream_t stream,
-                           const BackwardKernel& kernel) {
-    backward_passes(O, dO, dQ, s, stream, kernel);
+                           const BackwardKernel& kernel, const AttentionOptions& options) {
+    backward_passes(O, dO, dQ, s, stream, kernel, options);
 }

@@ -22,11 +22,13 @@ bool flash_hopper_built();
 // tile; fn names the public call in the refusal), takes the device's tile and launches.
 void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
                                  const __half* K, const __half* V, __half* O, float* L,
-                                 const AttentionShape& s, cudaStream_t stream);
+                                 const AttentionShape& s, cudaStream_t stream,
+                                 const AttentionOptions* options = nullptr);
 void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
                                  const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                  const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
-                                 const AttentionShape& s, cudaStream_t stream);
+                                 const AttentionShape& s, cudaStream_t stream,
+                                 const AttentionOptions* options = nullptr);
 // Chapter 4 (flash_decode.cu): whether flash_forward_fp16 / _bf16 run the decode kernel for this
 // shape on this device (q_len <= kFlashDecodeMaxQLen, head_dim in kFlashDecodeHeadDims, compute
 // capability 8.0 and the block's shared memory), and its launch for the API layer, arguments
@@ -52,13 +54,14 @@ bool flash_backward_runs_hopper(const cudaDeviceProp& prop, int head_dim);
 void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
                                   const __half* K, const __half* V, const __half* O,
                                   const __half* dO, const float* L, __half* dQ, __half* dK,
-                                  __half* dV, const AttentionShape& s, cudaStream_t stream);
+                                  __half* dV, const AttentionShape& s, cudaStream_t stream,
+                                  const AttentionOptions* options = nullptr);
 void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
                                   const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                   const __nv_bfloat16* V, const __nv_bfloat16* O,
                                   const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
                                   __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
-                                  cudaStream_t stream);
+                                  cudaStream_t stream, const AttentionOptions* options = nullptr);
 void flash_backward_hopper_launch(const __half* Q, const __half* K, const __half* V,
                                   const __half* O, const __half* dO, const float* L, __half* dQ,
                                   __half* dK, __half* dV, const AttentionShape& s,
@@ -72,9 +75,9 @@ void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K
 // The two passes around both backwards on tensor cores (lib/backward_passes.cu: chapter 2's
 // launcher and chapter 3's run them around their kernels), in one scratch of
 // flash_backward_fp16_scratch_bytes(s) laid out as below: the turns and the ticket zeroed, line 4
-// of Algorithm 2 (D = rowsum(dO o O)) before the kernel, and after it dQ = dQacc / sqrt(d) in T
-// (S is unscaled in both kernels; a query row that sees no key gets 0). kernel(scratch) launches
-// the backward kernel, which adds dQ's parts into dQacc in the ordered add's order
+// of Algorithm 2 (D = rowsum(dO o O)) before the kernel, and after it dQ = dQacc scale in T (S is
+// unscaled in both kernels; scale: 1/sqrt(d), or the options'; a row that sees no key gets 0).
+// kernel(scratch) launches the backward kernel, which adds dQ's parts into dQacc in the ordered add's order
 // (lib/ordered_add.cuh), and returns cudaGetLastError(). Throws the first CUDA error, as
 // with_scratch does.
 constexpr int kBackwardMinBr = 32;  // the fewest rows a Q tile of either backward takes
@@ -86,8 +89,10 @@ struct BackwardScratch {
     float* D;          // B*H*q_len floats: D_i of line 4
 };
 using BackwardKernel = std::function<cudaError_t(const BackwardScratch&)>;
+// options: chapter 5's (the dQ pass takes its scale and the rows its window leaves unseen).
 void flash_backward_passes(const __half* O, const __half* dO, __half* dQ, const AttentionShape& s,
-                           cudaStream_t stream, const BackwardKernel& kernel);
+                           cudaStream_t stream, const BackwardKernel& kernel,
+                           const AttentionOptions& options = {});
 void flash_backward_passes(const __nv_bfloat16* O, const __nv_bfloat16* dO, __nv_bfloat16* dQ,
                            const AttentionShape& s, cudaStream_t stream,
-                           const BackwardKernel& kernel);
+                           const BackwardKernel& kernel, const AttentionOptions& options = {});

@@ -5,6 +5,7 @@
 #include "checks.h"
 
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -130,6 +131,31 @@ void validate_pointers(const char* fn, std::initializer_list<Arg> args) {
         require(attr.type != cudaMemoryTypeUnregistered,
                 call + a.name + " is host memory; pass a device pointer");
     }
+}
+
+void validate_options(const char* fn, const AttentionOptions& o, const AttentionShape& s) {
+    const std::string call = std::string(fn) + ": options.";
+    require(std::isfinite(o.softmax_scale) && o.softmax_scale >= 0,
+            call + "softmax_scale = " + std::to_string(o.softmax_scale) + " is invalid; allowed "
+                "values: 0 (1/sqrt(head_dim)) or a finite scale > 0");
+    require(o.window_left >= -1, call + "window_left = " + std::to_string(o.window_left) +
+                                     " is invalid; allowed values: -1 (no bound) or 0 or more");
+    require(o.window_right >= -1, call + "window_right = " + std::to_string(o.window_right) +
+                                      " is invalid; allowed values: -1 (no bound) or 0 or more");
+    require(std::isfinite(o.softcap) && o.softcap >= 0,
+            call + "softcap = " + std::to_string(o.softcap) + " is invalid; allowed values: 0 "
+                "(none) or a finite cap > 0");
+    require(o.alibi_slopes || !o.alibi_per_batch,
+            call + "alibi_per_batch is set but alibi_slopes is null");
+    if (o.alibi_slopes) {
+        const size_t n = size_t(s.heads) * (o.alibi_per_batch ? size_t(s.batch) : 1);
+        validate_pointers(fn, {input_arg("options.alibi_slopes", o.alibi_slopes, n)});
+    }
+}
+
+bool flash_options_plain(const AttentionOptions& o) {
+    return o.softmax_scale == 0 && o.window_left == -1 && o.window_right == -1 &&
+           o.softcap == 0 && o.alibi_slopes == nullptr && !o.alibi_per_batch;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@
 #include "checks.h"
 #include "chapters.h"
 #include "flash.h"
+#include "mask_policy.cuh"  // WindowMask::of: which window bounds reach no row
 
+#include <cmath>
 #include <string>
 
 // Whatever chapter 3 runs, chapter 2 has a kernel for too: the API checks a shape against
@@ -104,6 +106,68 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
                          __nv_bfloat16* dQ, __nv_bfloat16* dK, __nv_bfloat16* dV,
                          const AttentionShape& shape, cudaStream_t stream) {
     backward_fp16_dispatch("flash_backward_bf16", Q, K, V, O, dO, L, dQ, dK, dV, shape, stream);
+}
+
+// Chapter 5: the calls with options. Options that change nothing are the calls without (a bound
+// of the window no row reaches, WindowMask::of's rule, and the default scale written out, are
+// none); any other runs chapter 2's kernels with the options as their policy, the one chapter
+// that has it so far.
+static bool changes_nothing(const AttentionOptions& o, const AttentionShape& s) {
+    AttentionOptions plain = o;
+    const WindowMask m = WindowMask::of(s.q_len, s.kv_len, false, o.window_left, o.window_right);
+    plain.window_left = m.left;
+    plain.window_right = s.causal || o.window_right < 0 ? -1 : m.right;
+    if (o.softmax_scale == 1.0f / std::sqrt(float(s.head_dim))) plain.softmax_scale = 0;
+    return flash_options_plain(plain);
+}
+template <typename T>
+static void forward_options_dispatch(const char* fn, const T* Q, const T* K, const T* V, T* O,
+                                     float* L, const AttentionShape& s, const AttentionOptions& o,
+                                     cudaStream_t stream) {
+    validate_shape(s, kFlashFp16HeadDims, sizeof(T));
+    validate_options(fn, o, s);
+    if (changes_nothing(o, s)) return forward_fp16_dispatch(fn, Q, K, V, O, L, s, stream);
+    validate_forward_pointers(fn, Q, K, V, O, L, s);
+    flash_forward_ampere_launch(fn, flash_device_props(), Q, K, V, O, L, s, stream, &o);
+}
+template <typename T>
+static void backward_options_dispatch(const char* fn, const T* Q, const T* K, const T* V,
+                                      const T* O, const T* dO, const float* L, T* dQ, T* dK,
+                                      T* dV, const AttentionShape& s, const AttentionOptions& o,
+                                      cudaStream_t stream) {
+    validate_shape(s, kFlashFp16HeadDims, sizeof(T));
+    validate_options(fn, o, s);
+    if (changes_nothing(o, s))
+        return backward_fp16_dispatch(fn, Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+    validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s);
+    flash_backward_ampere_launch(fn, flash_device_props(), Q, K, V, O, dO, L, dQ, dK, dV, s,
+                                 stream, &o);
+}
+
+void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
+                        const AttentionShape& shape, const AttentionOptions& options,
+                        cudaStream_t stream) {
+    forward_options_dispatch("flash_forward_fp16", Q, K, V, O, L, shape, options, stream);
+}
+void flash_forward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
+                        __nv_bfloat16* O, float* L, const AttentionShape& shape,
+                        const AttentionOptions& options, cudaStream_t stream) {
+    forward_options_dispatch("flash_forward_bf16", Q, K, V, O, L, shape, options, stream);
+}
+void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
+                         const __half* dO, const float* L, __half* dQ, __half* dK, __half* dV,
+                         const AttentionShape& shape, const AttentionOptions& options,
+                         cudaStream_t stream) {
+    backward_options_dispatch("flash_backward_fp16", Q, K, V, O, dO, L, dQ, dK, dV, shape,
+                              options, stream);
+}
+void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __nv_bfloat16* V,
+                         const __nv_bfloat16* O, const __nv_bfloat16* dO, const float* L,
+                         __nv_bfloat16* dQ, __nv_bfloat16* dK, __nv_bfloat16* dV,
+                         const AttentionShape& shape, const AttentionOptions& options,
+                         cudaStream_t stream) {
+    backward_options_dispatch("flash_backward_bf16", Q, K, V, O, dO, L, dQ, dK, dV, shape,
+                              options, stream);
 }
 
 #ifdef FLASH_NO_HOPPER

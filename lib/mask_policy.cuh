@@ -1,15 +1,21 @@
-// mask_policy.cuh: masks and score changes as policies (the planned chapter 5), for the host and
-// the device. A mask is a tile policy: for each pair (a Q tile, a K/V tile) it says whether the
-// pair is invisible (the tile is never loaded), fully visible (no score is tested) or partly
-// visible (each score is tested), and which K/V tiles a Q tile must load at all. A sliding window
-// then costs O(N w), not O(N^2): a Q tile loads only the tiles its window touches. A score policy
-// changes each visible score, and gives the change's derivative for the backward. The rules are
-// FlashAttention-2's (flash_attn_func's window_size, softcap, alibi_slopes), as reference.h states
-// them; tests/test_policy.cpp checks them against those rules, score by score. No kernel uses them
-// yet.
+// mask_policy.cuh: chapter 5's masks and score changes as policies, for the host and the device.
+// A mask is a tile policy: for each pair (a Q tile, a K/V tile) it says whether the pair is
+// invisible (the tile is never loaded), fully visible (no score is tested) or partly visible (each
+// score is tested), and which K/V tiles a Q tile must load at all. A sliding window then costs
+// O(N w), not O(N^2): a Q tile loads only the tiles its window touches. A score policy changes
+// each visible score, and gives the change's derivative for the backward. The rules are
+// FlashAttention-2's (flash_attn_func's window_size, softcap, alibi_slopes, softmax_scale), as
+// reference.h states them; tests/test_policy.cpp checks them against those rules, score by score.
+// Chapter 2's kernels (flash_fp16.cu) take one of the two kernel policies at the end as a
+// template argument: PlainPolicy (causal or no mask, scores unchanged: the chapter as it was) or
+// ModelPolicy (window, softcap, ALiBi, any scale).
 #pragma once
 
+#include "checks.h"  // flash_kv_end, flash_first_query
+#include "log2_units.h"
+
 #include <cmath>
+#include <cstddef>
 
 #ifdef __CUDACC__
 #define POLICY_FN __host__ __device__ __forceinline__
@@ -26,9 +32,12 @@ struct WindowMask {
     int q_len, kv_len, left, right;
 
     // The mask of a call: FlashAttention-2's window_size = (left, right), and causal, which bounds
-    // the right side at 0.
+    // the right side at 0. A bound that no row reaches is none (-1): left >= kv_len - 1 (the last
+    // row's i' is kv_len - 1), right >= q_len - 1 (the first row's i' is kv_len - q_len), so a
+    // window wider than the sequence is the plain mask, down to the backward's order.
     POLICY_FN static WindowMask of(int q_len, int kv_len, bool causal, int left, int right) {
-        return {q_len, kv_len, left, causal ? 0 : right};
+        if (causal) right = 0;
+        return {q_len, kv_len, left >= kv_len - 1 ? -1 : left, right >= q_len - 1 ? -1 : right};
     }
     POLICY_FN long long shifted(int i) const { return (long long)i + kv_len - q_len; }
     // Row i's visible keys: first_key(i) .. last_key(i), none when last_key(i) < first_key(i).
@@ -44,6 +53,18 @@ struct WindowMask {
         return l < kv_len - 1 ? l : kv_len - 1;
     }
     POLICY_FN bool visible(int i, int j) const { return first_key(i) <= j && j <= last_key(i); }
+    // Key j's queries, read from the key's side: first_query(j) .. last_query(j) (none when
+    // last < first), both non-decreasing in j (j - right <= i' <= j + left, rearranged).
+    POLICY_FN long long first_query(int j) const {
+        if (right < 0) return 0;
+        const long long f = (long long)j - right - kv_len + q_len;
+        return f < 0 ? 0 : f;
+    }
+    POLICY_FN long long last_query(int j) const {
+        if (left < 0) return q_len - 1;
+        const long long l = (long long)j + left - kv_len + q_len;
+        return l < q_len - 1 ? l : q_len - 1;
+    }
 
     // Rows q0 .. q1 - 1 against keys k0 .. k1 - 1 (k1 <= kv_len: a last tile's keys past kv_len
     // are the kernel's to leave out, as without a mask). Fully visible: every row's keys cover the tile,
@@ -75,23 +96,152 @@ struct WindowMask {
     }
 };
 
-// The score changes: s = scale (Q_i . K_j); s = softcap tanh(s / softcap) where softcap > 0;
-// s -= slope |i' - j| where an ALiBi slope is given (the head's: 0 for none). score() returns the
-// changed score and, through dscore, ds/d(Q_i . K_j), what the backward multiplies dS_ij by.
-struct ScoreMod {
-    float scale, softcap, slope;
+// tanh, on the GPU in one instruction (tanh.approx.f32, sm_75 on: relative error below 2^-10.9,
+// under fp16's rounding of P); on the host the library's.
+POLICY_FN float fast_tanh(float x) {
+#ifdef __CUDA_ARCH__
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x));
+    return t;
+#else
+    return std::tanh(x);
+#endif
+}
 
-    POLICY_FN float score(float dot, long long shifted_i, int j, float* dscore) const {
-        float s = scale * dot, d = scale;
-        if (softcap > 0) {
-            const float t = tanhf(s / softcap);
-            s = softcap * t;
-            d *= 1.0f - t * t;  // d/ds of c tanh(s / c)
+// The score changes: s = scale (Q_i . K_j); s = softcap tanh(s / softcap) where softcap > 0;
+// s -= slope |i' - j| where an ALiBi slope is given (the head's: 0 for none). The kernels keep
+// their scores in units of the scale (S = Q_i K_j^T, unscaled, until the exponent's one fma), so
+// score() returns u = s / scale, and through du the derivative du/d(Q_i . K_j): with no softcap
+// 1, with one 1 - tanh^2, what the backward multiplies dS_ij by before its one final scale.
+struct ScoreMod {
+    float cap_u = 0, inv_cap = 0, slope_u = 0;  // softcap / scale, scale / softcap, slope / scale
+
+    POLICY_FN static ScoreMod of(float scale, float softcap, float slope) {
+        ScoreMod m;
+        if (softcap > 0) m.cap_u = softcap / scale, m.inv_cap = scale / softcap;
+        m.slope_u = slope / scale;
+        return m;
+    }
+    // d = i' - j, the query's distance from the key (ALiBi's |i' - j|).
+    POLICY_FN float score(float dot, int d, float& du) const {
+        float u = dot;
+        du = 1.f;
+        if (cap_u > 0) {
+            const float t = fast_tanh(dot * inv_cap);
+            u = cap_u * t;
+            du = 1.f - t * t;                           // d/dx of c tanh(x / c)
         }
-        if (slope != 0) s -= slope * fabsf(float(shifted_i - j));
-        if (dscore) *dscore = d;
-        return s;
+        if (slope_u != 0) u -= slope_u * fabsf(float(d));
+        return u;
     }
 };
+
+// ---------------------------------------------------------------------------------------------
+// The kernels' policies. What chapter 2's forward and backward ask of one:
+//   q_len, kv_len                      the shape
+//   for_head(bh)                       the policy of one (batch * heads + head): its ALiBi slope
+//   keys(q0, rows)                     Q tile rows q0 .. q0 + rows - 1: the keys to load, [begin,
+//                                      end), and those every row sees, [all_begin, all_end)
+//   row_keys(i), key_queries(j)        one score's test, from the row's side and from the key's
+//   queries(k0, k1)                    the rows that see any of keys k0 .. k1 - 1 (k1 <= kv_len)
+//   full(q0, q1, k0, k1)               every score of the pair is visible (q1, k1 inside the shape)
+//   score(dot, i, j, du)               the changed score in units of the scale, and du (above)
+//   from_left()                        the backward's order: keys bounded on the right (causal)
+//                                      start from the left
+struct KeySpan {
+    int begin, end, all_begin, all_end;
+};
+struct Span {  // first .. last, none when last < first
+    int first, last;
+};
+
+// Chapter 2 as it was: causal (bottom-right) or no mask, the score unchanged.
+struct PlainPolicy {
+    int q_len, kv_len;
+    bool causal;
+
+    POLICY_FN PlainPolicy for_head(size_t) const { return *this; }
+    POLICY_FN bool from_left() const { return causal; }
+    POLICY_FN KeySpan keys(int q0, int rows) const {
+        const int end = flash_kv_end(q0, rows, q_len, kv_len, causal);
+        const int all = flash_last_key(q0, q_len, kv_len) + 1;
+        return {0, end, 0, causal ? (all < end ? all : end) : kv_len};
+    }
+    POLICY_FN Span row_keys(int i) const {
+        return {0, causal ? flash_last_key(i, q_len, kv_len) : kv_len - 1};
+    }
+    POLICY_FN Span key_queries(int j) const {
+        return {j >= kv_len ? q_len : causal ? flash_first_query(j, q_len, kv_len) : 0, q_len - 1};
+    }
+    POLICY_FN Span queries(int k0, int) const {
+        const int first = causal ? flash_first_query(k0, q_len, kv_len) : 0;
+        return {first < 0 ? 0 : first, q_len - 1};
+    }
+    POLICY_FN bool full(int q0, int, int, int k1) const {
+        return !causal || q0 >= flash_first_query(k1 - 1, q_len, kv_len);
+    }
+    POLICY_FN float score(float dot, int, int, float& du) const {
+        du = 1.f;
+        return dot;
+    }
+};
+
+// Chapter 5: a sliding window with causal (WindowMask) and the score changes (ScoreMod), with
+// ALiBi's slopes per head (slopes: [heads], or [batch][heads] where per_batch; none: nullptr).
+struct ModelPolicy : WindowMask {
+    ScoreMod mod;
+    const float* slopes;
+    int heads;
+    bool per_batch;
+    float inv_scale;
+
+    POLICY_FN ModelPolicy for_head(size_t bh) const {
+        ModelPolicy p = *this;
+        if (slopes) p.mod.slope_u = slopes[per_batch ? bh : bh % heads] * inv_scale;
+        return p;
+    }
+    POLICY_FN bool from_left() const { return right >= 0; }
+    POLICY_FN KeySpan keys(int q0, int rows) const {
+        const int q1 = q0 + rows < q_len ? q0 + rows : q_len;
+        const int begin = int(first_key(q0)), end = int(last_key(q1 - 1)) + 1;
+        if (end <= begin) return {0, 0, 0, 0};
+        return {begin, end, int(first_key(q1 - 1)), int(last_key(q0)) + 1};
+    }
+    POLICY_FN Span row_keys(int i) const { return {int(first_key(i)), int(last_key(i))}; }
+    POLICY_FN Span key_queries(int j) const {
+        if (j >= kv_len) return {q_len, q_len - 1};
+        return {int(first_query(j)), int(last_query(j))};
+    }
+    POLICY_FN Span queries(int k0, int k1) const {
+        return {int(first_query(k0)), int(last_query(k1 - 1))};
+    }
+    POLICY_FN bool full(int q0, int q1, int k0, int k1) const {
+        return tile(q0, q1, k0, k1) == TileKind::full;
+    }
+    POLICY_FN float score(float dot, int i, int j, float& du) const {
+        return mod.score(dot, (i - q_len) + (kv_len - j), du);  // i' - j, in int: no overflow
+    }
+};
+
+// The softmax scale of a call: the options', or 1/sqrt(head_dim) where they leave it at 0.
+inline float options_scale(const AttentionShape& s, const AttentionOptions& o) {
+    return o.softmax_scale > 0 ? o.softmax_scale : 1.0f / std::sqrt(float(s.head_dim));
+}
+// The factor the kernels' exponent takes (scale log2 e), as the calls without options take it
+// where the scale is theirs: the same bits.
+inline float options_scale_log2(const AttentionShape& s, const AttentionOptions& o) {
+    return o.softmax_scale > 0 ? o.softmax_scale * kLog2e : scale_log2_for(s.head_dim);
+}
+// The policy of a call with options (checked: lib/checks.h's validate_options).
+inline ModelPolicy model_policy(const AttentionShape& s, const AttentionOptions& o) {
+    const float scale = options_scale(s, o);
+    ModelPolicy p;
+    static_cast<WindowMask&>(p) =
+        WindowMask::of(s.q_len, s.kv_len, s.causal, o.window_left, o.window_right);
+    p.mod = ScoreMod::of(scale, o.softcap, 0.f);
+    p.slopes = o.alibi_slopes, p.heads = s.heads, p.per_batch = o.alibi_per_batch;
+    p.inv_scale = 1.0f / scale;
+    return p;
+}
 
 #undef POLICY_FN

@@ -7,6 +7,8 @@
 #include "test_util.h"
 
 #include <cmath>
+#include <string>
+#include <vector>
 
 namespace {
 // The rule as reference.h states it, written again: query i sees key j.
@@ -97,9 +99,11 @@ TEST_CASE("A window costs O(N w): the K/V tiles a Q tile loads do not grow with 
 
 TEST_CASE("The score policy changes a score as the CPU reference does, and its derivative is "
           "the change's", "[cpu][policy]") {
-    // fp32 arithmetic against the rule in double: within a few float ulps of |s| (4e-7 relative,
-    // plus 1e-6 for the ALiBi term's size); the derivative against a central difference in
-    // double of the double rule, h = 1e-4: truncation ~h^2 = 1e-8, so 1e-4 relative is loose.
+    // The policy works in units of the scale: scale u is the score, scale du its derivative.
+    // fp32 arithmetic against the rule in double: within a few float ulps of the largest term
+    // (4e-7 of |s| plus the ALiBi term, plus 1e-6); on the host tanh is the library's (the GPU's
+    // tanh.approx is checked by the kernels' tests). The derivative against a central difference
+    // in double of the double rule, h = 1e-4: truncation ~h^2 = 1e-8, so 1e-4 relative is loose.
     const double dots[] = {-30.0, -2.5, -0.1, 0.0, 0.3, 4.0, 45.0};
     struct Mod {
         float scale, softcap, slope;
@@ -114,13 +118,115 @@ TEST_CASE("The score policy changes a score as the CPU reference does, and its d
                     if (mod.softcap > 0) s = mod.softcap * std::tanh(s / mod.softcap);
                     return s - mod.slope * std::fabs(double(shifted - j));
                 };
-                const ScoreMod policy{mod.scale, mod.softcap, mod.slope};
-                float ds = 0;
-                const float s = policy.score(float(dot), shifted, j, &ds);
+                const ScoreMod policy = ScoreMod::of(mod.scale, mod.softcap, mod.slope);
+                float du = 0;
+                const double s = double(mod.scale) * policy.score(float(dot), int(shifted - j), du);
+                const double ds = double(mod.scale) * du;
                 const double want = rule(dot), h = 1e-4;
                 const double dwant = (rule(dot + h) - rule(dot - h)) / (2 * h);
+                const double alibi = mod.slope * std::fabs(double(shifted - j));
                 CAPTURE(mod.scale, mod.softcap, mod.slope, dot, j, s, want, ds, dwant);
-                CHECK(std::fabs(s - want) <= 4e-7 * std::fabs(want) + 1e-6);
+                CHECK(std::fabs(s - want) <= 4e-7 * (std::fabs(want) + alibi) + 1e-6);
                 CHECK(std::fabs(ds - dwant) <= 1e-4 * std::fabs(dwant) + 1e-7);
             }
+}
+
+namespace {
+// One kernel policy against the visibility rule, on one shape and tile: what chapter 2's forward
+// and backward ask of it (lib/mask_policy.cuh's list). Returns the number of mismatches, each
+// reported.
+template <typename Policy, typename Sees>
+int check_kernel_policy(const Policy& p, const Sees& sees, int Br, int Bc, const std::string& what) {
+    const int q_len = p.q_len, kv_len = p.kv_len;
+    const int Tr = (q_len + Br - 1) / Br, Tc = (kv_len + Bc - 1) / Bc;
+    int bad = 0;
+    const auto fail = [&](const std::string& why) {
+        if (++bad <= 5) FAIL_CHECK(what << ", Br " << Br << ", Bc " << Bc << ": " << why);
+    };
+    for (int i = 0; i < q_len; ++i)
+        for (int j = 0; j < kv_len; ++j) {
+            const Span r = p.row_keys(i), k = p.key_queries(j);
+            const bool by_row = r.first <= j && j <= r.last, by_key = k.first <= i && i <= k.last;
+            if (by_row != sees(i, j) || by_key != sees(i, j))
+                fail("score (" + std::to_string(i) + ", " + std::to_string(j) + ")");
+        }
+    for (int j = 0; j < Tc; ++j)                       // a key past kv_len is seen by no query
+        for (int k = kv_len; k < (j + 1) * Bc; ++k)
+            if (p.key_queries(k).first <= p.key_queries(k).last) fail("key past kv_len seen");
+    // seen[ti][tj]: the pair has a visible score.
+    std::vector<std::vector<int>> seen(Tr, std::vector<int>(Tc, 0));
+    for (int ti = 0; ti < Tr; ++ti)
+        for (int tj = 0; tj < Tc; ++tj)
+            for (int i = ti * Br; i < std::min((ti + 1) * Br, q_len); ++i)
+                for (int j = tj * Bc; j < std::min((tj + 1) * Bc, kv_len); ++j)
+                    seen[ti][tj] += sees(i, j);
+    for (int ti = 0; ti < Tr; ++ti) {
+        const int q0 = ti * Br, q1 = std::min(q0 + Br, q_len);
+        const KeySpan keys = p.keys(q0, Br);
+        for (int tj = 0; tj < Tc; ++tj) {
+            const int k0 = tj * Bc, k1 = (tj + 1) * Bc;
+            // The forward loads tile tj iff it holds a visible score (j from keys.begin / Bc while
+            // j Bc < keys.end), and skips the mask only where every score is visible.
+            const bool loaded = tj >= keys.begin / Bc && k0 < keys.end;
+            if (loaded != (seen[ti][tj] > 0)) fail("forward loads tile (" + std::to_string(ti) + ", " + std::to_string(tj) + ")");
+            const bool unmasked = loaded && !(k0 < keys.all_begin || k1 > keys.all_end);
+            if (unmasked && seen[ti][tj] != (q1 - q0) * (std::min(k1, kv_len) - k0))
+                fail("forward leaves a tile unmasked that has a hidden score");
+            if (keys.end > kv_len) fail("forward loads past kv_len");
+            // The backward's block tj walks Q tile ti iff it holds a visible score.
+            const Span rows = p.queries(k0, std::min(k1, kv_len));
+            const int i_first = rows.first / Br, i_last = rows.last < rows.first ? -1 : rows.last / Br;
+            if ((i_first <= ti && ti <= i_last) != (seen[ti][tj] > 0)) fail("backward walks tile (" + std::to_string(ti) + ", " + std::to_string(tj) + ")");
+            if (k1 <= kv_len && q0 + Br <= q_len && p.full(q0, q0 + Br, k0, k1) &&
+                seen[ti][tj] != Br * Bc)
+                fail("backward leaves a tile unmasked that has a hidden score");
+        }
+        // The ordered add: dQ_i's adds come from the tiles keys.begin / Bc .. (keys.end - 1) / Bc,
+        // each exactly one (the turn a block waits for counts them).
+        if (keys.end > keys.begin)
+            for (int tj = keys.begin / Bc; tj <= (keys.end - 1) / Bc; ++tj)
+                if (!seen[ti][tj]) fail("a gap in a Q tile's K/V tiles");
+    }
+    return bad;
+}
+}  // namespace
+
+TEST_CASE("Chapter 2's kernel policies load, mask and walk exactly the tiles with a visible "
+          "score, on every small shape", "[cpu][policy]") {
+    // PlainPolicy (causal or none) and ModelPolicy (windows with causal), q_len and kv_len to 13,
+    // Q tiles of 2, 4 or 5 rows, K/V tiles of 1, 3 or 4 keys, against the rule score by score.
+    int shapes = 0;
+    for (int q_len = 1; q_len <= 13; ++q_len)
+        for (int kv_len = 1; kv_len <= 13; ++kv_len)
+            for (int Br : {2, 4, 5})
+                for (int Bc : {1, 3, 4}) {
+                    for (bool causal : {false, true}) {
+                        const PlainPolicy plain{q_len, kv_len, causal};
+                        const auto rule = [&](int i, int j) {
+                            return sees(q_len, kv_len, causal, -1, -1, i, j);
+                        };
+                        check_kernel_policy(plain, rule, Br, Bc,
+                                            "plain, q_len " + std::to_string(q_len) + ", kv_len " +
+                                                std::to_string(kv_len) + ", causal " +
+                                                std::to_string(causal));
+                        for (int left : {-1, 0, 2, 5})
+                            for (int right : {-1, 0, 3}) {
+                                AttentionShape s{1, 1, q_len, kv_len, 64, causal};
+                                AttentionOptions o;
+                                o.window_left = left, o.window_right = right;
+                                const ModelPolicy model = model_policy(s, o);
+                                const auto wrule = [&](int i, int j) {
+                                    return sees(q_len, kv_len, causal, left, right, i, j);
+                                };
+                                check_kernel_policy(model, wrule, Br, Bc,
+                                                    "window (" + std::to_string(left) + ", " +
+                                                        std::to_string(right) + "), q_len " +
+                                                        std::to_string(q_len) + ", kv_len " +
+                                                        std::to_string(kv_len) + ", causal " +
+                                                        std::to_string(causal));
+                                ++shapes;
+                            }
+                    }
+                }
+    CHECK(shapes == 13 * 13 * 9 * 2 * 12);
 }

@@ -138,23 +138,24 @@ Tolerances tolerances(const Problem<float>& p, Rounding rounding) {
 }
 
 template <typename T>
-Tolerances tolerances16(const Problem<T>& p) {
+Tolerances tolerances16(const Problem<T>& p, const ScoreTerms& terms) {
     const Problem<double> x = converted<double>(p);  // the T values, exactly
     const double u = kUnitRoundoff, u16 = Format16<T>::unit_roundoff, d = p.s.head_dim,
                  N = p.s.kv_len;
+    const double scale = terms.scale > 0 ? terms.scale : 1 / std::sqrt(d);
     Tolerances t{};
-    t.M = max_row_norm(x.Q, p.s.head_dim) * max_row_norm(x.K, p.s.head_dim) / std::sqrt(d);
-    t.L = 2 * d * u * t.M + kSafety * u * (std::sqrt(N) + 8);
+    t.M = max_row_norm(x.Q, p.s.head_dim) * max_row_norm(x.K, p.s.head_dim) * scale;
+    t.L = 2 * d * u * t.M + terms.extra + kSafety * u * (std::sqrt(N) + 8);
     t.O = max_abs(x.V) * (3 * u16 + N * Format16<T>::tiny_weight_error + t.L);
     return t;
 }
-template Tolerances tolerances16(const Problem<__half>&);
-template Tolerances tolerances16(const Problem<__nv_bfloat16>&);
+template Tolerances tolerances16(const Problem<__half>&, const ScoreTerms&);
+template Tolerances tolerances16(const Problem<__nv_bfloat16>&, const ScoreTerms&);
 
 template <typename T, typename W>
 Tolerances backward_tolerances16(const Problem<T>& p, const Outputs<float>& got,
-                                 const Outputs<W>& want) {
-    Tolerances t = tolerances16(p);  // M; the forward's own tol_L, tol_O (for O and L)
+                                 const Outputs<W>& want, const ScoreTerms& terms) {
+    Tolerances t = tolerances16(p, terms);  // M; the forward's own tol_L, tol_O (for O and L)
     const Problem<double> x = converted<double>(p);
     const int dim = p.s.head_dim;
     const double u = kUnitRoundoff, u16 = Format16<T>::unit_roundoff, d = dim, q = p.s.q_len;
@@ -166,7 +167,8 @@ Tolerances backward_tolerances16(const Problem<T>& p, const Outputs<float>& got,
     for (size_t i = 0; i < got.L.size(); ++i)
         if (std::isfinite(double(want.L[i])))
             dL = std::max(dL, std::fabs(got.L[i] - double(want.L[i])));
-    const double eps = dL + 2 * d * u * t.M;
+    const double eps = dL + 2 * d * u * t.M + terms.extra;
+    const double scale = terms.scale > 0 ? terms.scale : 1 / std::sqrt(d);
     // (b) P, dS and each gradient rounded to T: 3 u16, with the statistical margin.
     t.grad_rel = kSafety16 * (3 * u16 + eps);
     // (c) D_i from the forward's O: its exact error over each row of dO, and its fp32 sum.
@@ -180,14 +182,14 @@ Tolerances backward_tolerances16(const Problem<T>& p, const Outputs<float>& got,
         dD = std::max(dD, std::fabs(e));
     }
     dD += d * u * max_abs(x.dO) * max_abs(x.V);
-    t.dQ_floor = 2 * dD * max_abs(x.K) / std::sqrt(d);
-    t.dK_floor = 4 * dD * max_abs(x.Q) * std::sqrt(q) / std::sqrt(d);
+    t.dQ_floor = 2 * dD * max_abs(x.K) * scale;
+    t.dK_floor = 4 * dD * max_abs(x.Q) * std::sqrt(q) * scale;
     return t;
 }
 template Tolerances backward_tolerances16(const Problem<__half>&, const Outputs<float>&,
-                                          const Outputs<double>&);
+                                          const Outputs<double>&, const ScoreTerms&);
 template Tolerances backward_tolerances16(const Problem<__nv_bfloat16>&, const Outputs<float>&,
-                                          const Outputs<double>&);
+                                          const Outputs<double>&, const ScoreTerms&);
 
 // =============================================================================================
 // Comparing tensors

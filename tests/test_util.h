@@ -413,10 +413,22 @@ Tolerances tolerances(const Problem<float>& p, Rounding rounding);
 // Never loosen these to make a test pass: a test that fails them has found a bug, or a flaw in
 // this derivation (then fix the derivation, here, first).
 
+// Chapter 5's options change the scores, and so the score terms above: with a softmax scale c the
+// bound is M = c max|Q_i| max|K_j| (c = 1/sqrt(d) by default); softcap's c tanh(s / c) has a slope
+// of at most 1, so it carries a score's error through unchanged, but the kernels' tanh.approx.f32
+// adds up to 2^-10.9 relative to tanh, c 2^-10 absolute with a margin; ALiBi's slope |i' - j|,
+// computed in fp32, adds a few u of the largest bias, 4 u max_bias. Both extra terms add to every
+// score's error, so to tol_L and to the backward's eps. ScoreTerms carries them (all 0: the
+// plain scores).
+struct ScoreTerms {
+    double scale = 0;          // the softmax scale; 0: 1/sqrt(d)
+    double extra = 0;          // absolute error a score gains beyond the products' sums
+};
+
 // Chapter 2's forward tolerances for problem p (its T values, exactly): M, L and O (see above);
 // the gradient fields stay 0 (backward_tolerances16 fills them). T: __half or __nv_bfloat16.
 template <typename T>
-Tolerances tolerances16(const Problem<T>& p);
+Tolerances tolerances16(const Problem<T>& p, const ScoreTerms& terms = {});
 
 // ---------------------------------------------------------------------------------------------
 // Tolerances of chapter 2's backward (flash_backward_fp16, flash_backward_bf16) against the
@@ -454,7 +466,7 @@ Tolerances tolerances16(const Problem<T>& p);
 //  Cancellation, as in the fp32 derivation: where dP_ij ~ D_i (e.g. kv_len = 1, where the exact
 //  dQ and dK are 0), dS_ij is nothing but the error of D_i, and no bound relative to the (tiny)
 //  reference gradient covers it. So the floors carry (c) through the two products:
-//      dQ_floor = 2 dD max|K| / sqrt(d)
+//      dQ_floor = 2 dD max|K| / sqrt(d)    (with a softmax scale c: 2 dD max|K| c, ScoreTerms)
 //  (dQ_i sums that error over keys with weights P_ij adding up to 1, times K_j / sqrt(d); every
 //  term of the sum has the same dD_i, so it is a worst case: 2 covers the rounding of dS and of
 //  dQ to T on top), and
@@ -476,7 +488,7 @@ constexpr double kSafety16 = 8.0;
 // derived above. T: __half or __nv_bfloat16; W: float or double.
 template <typename T, typename W>
 Tolerances backward_tolerances16(const Problem<T>& p, const Outputs<float>& got,
-                                 const Outputs<W>& want);
+                                 const Outputs<W>& want, const ScoreTerms& terms = {});
 
 // =============================================================================================
 // Comparing tensors

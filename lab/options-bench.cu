@@ -1,0 +1,123 @@
+// lab/options-bench.cu: chapter 5's options against the plain calls, timed: a sliding window
+// against the dense causal mask at N = 32k, and softcap, ALiBi and a softmax scale against plain
+// attention at N = 4096 (lab/chapter5.md, lab/data/options-h200.csv). fp16, chapter 2's kernels
+// (which the options run) beside the public call (chapter 3 on an H100 or H200, plain only).
+// TFLOP/s counts the visible (query, key) pairs: 4 d per pair forward, 2.5 times that backward
+// (FlashAttention-2's count), so a window's figure is comparable with the dense one.
+// Build and run from the repository root (the library built with make):
+//   make test_flash
+//   nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/options-bench.cu build/flash.o \
+//        build/flash_fp16.o build/backward_passes.o build/flash_decode.o build/flash_hopper.o \
+//        build/flash_hopper_backward.o build/checks.o build/dispatch.o -o options_bench
+//   ./options_bench
+// Each figure: the median of 10 CUDA-event-timed calls after 3 warm-ups. Prints CSV rows:
+// case,call,seq,window,ms_fwd,ms_bwd,tflops_fwd,tflops_fwd_bwd.
+#include "checks.h"
+#include "flash.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <vector>
+
+static float median_ms(const std::function<void()>& call) {
+    for (int w = 0; w < 3; ++w) call();
+    FLASH_CUDA_CHECK(cudaDeviceSynchronize());
+    cudaEvent_t a, b;
+    FLASH_CUDA_CHECK(cudaEventCreate(&a));
+    FLASH_CUDA_CHECK(cudaEventCreate(&b));
+    std::vector<float> ms;
+    for (int r = 0; r < 10; ++r) {
+        FLASH_CUDA_CHECK(cudaEventRecord(a));
+        call();
+        FLASH_CUDA_CHECK(cudaEventRecord(b));
+        FLASH_CUDA_CHECK(cudaEventSynchronize(b));
+        float t = 0;
+        FLASH_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+        ms.push_back(t);
+    }
+    FLASH_CUDA_CHECK(cudaEventDestroy(a));
+    FLASH_CUDA_CHECK(cudaEventDestroy(b));
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+}
+
+// Visible (query, key) pairs of one head: causal with a window of `left` keys (-1: none).
+static double pairs(int n, int left) {
+    double p = 0;
+    for (long long i = 0; i < n; ++i) p += left < 0 ? i + 1 : std::min<long long>(i, left) + 1;
+    return p;
+}
+
+struct Buffers {
+    __half *Q, *K, *V, *O, *dO, *dQ, *dK, *dV;
+    float *L, *slopes;
+    explicit Buffers(size_t n, int heads) {
+        std::vector<__half> h(n);
+        std::mt19937 rng(1);
+        std::normal_distribution<float> normal;
+        for (auto& x : h) x = __float2half(normal(rng));
+        for (__half** p : {&Q, &K, &V, &O, &dO, &dQ, &dK, &dV}) {
+            FLASH_CUDA_CHECK(cudaMalloc(p, n * sizeof(__half)));
+            FLASH_CUDA_CHECK(cudaMemcpy(*p, h.data(), n * sizeof(__half), cudaMemcpyHostToDevice));
+        }
+        FLASH_CUDA_CHECK(cudaMalloc(&L, n / 64 * sizeof(float)));  // rows: n / d, d >= 64
+        std::vector<float> s(heads);
+        for (int x = 0; x < heads; ++x) s[x] = std::exp2(-8.0f * (x + 1) / heads);
+        FLASH_CUDA_CHECK(cudaMalloc(&slopes, heads * sizeof(float)));
+        FLASH_CUDA_CHECK(cudaMemcpy(slopes, s.data(), heads * sizeof(float), cudaMemcpyHostToDevice));
+    }
+};
+
+// One row: the forward, then the forward and backward, of `call` ("plain": the public call;
+// "ch2": chapter 2's plain kernels; "options": the calls with options o).
+static void row(const char* what, const char* call, const AttentionShape& s, int left,
+                const AttentionOptions& o, Buffers& b) {
+    const std::string c = call;
+    const auto fwd = [&] {
+        if (c == "plain") flash_forward_fp16(b.Q, b.K, b.V, b.O, b.L, s);
+        else if (c == "ch2") flash_forward_fp16_ampere(b.Q, b.K, b.V, b.O, b.L, s);
+        else flash_forward_fp16(b.Q, b.K, b.V, b.O, b.L, s, o);
+    };
+    const auto bwd = [&] {
+        if (c == "plain") flash_backward_fp16(b.Q, b.K, b.V, b.O, b.dO, b.L, b.dQ, b.dK, b.dV, s);
+        else if (c == "ch2")
+            flash_backward_fp16_ampere(b.Q, b.K, b.V, b.O, b.dO, b.L, b.dQ, b.dK, b.dV, s);
+        else flash_backward_fp16(b.Q, b.K, b.V, b.O, b.dO, b.L, b.dQ, b.dK, b.dV, s, o);
+    };
+    const float f = median_ms(fwd);
+    fwd();
+    const float g = median_ms(bwd);
+    const double flops = 4.0 * s.head_dim * pairs(s.q_len, left) * s.batch * s.heads;
+    printf("%s,%s,%d,%d,%.3f,%.3f,%.1f,%.1f\n", what, call, s.q_len, left, f, g,
+           flops / (f * 1e9), 3.5 * flops / ((f + g) * 1e9));
+    fflush(stdout);
+}
+
+int main() {
+    printf("case,call,seq,window,ms_fwd,ms_bwd,tflops_fwd,tflops_fwd_bwd\n");
+    {   // A window of 4096 keys at N = 32k against the dense causal mask, d = 128.
+        const AttentionShape s{1, 16, 32768, 32768, 128, true};
+        Buffers b(size_t(s.batch) * s.heads * s.q_len * s.head_dim, s.heads);
+        AttentionOptions none, window;
+        window.window_left = 4096, window.window_right = 0;
+        row("dense causal", "plain", s, -1, none, b);
+        row("dense causal", "ch2", s, -1, none, b);
+        row("window 4096", "options", s, 4096, window, b);
+    }
+    {   // Softcap, ALiBi and a scale against plain attention, N = 4096, d = 128, causal.
+        const AttentionShape s{4, 16, 4096, 4096, 128, true};
+        Buffers b(size_t(s.batch) * s.heads * s.q_len * s.head_dim, s.heads);
+        AttentionOptions none, cap, alibi, scale;
+        cap.softcap = 30.f;
+        alibi.alibi_slopes = b.slopes;
+        scale.softmax_scale = 0.1f;
+        row("plain", "plain", s, -1, none, b);
+        row("plain", "ch2", s, -1, none, b);
+        row("softcap 30", "options", s, -1, cap, b);
+        row("alibi", "options", s, -1, alibi, b);
+        row("scale 0.1", "options", s, -1, scale, b);
+    }
+    return 0;
+}

@@ -1,0 +1,259 @@
+// test_options.cpp: chapter 5's options (flash.h's AttentionOptions: sliding windows, softcap,
+// ALiBi, the softmax scale) in chapter 2's forward and backward, fp16 and bf16: against the
+// general CPU reference (reference.h, in double on the very inputs), bitwise against the calls
+// without options where the options change nothing, deterministic, and refused where bad. The
+// policy's tile maps are checked on the CPU, exhaustively, in tests/test_policy.cpp.
+
+#include "mask_policy.cuh"
+#include "test_util.h"
+
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+// One case: a shape and the options; slopes, when ALiBi is on, are drawn per head (per batch and
+// head where per_batch), as BLOOM's geometric slopes would be: 2^(-8 (h + 1) / heads).
+struct OptionsCase {
+    const char* what;
+    AttentionShape s;
+    float scale = 0, softcap = 0;
+    int left = -1, right = -1;
+    bool alibi = false, per_batch = false;
+};
+
+std::string describe(const OptionsCase& c) {
+    std::ostringstream os;
+    os << c.what << ": " << describe(c.s) << ", window (" << c.left << ", " << c.right
+       << "), softcap " << c.softcap << ", scale " << c.scale << ", alibi "
+       << (c.alibi ? c.per_batch ? "per batch and head" : "per head" : "none");
+    return os.str();
+}
+
+std::vector<double> slopes_of(const OptionsCase& c) {
+    if (!c.alibi) return {};
+    std::vector<double> v;
+    for (int b = 0; b < (c.per_batch ? c.s.batch : 1); ++b)
+        for (int h = 0; h < c.s.heads; ++h)
+            v.push_back(std::exp2(-8.0 * (h + 1) / c.s.heads) * (1 + 0.25 * b));
+    return v;
+}
+
+// The reference's outputs for the problem with these options (forward, and the backward with dO).
+Outputs<double> reference_with(const Problem<double>& x, const OptionsCase& c,
+                               const std::vector<double>& slopes, bool with_gradients) {
+    const AttentionShape& s = x.s;
+    Outputs<double> r;
+    r.O.assign(q_elems(s), 0), r.L.assign(l_elems(s), 0);
+    ReferenceProblem p;
+    p.batch = s.batch, p.heads = s.heads, p.kv_heads = flash_kv_heads(s), p.head_dim = s.head_dim;
+    p.q_len = s.q_len, p.kv_len = s.kv_len, p.causal = s.causal;
+    p.softmax_scale = c.scale, p.window_left = c.left, p.window_right = c.right;
+    p.softcap = c.softcap;
+    p.alibi_slopes = slopes.empty() ? nullptr : slopes.data(), p.alibi_per_batch = c.per_batch;
+    p.Q = x.Q.data(), p.K = x.K.data(), p.V = x.V.data(), p.O = r.O.data(), p.L = r.L.data();
+    p.q = p.o = p.dq = p.d_o = reference_contiguous(s.heads, s.q_len, s.head_dim);
+    p.k = p.v = p.dk = p.dv = reference_contiguous(flash_kv_heads(s), s.kv_len, s.head_dim);
+    attention_reference_general(p);
+    if (with_gradients) {
+        r.dQ.assign(q_elems(s), 0), r.dK.assign(kv_elems(s), 0), r.dV.assign(kv_elems(s), 0);
+        p.dO = x.dO.data(), p.dQ = r.dQ.data(), p.dK = r.dK.data(), p.dV = r.dV.data();
+        attention_reference_general_backward(p);
+    }
+    return r;
+}
+
+// The score terms of the tolerances (test_util.h's ScoreTerms): the scale; softcap's tanh.approx,
+// c 2^-10; ALiBi's fp32 bias, 4 u of the largest.
+ScoreTerms score_terms(const OptionsCase& c, const std::vector<double>& slopes) {
+    ScoreTerms t;
+    t.scale = c.scale;
+    t.extra = c.softcap * std::exp2(-10.0);
+    for (double m : slopes)
+        t.extra += 4 * kUnitRoundoff * m * (c.s.q_len + c.s.kv_len);
+    return t;
+}
+
+// The forward and backward of chapter 2 with options, on gpu's buffers: outputs poisoned first,
+// every call watched by the deadline.
+template <typename T>
+void forward_with(GpuAttention<T>& g, const AttentionOptions& o) {
+    g.O.poison();
+    g.L.poison();
+    const GpuCall call = gpu_call<T>("forward", Kernel::chapter2(), g.s);
+    const DeadlineGuard guard(call);
+    if constexpr (std::is_same<T, __half>::value)
+        flash_forward_fp16(g.Q.ptr, g.K.ptr, g.V.ptr, g.O.ptr, g.L.ptr, g.s, o);
+    else
+        flash_forward_bf16(g.Q.ptr, g.K.ptr, g.V.ptr, g.O.ptr, g.L.ptr, g.s, o);
+    wait_for_gpu(0, call);
+}
+template <typename T>
+void backward_with(GpuAttention<T>& g, const AttentionOptions& o) {
+    if (g.dQ.count == 0) {
+        g.dQ = DeviceBuffer<T>(q_elems(g.s));
+        g.dK = DeviceBuffer<T>(kv_elems(g.s));
+        g.dV = DeviceBuffer<T>(kv_elems(g.s));
+    }
+    g.dQ.poison();
+    g.dK.poison();
+    g.dV.poison();
+    const GpuCall call = gpu_call<T>("backward", Kernel::chapter2(), g.s);
+    const DeadlineGuard guard(call);
+    if constexpr (std::is_same<T, __half>::value)
+        flash_backward_fp16(g.Q.ptr, g.K.ptr, g.V.ptr, g.O.ptr, g.dO.ptr, g.L.ptr, g.dQ.ptr,
+                            g.dK.ptr, g.dV.ptr, g.s, o);
+    else
+        flash_backward_bf16(g.Q.ptr, g.K.ptr, g.V.ptr, g.O.ptr, g.dO.ptr, g.L.ptr, g.dQ.ptr,
+                            g.dK.ptr, g.dV.ptr, g.s, o);
+    wait_for_gpu(0, call);
+}
+
+// One case on the GPU against the reference: the forward, then the backward from its O and L.
+template <typename T>
+void check_options_case(const OptionsCase& c, uint32_t salt) {
+    INFO(describe(c));
+    const Problem<T> p = rounded_problem<T>(c.s, salt);
+    const std::vector<double> slopes = slopes_of(c);
+    const DeviceBuffer<float> slopes_gpu(converted<float>(slopes.empty() ? std::vector<double>{0.0}
+                                                                         : slopes));
+    AttentionOptions o;
+    o.softmax_scale = c.scale, o.softcap = c.softcap;
+    o.window_left = c.left, o.window_right = c.right;
+    o.alibi_slopes = c.alibi ? slopes_gpu.ptr : nullptr, o.alibi_per_batch = c.per_batch;
+    // The reference's slopes are the float ones the kernels read, exactly.
+    const std::vector<double> slopes_f = converted<double>(converted<float>(slopes));
+    const Outputs<double> want = reference_with(converted<double>(p), c, slopes_f, true);
+    GpuAttention<T> g(p);
+    forward_with(g, o);
+    backward_with(g, o);
+    const Outputs<float> got = g.outputs(true);
+    const Tolerances tol = backward_tolerances16(p, got, want, score_terms(c, slopes_f));
+    CAPTURE(tol.M, tol.L, tol.O, tol.grad_rel, tol.dQ_floor, tol.dK_floor);
+    check_forward(got, want, tol, c.s);
+    check_backward(got, want, tol, c.s);
+}
+
+// The default run's cases: each option alone and together, windows that skip tiles on both
+// sides (Q tiles of 128 rows, K/V tiles of 64 or 128 keys), q_len below and above kv_len (rows
+// that see no key), GQA, head dims 64, 128 and 256. The stress run's grid: every combination.
+std::vector<OptionsCase> fast_cases() {
+    return {
+        {"a causal sliding window (Mistral)", {1, 2, 600, 600, 64, true}, 0, 0, 100, 0},
+        {"a two-sided window, GQA", {2, 4, 300, 461, 128, false, 2}, 0, 0, 70, 40},
+        {"softcap (Gemma 2)", {1, 3, 257, 130, 64, true}, 0, 5.f},
+        {"ALiBi per head (BLOOM)", {2, 3, 200, 333, 128, true}, 0, 0, -1, -1, true},
+        {"ALiBi per batch and head, a window", {2, 2, 190, 190, 64, false}, 0, 0, 64, 64, true, true},
+        {"a larger scale", {1, 2, 150, 300, 64, false}, 0.3f},
+        {"everything, causal", {2, 4, 333, 333, 256, true, 1}, 0.1f, 20.f, 90, 0, true},
+        {"a window past q_len > kv_len: rows that see nothing", {1, 2, 300, 100, 128, true}, 0, 0, 20, 0},
+    };
+}
+std::vector<OptionsCase> stress_cases() {
+    std::vector<OptionsCase> v;
+    for (int d : {32, 96, 256})
+        for (auto len : {std::make_pair(1, 700), std::make_pair(513, 513), std::make_pair(700, 129)})
+            for (bool causal : {false, true})
+                for (auto w : {std::make_pair(-1, -1), std::make_pair(0, 0), std::make_pair(200, -1),
+                               std::make_pair(63, 129)})
+                    v.push_back({"the stress grid", {2, 2, len.first, len.second, d, causal},
+                                 d == 96 ? 0.2f : 0.f, causal ? 30.f : 0.f, w.first, w.second,
+                                 !causal, d == 32});
+    return v;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Chapter 5's options: windows, softcap, ALiBi and the scale match the "
+                   "reference, forward and backward", "[gpu][fp16][bf16][options][forward][backward]",
+                   __half, __nv_bfloat16) {
+    const OptionsCase c = GENERATE(from_range(fast_cases()));
+    check_options_case<TestType>(c, 501);
+}
+
+TEMPLATE_TEST_CASE("Chapter 5's options over every head dim, length, mask and window",
+                   "[.stress][stress][gpu][fp16][bf16][options]", __half, __nv_bfloat16) {
+    const OptionsCase c = GENERATE(from_range(stress_cases()));
+    check_options_case<TestType>(c, 502);
+}
+
+TEMPLATE_TEST_CASE("Options that change nothing give the plain call's bits, and options give the "
+                   "same bits on every call", "[gpu][fp16][bf16][options][determinism]", __half,
+                   __nv_bfloat16) {
+    // A window wider than the sequence, and the default scale written out, are no options at all:
+    // the plain calls, bit for bit (forward and backward).
+    const AttentionShape s = GENERATE(AttentionShape{2, 3, 300, 411, 64, true},
+                                      AttentionShape{1, 4, 257, 200, 128, false, 2});
+    INFO(describe(s));
+    const Problem<TestType> p = rounded_problem<TestType>(s, 503);
+    GpuAttention<TestType> plain(p);
+    plain.forward();
+    plain.backward();
+    const Outputs<float> want = plain.outputs(true);
+    AttentionOptions wide;
+    wide.window_left = s.q_len + s.kv_len, wide.window_right = s.causal ? 0 : s.q_len + s.kv_len;
+    wide.softmax_scale = 1.0f / std::sqrt(float(s.head_dim));
+    GpuAttention<TestType> g(p);
+    forward_with(g, wide);
+    backward_with(g, wide);
+    check_bitwise(want, g.outputs(true), s);
+    // Every option at once, twice: the same bits (the ordered add keeps dQ's sums in one order).
+    const DeviceBuffer<float> slopes(std::vector<float>(s.heads, 0.0625f));
+    AttentionOptions all;
+    all.window_left = 77, all.window_right = s.causal ? 0 : 31, all.softcap = 15.f;
+    all.softmax_scale = 0.2f, all.alibi_slopes = slopes.ptr;
+    forward_with(g, all);
+    backward_with(g, all);
+    const Outputs<float> first = g.outputs(true);
+    forward_with(g, all);
+    backward_with(g, all);
+    check_bitwise(first, g.outputs(true), s);
+}
+
+TEST_CASE("Bad options are refused, naming the field, before anything runs",
+          "[cpu][options][validation]") {
+    // Refused before any pointer is looked at: host stand-ins (FakeTensors), left untouched.
+    FakeTensors<__half> t;
+    const AttentionShape s = valid_shape();
+    const auto forward = [&](AttentionOptions o) {
+        return refusal([&] { flash_forward_fp16(t.Q, t.K, t.V, t.O, t.L, s, o); });
+    };
+    const auto backward = [&](AttentionOptions o) {
+        return refusal([&] {
+            flash_backward_fp16(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s, o);
+        });
+    };
+    struct Bad {
+        const char* field;
+        AttentionOptions o;
+    };
+    std::vector<Bad> bad(6);
+    bad[0] = {"window_left", {}}, bad[0].o.window_left = -2;
+    bad[1] = {"window_right", {}}, bad[1].o.window_right = -5;
+    bad[2] = {"softcap", {}}, bad[2].o.softcap = -1.f;
+    bad[3] = {"softcap", {}}, bad[3].o.softcap = std::nanf("");
+    bad[4] = {"softmax_scale", {}}, bad[4].o.softmax_scale = -0.5f;
+    bad[5] = {"alibi_per_batch", {}}, bad[5].o.alibi_per_batch = true;
+    for (const Bad& b : bad) {
+        INFO("options." << b.field);
+        CHECK_THAT(forward(b.o), NamesWord(b.field));
+        CHECK_THAT(backward(b.o), NamesWord(b.field));
+    }
+    CHECK(t.outputs_untouched());
+}
+
+TEST_CASE("ALiBi slopes in host memory are refused, naming them, with the outputs untouched",
+          "[gpu][options][validation]") {
+    const AttentionShape s{1, 2, 64, 64, 64, true};
+    GpuAttention<__half> g(rounded_problem<__half>(s, 504));
+    g.O.poison();
+    alignas(16) static float host_slopes[2] = {0.5f, 0.25f};
+    AttentionOptions o;
+    o.alibi_slopes = host_slopes;
+    const std::string msg =
+        refusal([&] { flash_forward_fp16(g.Q.ptr, g.K.ptr, g.V.ptr, g.O.ptr, g.L.ptr, s, o); });
+    CHECK_THAT(msg, NamesWord("alibi_slopes"));
+    CHECK(count_bad(g.O.download_float()) == q_elems(s));  // still all NaN: nothing ran
+}
