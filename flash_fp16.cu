@@ -410,9 +410,11 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // The mask only where the tile reaches past kv_len, q_len or a key's queries.
         const bool edge = (j + 1) * Bc > kv_len || q0 + Br > q_len ||
                           !pol.full(q0, q0 + Br, j * Bc, (j + 1) * Bc);
+#pragma unroll  // (S and dP stay in registers: with a score change nvcc would not unroll)
         for (int c = 0; c < TS::cols / 4; c++) {       // column c: query q0 + qi
             const int qi = q_w + acc_col(c, t);
             const float L_q = L_i[fstage + qi] * kLog2e, D_q = D_i[fstage + qi];
+#pragma unroll
             for (int r = 0; r < 2 * TS::M; r++) {
                 const int key = j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2);
                 float& p = S[r / 2][c / 2][2 * (r % 2) + c % 2];  // acc_at(S, r, c)
@@ -470,7 +472,13 @@ constexpr int fwd_max_Bc(int head_dim) { return head_dim <= 64 ? 128 : head_dim 
 // at the plain tiles nvcc spills hundreds of bytes (d = 64, Bc = 128: 400; d = 128, Bc = 64: 364),
 // at half of them next to none (0 and 32 bytes). So the options take Bc = 64 up to d = 64, 32
 // beyond.
-constexpr int fwd_model_max_Bc(int head_dim) { return head_dim <= 64 ? 64 : 32; }
+// To see what it costs: make clean all DEFINES=-DFLASH_FP16_MODEL_FULL_TILE=1 (the plain tiles).
+#ifndef FLASH_FP16_MODEL_FULL_TILE
+#define FLASH_FP16_MODEL_FULL_TILE 0
+#endif
+constexpr int fwd_model_max_Bc(int head_dim) {
+    return FLASH_FP16_MODEL_FULL_TILE ? fwd_max_Bc(head_dim) : head_dim <= 64 ? 64 : 32;
+}
 
 static size_t fp16_shared_bytes(int head_dim, int Bc) {  // Q_i, 2 x K_j, 2 x V_j
     return size_t(fwd_Br(head_dim) + 4 * Bc) * (head_dim + kPad) * sizeof(__half);
