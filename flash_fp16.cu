@@ -468,17 +468,6 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 constexpr int fwd_M(int head_dim) { return head_dim <= 128 ? 2 : 1; }
 constexpr int fwd_Br(int head_dim) { return 16 * kWarps * fwd_M(head_dim); }
 constexpr int fwd_max_Bc(int head_dim) { return head_dim <= 64 ? 128 : head_dim <= 128 ? 64 : 32; }
-// With chapter 5's policy (ModelPolicy) a thread also holds its rows' masks and score changes:
-// at the plain tiles nvcc spills hundreds of bytes (d = 64, Bc = 128: 400; d = 128, Bc = 64: 364),
-// at half of them next to none (0 and 32 bytes). So the options take Bc = 64 up to d = 64, 32
-// beyond.
-// To see what it costs: make clean all DEFINES=-DFLASH_FP16_MODEL_FULL_TILE=1 (the plain tiles).
-#ifndef FLASH_FP16_MODEL_FULL_TILE
-#define FLASH_FP16_MODEL_FULL_TILE 0
-#endif
-constexpr int fwd_model_max_Bc(int head_dim) {
-    return FLASH_FP16_MODEL_FULL_TILE ? fwd_max_Bc(head_dim) : head_dim <= 64 ? 64 : 32;
-}
 
 static size_t fp16_shared_bytes(int head_dim, int Bc) {  // Q_i, 2 x K_j, 2 x V_j
     return size_t(fwd_Br(head_dim) + 4 * Bc) * (head_dim + kPad) * sizeof(__half);
@@ -532,13 +521,8 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
             Q, K, V, O, L, policy, Tr, kFwdHeadGroup, flash_kv_group(s), scale_log2);
         FLASH_CUDA_CHECK(cudaGetLastError());
     };
-    if constexpr (Bc <= fwd_model_max_Bc(D)) {
-        if (options) return launch(model_policy(s, *options), options_scale_log2(s, *options));
-    } else if (options) {
-        throw std::logic_error("launch_forward_fp16: options at Bc = " + std::to_string(Bc) +
-                               ", above fwd_model_max_Bc");
-    }
-    launch(PlainPolicy{s.q_len, s.kv_len, s.causal}, scale_log2_for(D));
+    if (options) launch(model_policy(s, *options), options_scale_log2(s, *options));
+    else launch(PlainPolicy{s.q_len, s.kv_len, s.causal}, scale_log2_for(D));
 }
 
 // The launch once the arguments are checked (shape, pointers): the device's checks, the tile, the
@@ -552,8 +536,6 @@ static void forward_fp16_launch(const char* fn, const cudaDeviceProp& prop, cons
     require_sm80(prop, fn);
     FlashTile tile = flash_choose_tile_fp16(prop, s.head_dim);
     if (Bc) tile = fp16_tile(prop, s.head_dim, *Bc);
-    if (options && tile.Bc > fwd_model_max_Bc(s.head_dim))  // chapter 5's tile (above)
-        tile = fp16_tile(prop, s.head_dim, fwd_model_max_Bc(s.head_dim));
     dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
         if constexpr (fwd_max_Bc(D) >= 128)

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # lab/gpu-options.sh OUT [BASE]: one GPU run for chapter 5's options (lab/chapter5.md): the build,
-# the options' tests, the default suite, lab/options-bench.cu (also against a flash_fp16.o built
-# with -DFLASH_FP16_MODEL_FULL_TILE=1: the options at the plain tiles), with BASE (a tree before
-# chapter 5, e.g. from `git archive`) chapter 2's plain kernels of both trees in turns, then the
-# options' stress grid (STRESS_SECONDS at most). Logs under OUT; a short table last. Catch2 from
+# the options' tests, the default suite, lab/options-bench.cu, with BASE (a tree before chapter 5,
+# e.g. from `git archive`) chapter 2's plain kernels of both trees in turns (flash_bench), then
+# the options' stress grid (STRESS_SECONDS at most), then with TORCH=1 pytorch/test_torch.py. Logs under OUT; a short table last. Catch2 from
 # CPPFLAGS (e.g. CPPFLAGS=-I.deps/include).
 set -uo pipefail
 out=${1:?usage: lab/gpu-options.sh OUT [BASE]} base=${2:-}
@@ -16,19 +15,15 @@ objs="build/flash.o build/backward_passes.o build/flash_decode.o build/checks.o 
 t0=$SECONDS; make test_flash flash_bench >"$out/build.log" 2>&1; rc=$?
 rows+=("build|$((SECONDS - t0)) s|exit $rc")
 [ -f build/flash_hopper.o ] && objs="$objs build/flash_hopper.o build/flash_hopper_backward.o"
-nvcc -O3 -std=c++17 -arch=native -I. -Ilib -DFLASH_FP16_MODEL_FULL_TILE=1 -c flash_fp16.cu \
-    -o build/flash_fp16_full_tile.o >"$out/full-tile-build.log" 2>&1 &
 t0=$SECONDS; ./test_flash "[options]~[stress]" --durations yes >"$out/options.log" 2>&1; rc=$?
 rows+=("[options] tests|$((SECONDS - t0)) s|exit $rc, $(tail -n 1 "$out/options.log")")
 t0=$SECONDS; ./test_flash >"$out/default.log" 2>&1; rc=$?
 rows+=("default suite|$((SECONDS - t0)) s|exit $rc, $(tail -n 1 "$out/default.log")")
 wait
 t0=$SECONDS
-{ nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/options-bench.cu build/flash_fp16.o $objs -o options_bench &&
-  nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/options-bench.cu build/flash_fp16_full_tile.o $objs \
-      -o options_bench_full_tile; } >"$out/bench-build.log" 2>&1
+nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/options-bench.cu build/flash_fp16.o $objs \
+    -o options_bench >"$out/bench-build.log" 2>&1
 ./options_bench >"$out/bench.csv" 2>&1; rc=$?
-./options_bench_full_tile >"$out/bench-full-tile.csv" 2>&1
 rows+=("options bench|$((SECONDS - t0)) s|exit $rc")
 if [ -n "$base" ]; then
     for round in 1 2; do
@@ -37,13 +32,17 @@ if [ -n "$base" ]; then
             for d in 64 128; do
                 echo "== round $round, $tree, d $d"
                 (cd "$dir" && ./flash_bench --dtype fp16 --chapter2 --dim $d --seq 4096 --batch 4 \
-                    --heads 16 --causal 1 --no-standard) 2>&1 | tail -n 8
+                    --heads 16 --causal 1 --no-standard) 2>&1 | grep -E "(fwd|bwd) \|"
             done
         done
     done >"$out/ab.log"
 fi
 t0=$SECONDS; timeout "${STRESS_SECONDS:-120}" ./test_flash "[options][stress]" >"$out/stress.log" 2>&1; rc=$?
 rows+=("[options][stress]|$((SECONDS - t0)) s|exit $rc, $(tail -n 1 "$out/stress.log")")
+if [ "${TORCH:-0}" = 1 ]; then
+    t0=$SECONDS; (cd pytorch && timeout 300 python3 -m pytest -q -x test_torch.py) >"$out/torch.log" 2>&1; rc=$?
+    rows+=("pytest test_torch.py|$((SECONDS - t0)) s|exit $rc, $(tail -n 1 "$out/torch.log")")
+fi
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)"
-cat "$out/bench.csv"; echo "-- full tile"; grep options "$out/bench-full-tile.csv"
+cat "$out/bench.csv"; [ -n "$base" ] && grep -E "round|fwd|bwd" "$out/ab.log"
 for r in "${rows[@]}"; do IFS='|' read -r what time how <<<"$r"; printf '%-20s %7s  %s\n' "$what" "$time" "$how"; done

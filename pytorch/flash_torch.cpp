@@ -1,7 +1,7 @@
 // flash_torch.cpp: the PyTorch binding of flash.h, for flash_torch.py (which builds and loads it
 // on first use, with torch.utils.cpp_extension; or: make torch). Two functions, forward and
 // backward, over (batch, heads, seq, head_dim) CUDA tensors in fp32, fp16 or bf16, on PyTorch's
-// current stream. Every check of flash.h's launchers runs as it does from C++; this file adds
+// current stream, with chapter 5's options (flash.h's AttentionOptions: fp16 and bf16 only). Every check of flash.h's launchers runs as it does from C++; this file adds
 // the ones only a tensor can fail (device, dtype, rank, layout, matching sizes). Bad input raises
 // ValueError (pybind11's translation of std::invalid_argument) with the message; a CUDA failure
 // raises RuntimeError.
@@ -81,6 +81,35 @@ static AttentionShape shape_of(const char* fn, const std::vector<torch::Tensor>&
                           int(q.size(3)), causal, int(k.size(1))};
 }
 
+// Chapter 5's options from FlashAttention-2's keyword arguments (scale 0: 1/sqrt(d)); ALiBi's
+// slopes, if any, a contiguous float32 CUDA tensor on q's device of shape (H,) or (B, H).
+// flash.h checks the rest (the window's bounds, the softcap, the scale) and names the field.
+static AttentionOptions options_of(const char* fn, const AttentionShape& s, const torch::Tensor& q,
+                                   double scale, int64_t left, int64_t right, double softcap,
+                                   const c10::optional<torch::Tensor>& alibi) {
+    AttentionOptions o;
+    o.softmax_scale = float(scale), o.softcap = float(softcap);
+    if (left < INT_MIN || left > INT_MAX || right < INT_MIN || right > INT_MAX)
+        fail(std::string(fn) + ": window_size must fit an int");
+    o.window_left = int(left), o.window_right = int(right);
+    if (alibi) {
+        const torch::Tensor& a = *alibi;
+        const bool per_head = a.dim() == 1 && a.size(0) == s.heads;
+        const bool per_batch = a.dim() == 2 && a.size(0) == s.batch && a.size(1) == s.heads;
+        if (!a.is_cuda() || a.device() != q.device() || a.scalar_type() != torch::kFloat32 ||
+            !a.is_contiguous() || !(per_head || per_batch))
+            fail(std::string(fn) + ": alibi_slopes is " + dims(a) + " " + name(a.scalar_type()) +
+                 " on " + a.device().str() + "; allowed: a contiguous float32 tensor on q's " +
+                 "device of shape (heads,) or (batch, heads), here (" + std::to_string(s.heads) +
+                 ",) or (" + std::to_string(s.batch) + ", " + std::to_string(s.heads) + ")");
+        o.alibi_slopes = a.data_ptr<float>(), o.alibi_per_batch = per_batch;
+    }
+    if (q.scalar_type() == torch::kFloat32 && !flash_options_plain(o))
+        fail(std::string(fn) + ": softmax_scale, window_size, softcap and alibi_slopes need " +
+             "float16 or bfloat16 (chapter 5 is chapter 2's kernels; float32 is chapter 1's)");
+    return o;
+}
+
 // Calls f with the tensors' element type: float, __half or __nv_bfloat16.
 template <typename F>
 static void with_dtype(const char* fn, const torch::Tensor& q, F&& f) {
@@ -98,10 +127,14 @@ static T* ptr(const torch::Tensor& t) {
     return reinterpret_cast<T*>(t.data_ptr());
 }
 
-// O = softmax(q k^T / sqrt(d)) v and L = logsumexp of each row (fp32, (B, H, q_len)).
-static std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor q, torch::Tensor k,
-                                                        torch::Tensor v, bool causal) {
+// O = softmax(q k^T / sqrt(d)) v and L = logsumexp of each row (fp32, (B, H, q_len)), the scores
+// changed as the options say.
+static std::tuple<torch::Tensor, torch::Tensor> forward(
+    torch::Tensor q, torch::Tensor k, torch::Tensor v, bool causal, double scale, int64_t left,
+    int64_t right, double softcap, c10::optional<torch::Tensor> alibi) {
     const AttentionShape s = shape_of("flash_attention", {q, k, v}, {"q", "k", "v"}, causal);
+    const AttentionOptions opt = options_of("flash_attention", s, q, scale, left, right, softcap,
+                                            alibi);
     const c10::cuda::CUDAGuard guard(q.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     torch::Tensor o = torch::empty_like(q);
@@ -109,12 +142,14 @@ static std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor q, torch::
                                    q.options().dtype(torch::kFloat32));
     with_dtype("flash_attention", q, [&](auto zero) {
         using T = decltype(zero);
-        auto call = [&](auto fn) {
-            fn(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s, stream);
-        };
-        if constexpr (std::is_same_v<T, float>) call(flash_forward);
-        else if constexpr (std::is_same_v<T, __half>) call(flash_forward_fp16);
-        else call(flash_forward_bf16);
+        if constexpr (std::is_same_v<T, float>)
+            flash_forward(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s, stream);
+        else if constexpr (std::is_same_v<T, __half>)
+            flash_forward_fp16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s, opt,
+                               stream);
+        else
+            flash_forward_bf16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s, opt,
+                               stream);
     });
     return {o, L};
 }
@@ -122,9 +157,12 @@ static std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor q, torch::
 // dq, dk, dv from the forward's o and L and the gradient do of the loss with respect to o.
 static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor o, torch::Tensor dO,
-    torch::Tensor L, bool causal) {
+    torch::Tensor L, bool causal, double scale, int64_t left, int64_t right, double softcap,
+    c10::optional<torch::Tensor> alibi) {
     const AttentionShape s =
         shape_of("flash_attention backward", {q, k, v, o, dO}, {"q", "k", "v", "o", "do"}, causal);
+    const AttentionOptions opt = options_of("flash_attention backward", s, q, scale, left, right,
+                                            softcap, alibi);
     if (!L.is_cuda() || L.device() != q.device() || !L.is_contiguous() ||
         L.scalar_type() != torch::kFloat32 ||
         L.sizes() != torch::IntArrayRef({q.size(0), q.size(1), q.size(2)}))
@@ -135,19 +173,31 @@ static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
     torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
     with_dtype("flash_attention backward", q, [&](auto zero) {
         using T = decltype(zero);
-        auto call = [&](auto fn) {
-            fn(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<T>(dO), ptr<float>(L), ptr<T>(dq),
-               ptr<T>(dk), ptr<T>(dv), s, stream);
-        };
-        if constexpr (std::is_same_v<T, float>) call(flash_backward);
-        else if constexpr (std::is_same_v<T, __half>) call(flash_backward_fp16);
-        else call(flash_backward_bf16);
+        if constexpr (std::is_same_v<T, float>)
+            flash_backward(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<T>(dO), ptr<float>(L),
+                           ptr<T>(dq), ptr<T>(dk), ptr<T>(dv), s, stream);
+        else if constexpr (std::is_same_v<T, __half>)
+            flash_backward_fp16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<T>(dO),
+                                ptr<float>(L), ptr<T>(dq), ptr<T>(dk), ptr<T>(dv), s, opt, stream);
+        else
+            flash_backward_bf16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<T>(dO),
+                                ptr<float>(L), ptr<T>(dq), ptr<T>(dk), ptr<T>(dv), s, opt, stream);
     });
     return {dq, dk, dv};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flash.h for PyTorch tensors: see flash_torch.py";
-    m.def("forward", &forward, "O, L = forward(q, k, v, causal)");
-    m.def("backward", &backward, "dq, dk, dv = backward(q, k, v, o, do, L, causal)");
+    namespace py = pybind11;  // the options' defaults: none (ring_attention.py calls without)
+    m.def("forward", &forward,
+          "O, L = forward(q, k, v, causal, scale, window_left, window_right, softcap, alibi)",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"), py::arg("scale") = 0.0,
+          py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0,
+          py::arg("alibi") = py::none());
+    m.def("backward", &backward,
+          "dq, dk, dv = backward(q, k, v, o, do, L, causal, scale, window_left, window_right, "
+          "softcap, alibi)",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("do"), py::arg("L"),
+          py::arg("causal"), py::arg("scale") = 0.0, py::arg("window_left") = -1,
+          py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi") = py::none());
 }

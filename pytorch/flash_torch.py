@@ -3,6 +3,8 @@
     from flash_torch import flash_attention, flash_attention_with_lse
     o = flash_attention(q, k, v, causal=True)            # differentiable: o.backward(...) works
     o, lse = flash_attention_with_lse(q, k, v)           # lse: (batch, heads, q_len), float32
+    o = flash_attention(q, k, v, causal=True, window_size=(4096, 0), softcap=30.0,
+                        alibi_slopes=slopes, softmax_scale=0.1)   # chapter 5: float16, bfloat16
 
 q: (batch, heads, q_len, head_dim), k and v: (batch, kv_heads, kv_len, head_dim), CUDA tensors of
 one dtype (kv_heads a divisor of heads: grouped-query attention, kv_heads = 1 multi-query, as
@@ -11,6 +13,13 @@ h // (heads // kv_heads), and dk, dv sum over the query heads that share a K/V h
 (chapter 1's kernels, CUDA cores), float16 or bfloat16 (chapter 2's, tensor cores, compute
 capability 8.0 or newer); head_dim 16, 32, 64, 96, 128 or 256; any lengths. The
 scale is 1/sqrt(head_dim), as in F.scaled_dot_product_attention.
+
+Chapter 5's keyword arguments are FlashAttention-2's flash_attn_func's (float16 and bfloat16
+only; flash.h's AttentionOptions says the rules): softmax_scale (None: 1/sqrt(head_dim)),
+window_size=(left, right) (query i sees key j iff i' - left <= j <= i' + right, i' = i + kv_len -
+q_len; -1 leaves a side open; causal bounds the right at 0), softcap (s -> softcap tanh(s /
+softcap) where > 0) and alibi_slopes (float32, (heads,) or (batch, heads): s -> s - slope |i' -
+j|). They run chapter 2's kernels (flash_fp16.cu), on every GPU.
 
 The causal mask is bottom-right aligned, as in FlashAttention-2 >= 2.1: query i sees key j iff
 j <= i + kv_len - q_len. PyTorch's is_causal=True is top-left aligned (j <= i); the two agree
@@ -170,11 +179,12 @@ class FlashAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal):
+    def forward(ctx, q, k, v, causal, options):
         q, k, v = (_readable(t) for t in (q, k, v))
-        o, lse = build().forward(q, k, v, bool(causal))
+        alibi = None if options[4] is None else _readable(options[4])
+        ctx.options = (bool(causal),) + tuple(options[:4]) + (alibi,)
+        o, lse = build().forward(q, k, v, *ctx.options)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal = bool(causal)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -184,18 +194,30 @@ class FlashAttention(torch.autograd.Function):
         # do comes as the rest of the graph made it: often expanded (stride 0, from a sum or a
         # mean), transposed (a transpose after attention) or a slice of a larger gradient.
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = build().backward(q, k, v, o, _readable(do), lse, ctx.causal)
-        return dq, dk, dv, None
+        dq, dk, dv = build().backward(q, k, v, o, _readable(do), lse, *ctx.options)
+        return dq, dk, dv, None, None
 
 
-def flash_attention_with_lse(q, k, v, causal=False):
-    """(o, lse): attention and the natural-log logsumexp of each row of scaled scores."""
-    return FlashAttention.apply(q, k, v, causal)
+def _options(softmax_scale, window_size, softcap, alibi_slopes):
+    """(scale, left, right, softcap, alibi) as the binding takes them (scale 0: 1/sqrt(d))."""
+    left, right = window_size
+    return (0.0 if softmax_scale is None else float(softmax_scale), int(left), int(right),
+            float(softcap), alibi_slopes)
 
 
-def flash_attention(q, k, v, causal=False):
-    """softmax(q k^T / sqrt(head_dim)) v, differentiable in q, k and v."""
-    return FlashAttention.apply(q, k, v, causal)[0]
+def flash_attention_with_lse(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None):
+    """(o, lse): attention and the natural-log logsumexp of each row of (changed) scores."""
+    return FlashAttention.apply(q, k, v, causal,
+                                _options(softmax_scale, window_size, softcap, alibi_slopes))
+
+
+def flash_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None):
+    """softmax(scores) v, scores = q k^T softmax_scale changed by the options, differentiable
+    in q, k and v (not in alibi_slopes)."""
+    return flash_attention_with_lse(q, k, v, causal, softmax_scale, window_size, softcap,
+                                    alibi_slopes)[0]
 
 
 def _main():

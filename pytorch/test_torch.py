@@ -540,3 +540,114 @@ def test_gqa_gradients_are_bitwise_deterministic(dtype):
     for again in runs[1:]:
         for name, x, y in zip(("dq", "dk", "dv"), runs[0], again):
             assert torch.equal(x, y), f"GQA {dtype}: {name} changed between identical runs"
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 5's keyword arguments (float16, bfloat16): softmax_scale, window_size, softcap,
+# alibi_slopes, against a float64 reference with the window as an explicit boolean mask and ALiBi
+# as an explicit bias, and against F.scaled_dot_product_attention given that mask and bias.
+
+def option_scores64(q, k, causal, scale, window, softcap, alibi):
+    """(scores, visible) in float64: scale q k^T, capped, minus ALiBi's slope |i' - j|; visible is
+    the window with causal, bottom-right (i' = i + kv_len - q_len), as FlashAttention-2's."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    i = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+    j = torch.arange(nk, device=q.device)[None, :]
+    visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    if window[0] >= 0:
+        visible &= j >= i - window[0]
+    if window[1] >= 0:
+        visible &= j <= i + window[1]
+    if causal:
+        visible &= j <= i
+    s = scale * (q @ k.transpose(-1, -2))
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        slopes = alibi.double().reshape(*alibi.shape, 1, 1)  # (H, 1, 1) or (B, H, 1, 1)
+        s = s - slopes * (i - j).abs().double()
+    return s, visible
+
+
+def attention64_options(q, k, v, causal, scale, window, softcap, alibi):
+    """(o, lse) in float64 with the options, differentiable in q, k, v; empty rows o = 0,
+    lse = -inf (attention64's softmax)."""
+    s, visible = option_scores64(q, k, causal, scale, window, softcap, alibi)
+    s = s.masked_fill(~visible, -math.inf)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
+    e = torch.exp(s - m)
+    l = e.sum(-1, keepdim=True)
+    return (e / l.clamp_min(1e-300)) @ v, (m + torch.log(l)).squeeze(-1)
+
+
+OPTION_CASES = [  # (batch, heads, q_len, kv_len, d, causal, scale, window, softcap, alibi)
+    (1, 2, 300, 300, 64, True, None, (64, 0), 0.0, None),
+    (2, 2, 200, 333, 128, False, None, (50, 30), 0.0, "per head"),
+    (1, 3, 257, 130, 64, True, 0.2, (-1, -1), 5.0, None),
+    (2, 2, 190, 190, 128, True, 0.1, (40, 0), 20.0, "per batch"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("case", OPTION_CASES, ids=["window", "two-sided+alibi", "softcap+scale",
+                                                    "all"])
+def test_options_match_the_float64_reference_and_sdpa(dtype, case):
+    b, h, nq, nk, d, causal, scale, window, softcap, alibi_kind = case
+    label = f"{str(dtype).split('.')[-1]} {case}"
+    q, k, v, do = inputs((b, h, nq, nk), d, dtype, seed=500 + OPTION_CASES.index(case))
+    alibi = None
+    if alibi_kind:
+        slopes = torch.tensor([2.0 ** (-8 * (x + 1) / h) for x in range(h)], device="cuda")
+        alibi = slopes if alibi_kind == "per head" else torch.stack([slopes, slopes / 2])
+    kw = dict(causal=causal, softmax_scale=scale, window_size=window, softcap=softcap,
+              alibi_slopes=alibi)
+    q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+    o, lse = flash_attention_with_lse(q_, k_, v_, **kw)
+    o.backward(do)
+    c = scale if scale is not None else 1 / math.sqrt(d)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want_o, want_lse = attention64_options(q64, k64, v64, causal, c, window, softcap, alibi)
+    want_o.backward(do.double())
+    # tolerances() with the scale's M (c max|q| max|k|) and the score terms of tanh.approx (c_cap
+    # 2^-10) and of ALiBi's fp32 bias: test_util.h's ScoreTerms, the C++ suite's derivation.
+    extra = softcap * 2.0 ** -10 + (0 if alibi is None else 4 * 2.0 ** -24 * alibi.max().item()
+                                    * (nq + nk))
+    tol_lse, tol_o, grad_rel = tolerances(dtype, q * (c * math.sqrt(d)), k, v, nk)
+    tol_lse += extra
+    tol_o += v.abs().max().item() * extra
+    grad_rel += 8 * extra
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(lse), empty), f"{label}: lse is -inf on the wrong rows"
+    check("lse", lse[~empty], want_lse[~empty], tol_lse, label)
+    check("o", o, want_o, tol_o, label)
+    u = unit_roundoff(dtype)
+    floor = 32 * u * do.abs().max().item() * v.abs().max().item() * max(
+        q.abs().max().item(), k.abs().max().item()) * c * math.sqrt(max(nq, nk))
+    for name, got, want in [("dq", q_.grad, q64.grad), ("dk", k_.grad, k64.grad),
+                            ("dv", v_.grad, v64.grad)]:
+        check(name, got, want, grad_rel * want.abs().max().item() + floor, label)
+    if softcap == 0:  # SDPA takes the window as a mask and ALiBi as a bias: rows that see a key
+        s, visible = option_scores64(q64.detach(), k64.detach(), causal, c, window, 0.0, alibi)
+        bias = (s - c * (q64.detach() @ k64.detach().transpose(-1, -2))).masked_fill(~visible,
+                                                                                     -math.inf)
+        sdpa = F.scaled_dot_product_attention(q64.detach(), k64.detach(), v64.detach(),
+                                              attn_mask=bias, scale=c)
+        seen = ~empty
+        check("o against SDPA", o[seen], sdpa[seen], tol_o, label)
+
+
+def test_bad_options_raise_value_error_naming_them():
+    q = torch.randn(1, 2, 8, 64, device="cuda", dtype=torch.float16)
+    for kw, word in [(dict(window_size=(-2, 0)), "window_left"),
+                     (dict(window_size=(0, -3)), "window_right"),
+                     (dict(softcap=-1.0), "softcap"), (dict(softmax_scale=-0.5), "softmax_scale"),
+                     (dict(alibi_slopes=torch.ones(3, device="cuda")), "alibi_slopes"),
+                     (dict(alibi_slopes=torch.ones(2, device="cuda", dtype=torch.float16)),
+                      "alibi_slopes")]:
+        with pytest.raises(ValueError) as e:
+            flash_attention(q, q, q, **kw)
+        assert word in str(e.value), f"{kw}: {str(e.value)!r} does not name {word!r}"
+    with pytest.raises(ValueError) as e:
+        flash_attention(q.float(), q.float(), q.float(), softcap=5.0)
+    assert "float16" in str(e.value)
