@@ -1,7 +1,8 @@
-// test_policy.cpp: the mask and score policies of lib/mask_policy.cuh (the planned chapter 5),
+// test_policy.cpp: chapter 5's mask and score policies (lib/mask_policy.cuh),
 // checked on the CPU, exhaustively on small shapes: each tile's kind and each Q tile's K/V tiles
-// against every score's own visibility, and each score's change and derivative against the rules
-// the CPU reference follows (reference.h).
+// against every score's own visibility, each score's change and derivative against the rules
+// the CPU reference follows (reference.h), and what chapter 2's kernels ask of PlainPolicy and
+// ModelPolicy (the tiles each loads, masks and walks, forward and backward) against the rule.
 
 #include "mask_policy.cuh"
 #include "test_util.h"

@@ -3,7 +3,7 @@
 // strides, packed sequences), checked on the CPU against what it must agree with: the chapters'
 // reference where the features are off, a second, naive implementation written here from the
 // rules, its own forward's finite differences for its gradients, and itself on other layouts.
-// Chapter 5's kernels are not written yet; this is their ground truth.
+// It is the ground truth of chapter 5's kernels (tests/test_options.cpp).
 
 #include "test_util.h"
 
