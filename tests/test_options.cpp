@@ -168,20 +168,20 @@ std::vector<OptionsCase> stress_cases() {
 
 TEMPLATE_TEST_CASE("Chapter 5's options: windows, softcap, ALiBi and the scale match the "
                    "reference, forward and backward", "[gpu][fp16][bf16][options][forward][backward]",
-                   __half, __nv_bfloat16) {
+                   fp16, bf16) {
     const OptionsCase c = GENERATE(from_range(fast_cases()));
     check_options_case<TestType>(c, 501);
 }
 
 TEMPLATE_TEST_CASE("Chapter 5's options over every head dim, length, mask and window",
-                   "[.stress][stress][gpu][fp16][bf16][options]", __half, __nv_bfloat16) {
+                   "[.stress][stress][gpu][fp16][bf16][options]", fp16, bf16) {
     const OptionsCase c = GENERATE(from_range(stress_cases()));
     check_options_case<TestType>(c, 502);
 }
 
 TEMPLATE_TEST_CASE("Options that change nothing give the plain call's bits, and options give the "
-                   "same bits on every call", "[gpu][fp16][bf16][options][determinism]", __half,
-                   __nv_bfloat16) {
+                   "same bits on every call", "[gpu][fp16][bf16][options][determinism]", fp16,
+                   bf16) {
     // A window wider than the sequence, and the default scale written out, are no options at all:
     // the plain calls, bit for bit (forward and backward).
     const AttentionShape s = GENERATE(AttentionShape{2, 3, 300, 411, 64, true},
