@@ -127,6 +127,8 @@ struct AttentionOptions {
     float softcap = 0.f;        // >= 0, finite; 0: none
     // ALiBi: fp32 device pointer, a slope per query head ([heads]), or per batch and head
     // ([batch][heads]) where alibi_per_batch; 16-byte aligned, as every tensor. nullptr: none.
+    // (A pointer does not carry its allocation's size: fewer slopes than that are read past
+    // their end. The PyTorch op checks the tensor's shape.)
     const float* alibi_slopes = nullptr;
     bool alibi_per_batch = false;
 };
