@@ -9,6 +9,9 @@
 // measured against, and the variants dropped: lab/chapter2.md.
 // flash_forward_fp16 / _bf16 themselves are the API layer's (lib/dispatch.cpp): it runs this
 // chapter's forward, or chapter 3's where that has a kernel; this file needs no other chapter.
+// Both kernels take the mask and the score as a policy (lib/mask_policy.cuh, NOTES.md section
+// 23): PlainPolicy (causal or none, the chapter's own) or ModelPolicy (chapter 5's options:
+// windows, softcap, ALiBi, a softmax scale).
 //
 // What changes from chapter 1: the two matrix products of Algorithm 1, S = Q_i K_j^T (line 8) and
 // O_i += P~ V_j (line 10), run as mma.sync.m16n8k16 instructions, each a 16x8x16 product by one
