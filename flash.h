@@ -136,9 +136,9 @@ struct AttentionOptions {
 // bound no row reaches, the default scale written out) are the calls above, bit for bit and in
 // speed. Any other runs chapter 2's kernels (flash_fp16.cu) with the options as their tile policy
 // (lib/mask_policy.cuh) on every GPU, head_dim in kFlashFp16HeadDims: chapter 3 and the decode
-// do not take options yet. A K/V tile no query of a Q tile sees is never loaded, forward or
-// backward: a window of w keys costs O(N w). Bad options throw std::invalid_argument naming the
-// field, before anything is launched.
+// do not take options yet. A (Q tile, K/V tile) pair with no visible score is skipped, forward
+// and backward: a window of w keys costs O(N w). Bad options throw std::invalid_argument naming
+// the field, before anything is launched.
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
                         const AttentionShape& shape, const AttentionOptions& options,
                         cudaStream_t stream = 0);
@@ -154,7 +154,8 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
                          __nv_bfloat16* dQ, __nv_bfloat16* dK, __nv_bfloat16* dV,
                          const AttentionShape& shape, const AttentionOptions& options,
                          cudaStream_t stream = 0);
-// True iff the options change nothing (every field its default): the calls without options.
+// True iff every field is its default. (The calls also take a window bound no row reaches and
+// the default scale written out for none: flash.h's rule above, lib/dispatch.cpp.)
 bool flash_options_plain(const AttentionOptions& options);
 
 // ---------------------------------------------------------------------------------------------

@@ -184,7 +184,7 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             for (int c = 0; c < Bc / 4; c++) m[r] = fmaxf(m[r], acc_at(S, r, c));
             m[r] = quad_reduce(m[r], fmaxf);           // the max over the row's 4 threads
             // Scores carry the scale (1/sqrt(d), or the options') and log2 e only here, in one
-            // fma each: e^((s - m) / sqrt(d)) = 2^(s c - m c), c = scale_log2.
+            // fma each: e^((s - m) scale) = 2^(s c - m c), c = scale_log2.
             const float alpha = exp2_ftz((m_old - m[r]) * scale_log2);  // line 10's e^(m_old - m)
             l[r] *= alpha;
             for (int c = 0; c < D / 4; c++) acc_at(O_i, r, c) *= alpha;
@@ -233,7 +233,7 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
 // tiles i stream past it (line 8); S, P, dP and dS are computed once per (i, j): five products.
 // Line 15's dQ_i += dS_ij K_j is the one sum over K/V tiles, so the blocks that share Q_i add their
 // parts into dQacc, an fp32 copy of dQ in global memory, in a fixed order (below): deterministic,
-// bitwise. Three launches: D (line 4), the kernel, then dQ = dQacc / sqrt(d) rounded to fp16.
+// bitwise. Three launches: D (line 4), the kernel, then dQ = dQacc scale rounded to fp16.
 //
 // The block: W warps, Bc keys, Q tiles of Br rows (bwd_tiles, below). Everything is transposed:
 // S^T = K_j Q_i^T has a key per row, as do P^T and dS^T, the left operands of lines 12 and 16, so

@@ -1,7 +1,7 @@
 // backward_passes.cu: what both backwards on tensor cores run around their kernel, chapter 2's
 // (flash_fp16.cu) and chapter 3's (flash_hopper_backward.cu): one scratch, laid out by BwdScratch,
 // and two small passes over it, line 4 of FlashAttention-2's Algorithm 2 (D = rowsum(dO o O))
-// before the kernel and dQ = dQacc / sqrt(d) in T after it (flash_backward_passes, declared with
+// before the kernel and dQ = dQacc scale in T after it (flash_backward_passes, declared with
 // BackwardScratch in chapters.h). fp16 and bf16, on the CUDA cores: any GPU either chapter runs on.
 #include "chapters.h"
 #include "checks.h"
@@ -82,7 +82,7 @@ size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
 }
 
 // The passes around a backward kernel (lib/chapters.h): the scratch as BwdScratch lays it out, its
-// turns and ticket zeroed, line 4 (D) before the kernel, dQ = dQacc / sqrt(d) after it.
+// turns and ticket zeroed, line 4 (D) before the kernel, dQ = dQacc scale after it.
 template <typename T>
 static void backward_passes(const T* O, const T* dO, T* dQ, const AttentionShape& s,
                             cudaStream_t stream, const BackwardKernel& kernel,

@@ -7,6 +7,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <string>
@@ -133,24 +134,35 @@ void validate_pointers(const char* fn, std::initializer_list<Arg> args) {
     }
 }
 
-void validate_options(const char* fn, const AttentionOptions& o, const AttentionShape& s) {
+// The scale and the cap within [2^-32, 2^16]: the kernels' constants stay finite (scale log2 e
+// times the -1e30 that stands in for -inf, 1 / scale, softcap / scale, scale / softcap).
+static bool in_kernel_range(float x) { return x >= 0x1p-32f && x <= 0x1p16f; }
+
+void validate_options(const char* fn, const AttentionOptions& o) {
     const std::string call = std::string(fn) + ": options.";
-    require(std::isfinite(o.softmax_scale) && o.softmax_scale >= 0,
-            call + "softmax_scale = " + std::to_string(o.softmax_scale) + " is invalid; allowed "
-                "values: 0 (1/sqrt(head_dim)) or a finite scale > 0");
+    const auto shown = [](float x) {  // 1e-50 is not "0.000000"
+        char text[32];
+        std::snprintf(text, sizeof text, "%g", double(x));
+        return std::string(text);
+    };
+    require((o.softmax_scale == 0 && !std::signbit(o.softmax_scale)) ||
+                in_kernel_range(o.softmax_scale),
+            call + "softmax_scale = " + shown(o.softmax_scale) + " is invalid; allowed values: 0 "
+                "(1/sqrt(head_dim)) or 2^-32 to 2^16");
     require(o.window_left >= -1, call + "window_left = " + std::to_string(o.window_left) +
                                      " is invalid; allowed values: -1 (no bound) or 0 or more");
     require(o.window_right >= -1, call + "window_right = " + std::to_string(o.window_right) +
                                       " is invalid; allowed values: -1 (no bound) or 0 or more");
-    require(std::isfinite(o.softcap) && o.softcap >= 0,
-            call + "softcap = " + std::to_string(o.softcap) + " is invalid; allowed values: 0 "
-                "(none) or a finite cap > 0");
+    require((o.softcap == 0 && !std::signbit(o.softcap)) || in_kernel_range(o.softcap),
+            call + "softcap = " + shown(o.softcap) + " is invalid; allowed values: 0 (none) or "
+                "2^-32 to 2^16");
     require(o.alibi_slopes || !o.alibi_per_batch,
             call + "alibi_per_batch is set but alibi_slopes is null");
-    if (o.alibi_slopes) {
-        const size_t n = size_t(s.heads) * (o.alibi_per_batch ? size_t(s.batch) : 1);
-        validate_pointers(fn, {input_arg("options.alibi_slopes", o.alibi_slopes, n)});
-    }
+}
+
+Arg alibi_arg(const AttentionOptions& o, const AttentionShape& s) {
+    const size_t n = size_t(s.heads) * (o.alibi_per_batch ? size_t(s.batch) : 1);
+    return input_arg("options.alibi_slopes", o.alibi_slopes, n);
 }
 
 bool flash_options_plain(const AttentionOptions& o) {

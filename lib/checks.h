@@ -140,10 +140,12 @@ void validate_backward_pointers(const char* fn, const T* Q, const T* K, const T*
                            output_arg("dV", dV, kv_elems(s))});
 }
 
-// Chapter 5's options (flash.h's AttentionOptions): softmax_scale and softcap finite and >= 0,
-// each window bound >= -1, and ALiBi's slopes, where given, a device pointer as validate_pointers
-// wants one, of heads floats (batch * heads where alibi_per_batch). Call validate_shape first.
-void validate_options(const char* fn, const AttentionOptions& options, const AttentionShape& s);
+// Chapter 5's options (flash.h's AttentionOptions): softmax_scale and softcap 0 or within
+// [2^-32, 2^16], each window bound >= -1, alibi_per_batch only with slopes. The slopes' pointer, where given, is checked with the call's tensors (validate_pointers:
+// null, alignment, overlap with an output, host memory): alibi_arg is its Arg, heads floats
+// (batch * heads where alibi_per_batch).
+void validate_options(const char* fn, const AttentionOptions& options);
+Arg alibi_arg(const AttentionOptions& options, const AttentionShape& s);
 
 // ---------------------------------------------------------------------------------------------
 // Launch helpers.

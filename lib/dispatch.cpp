@@ -125,9 +125,12 @@ static void forward_options_dispatch(const char* fn, const T* Q, const T* K, con
                                      float* L, const AttentionShape& s, const AttentionOptions& o,
                                      cudaStream_t stream) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(T));
-    validate_options(fn, o, s);
+    validate_options(fn, o);
     if (changes_nothing(o, s)) return forward_fp16_dispatch(fn, Q, K, V, O, L, s, stream);
     validate_forward_pointers(fn, Q, K, V, O, L, s);
+    if (o.alibi_slopes)  // the slopes against the outputs, which they must not overlap
+        validate_pointers(fn, {alibi_arg(o, s), output_arg("O", O, q_elems(s)),
+                               output_arg("L", L, l_elems(s))});
     flash_forward_ampere_launch(fn, flash_device_props(), Q, K, V, O, L, s, stream, &o);
 }
 template <typename T>
@@ -136,10 +139,14 @@ static void backward_options_dispatch(const char* fn, const T* Q, const T* K, co
                                       T* dV, const AttentionShape& s, const AttentionOptions& o,
                                       cudaStream_t stream) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(T));
-    validate_options(fn, o, s);
+    validate_options(fn, o);
     if (changes_nothing(o, s))
         return backward_fp16_dispatch(fn, Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
     validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s);
+    if (o.alibi_slopes)
+        validate_pointers(fn, {alibi_arg(o, s), output_arg("dQ", dQ, q_elems(s)),
+                               output_arg("dK", dK, kv_elems(s)),
+                               output_arg("dV", dV, kv_elems(s))});
     flash_backward_ampere_launch(fn, flash_device_props(), Q, K, V, O, dO, L, dQ, dK, dV, s,
                                  stream, &o);
 }

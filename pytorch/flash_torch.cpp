@@ -89,6 +89,9 @@ static AttentionOptions options_of(const char* fn, const AttentionShape& s, cons
                                    const c10::optional<torch::Tensor>& alibi) {
     AttentionOptions o;
     o.softmax_scale = float(scale), o.softcap = float(softcap);
+    if ((scale != 0 && o.softmax_scale == 0) || (softcap != 0 && o.softcap == 0))
+        fail(std::string(fn) + ": softmax_scale and softcap must be 0 or at least 2^-32 (a value " +
+             "that rounds to 0 as a float would silently mean the default)");
     if (left < INT_MIN || left > INT_MAX || right < INT_MIN || right > INT_MAX)
         fail(std::string(fn) + ": window_size must fit an int");
     o.window_left = int(left), o.window_right = int(right);

@@ -12,14 +12,15 @@ F.scaled_dot_product_attention's enable_gqa=True; query head h reads K/V head
 h // (heads // kv_heads), and dk, dv sum over the query heads that share a K/V head): float32
 (chapter 1's kernels, CUDA cores), float16 or bfloat16 (chapter 2's, tensor cores, compute
 capability 8.0 or newer); head_dim 16, 32, 64, 96, 128 or 256; any lengths. The
-scale is 1/sqrt(head_dim), as in F.scaled_dot_product_attention.
+scale is 1/sqrt(head_dim), as in F.scaled_dot_product_attention (softmax_scale, below, sets it).
 
 Chapter 5's keyword arguments are FlashAttention-2's flash_attn_func's (float16 and bfloat16
 only; flash.h's AttentionOptions says the rules): softmax_scale (None: 1/sqrt(head_dim)),
 window_size=(left, right) (query i sees key j iff i' - left <= j <= i' + right, i' = i + kv_len -
 q_len; -1 leaves a side open; causal bounds the right at 0), softcap (s -> softcap tanh(s /
 softcap) where > 0) and alibi_slopes (float32, (heads,) or (batch, heads): s -> s - slope |i' -
-j|). They run chapter 2's kernels (flash_fp16.cu), on every GPU.
+j|; they must not change between the forward and the backward). They run chapter 2's kernels
+(flash_fp16.cu), on every GPU.
 
 The causal mask is bottom-right aligned, as in FlashAttention-2 >= 2.1: query i sees key j iff
 j <= i + kv_len - q_len. PyTorch's is_causal=True is top-left aligned (j <= i); the two agree
@@ -201,6 +202,9 @@ class FlashAttention(torch.autograd.Function):
 def _options(softmax_scale, window_size, softcap, alibi_slopes):
     """(scale, left, right, softcap, alibi) as the binding takes them (scale 0: 1/sqrt(d))."""
     left, right = window_size
+    if softmax_scale is not None and not softmax_scale > 0:  # None is the default, not 0
+        raise ValueError(f"softmax_scale = {softmax_scale} is invalid; allowed: None "
+                         "(1/sqrt(head_dim)) or a scale > 0")
     return (0.0 if softmax_scale is None else float(softmax_scale), int(left), int(right),
             float(softcap), alibi_slopes)
 

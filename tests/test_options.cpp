@@ -229,13 +229,19 @@ TEST_CASE("Bad options are refused, naming the field, before anything runs",
         const char* field;
         AttentionOptions o;
     };
-    std::vector<Bad> bad(6);
+    // Beyond the signs: a scale or cap whose kernel constants would not be finite (the scale
+    // times the -1e30 standing in for -inf, 1 / scale, softcap / scale), and -0.
+    std::vector<Bad> bad(10);
     bad[0] = {"window_left", {}}, bad[0].o.window_left = -2;
     bad[1] = {"window_right", {}}, bad[1].o.window_right = -5;
     bad[2] = {"softcap", {}}, bad[2].o.softcap = -1.f;
     bad[3] = {"softcap", {}}, bad[3].o.softcap = std::nanf("");
     bad[4] = {"softmax_scale", {}}, bad[4].o.softmax_scale = -0.5f;
     bad[5] = {"alibi_per_batch", {}}, bad[5].o.alibi_per_batch = true;
+    bad[6] = {"softmax_scale", {}}, bad[6].o.softmax_scale = 1e9f;
+    bad[7] = {"softmax_scale", {}}, bad[7].o.softmax_scale = 1e-39f;
+    bad[8] = {"softmax_scale", {}}, bad[8].o.softmax_scale = -0.0f;
+    bad[9] = {"softcap", {}}, bad[9].o.softcap = 1e-40f;
     for (const Bad& b : bad) {
         INFO("options." << b.field);
         CHECK_THAT(forward(b.o), NamesWord(b.field));
@@ -244,8 +250,8 @@ TEST_CASE("Bad options are refused, naming the field, before anything runs",
     CHECK(t.outputs_untouched());
 }
 
-TEST_CASE("ALiBi slopes in host memory are refused, naming them, with the outputs untouched",
-          "[gpu][options][validation]") {
+TEST_CASE("ALiBi slopes in host memory, or over an output, are refused, naming them, with the "
+          "outputs untouched", "[gpu][options][validation]") {
     const AttentionShape s{1, 2, 64, 64, 64, true};
     GpuAttention<__half> g(rounded_problem<__half>(s, 504));
     g.O.poison();
@@ -256,4 +262,10 @@ TEST_CASE("ALiBi slopes in host memory are refused, naming them, with the output
         refusal([&] { flash_forward_fp16(g.Q.ptr, g.K.ptr, g.V.ptr, g.O.ptr, g.L.ptr, s, o); });
     CHECK_THAT(msg, NamesWord("alibi_slopes"));
     CHECK(count_bad(g.O.download_float()) == q_elems(s));  // still all NaN: nothing ran
+    // Slopes that are L itself: blocks would read slopes other blocks have overwritten.
+    o.alibi_slopes = g.L.ptr;
+    const std::string overlap =
+        refusal([&] { flash_forward_fp16(g.Q.ptr, g.K.ptr, g.V.ptr, g.O.ptr, g.L.ptr, s, o); });
+    CHECK_THAT(overlap, NamesWord("overlaps"));
+    CHECK(count_bad(g.O.download_float()) == q_elems(s));
 }
