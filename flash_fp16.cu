@@ -172,10 +172,13 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         for (int r = 0; r < 2 * M; r++) {              // line 9 for query + 8r: mask, max
             const float m_old = m[r];
             float du;                                  // (a derivative only the backward needs)
-            for (int c = 0; c < Bc / 4; c++)           // the score's change, if any; column c is
-                acc_at(S, r, c) = pol.score(acc_at(S, r, c), query + 8 * r, j * Bc + acc_col(c, t), du);
-            if (j * Bc < keys.all_begin || (j + 1) * Bc > keys.all_end) {  // key j Bc + acc_col(c, t)
-                const Span seen = pol.row_keys(query + 8 * r);  // the mask, where a row misses a key
+            for (int c = 0; c < Bc / 4; c++) {         // column c is key j Bc + acc_col(c, t):
+                float& s = acc_at(S, r, c);            // its score changed, if the policy does
+                s = pol.score(s, query + 8 * r, j * Bc + acc_col(c, t), du);
+            }
+            // The mask, in a tile where a row misses one of the keys.
+            if (j * Bc < keys.all_begin || (j + 1) * Bc > keys.all_end) {
+                const Span seen = pol.row_keys(query + 8 * r);  // this row's keys
                 for (int c = 0; c < Bc / 4; c++) {
                     const int key = j * Bc + acc_col(c, t);
                     if (key < seen.first || key > seen.last) acc_at(S, r, c) = -INFINITY;
@@ -421,12 +424,12 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             for (int r = 0; r < 2 * TS::M; r++) {
                 const int key = j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2);
                 float& p = S[r / 2][c / 2][2 * (r % 2) + c % 2];  // acc_at(S, r, c)
-                float du;                              // the score's change and its derivative
-                p = exp2_ftz(pol.score(p, q0 + qi, key, du) * scale_log2 - L_q);  // line 11:
-                if (edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last))  // P^T =
-                    p = 0.f;                           // exp(S^T - L_i), masked
+                float du;                              // d(changed score) / d(Q_i . K_j)
+                // Line 11: P^T = exp(S^T - L_i), of the changed scores, masked.
+                p = exp2_ftz(pol.score(p, q0 + qi, key, du) * scale_log2 - L_q);
+                if (edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last)) p = 0.f;
                 float& ds = dP[r / 2][c / 2][2 * (r % 2) + c % 2];  // acc_at(dP, r, c)
-                ds = p * (ds - D_q) * du;              // line 14: dS^T = P^T o (dP^T - D_i)
+                ds = p * (ds - D_q) * du;              // line 14: dS^T = P^T o (dP^T - D_i), du
             }
         }
         // P^T and dS^T to shared memory, in T, for the products of lines 12, 15 and 16.
@@ -600,8 +603,8 @@ void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __
 // 256 floats a thread). Br = 128 at d = 64, where registers allow it: each barrier and each
 // ordered add then serves twice the work. Where a block does not fit the device's shared memory
 // the next tile in bwd_tiles' list is taken (Br halved, then Bc = 64 on 4 warps). d = 16 takes
-// Bc = 64 on 4 warps: 8 warps would split dQ_i's 16 columns too finely. Shared memory: K_j, V_j, two stages of Q_i and dO_i, P^T and dS^T (Bc x Br each,
-// padded), two stages of L_i and D_i.
+// Bc = 64 on 4 warps: 8 warps would split dQ_i's 16 columns too finely. Shared memory: K_j, V_j,
+// two stages of Q_i and dO_i, P^T and dS^T (Bc x Br each, padded), two stages of L_i and D_i.
 struct BwdTile {
     int Bc, Br;
 };
