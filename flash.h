@@ -122,9 +122,9 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
 // O, L and the gradients are then as chapter 1's contract says, with these scores: L the
 // natural-log logsumexp of each row's visible s, a row that sees no key O = 0, L = -inf.
 struct AttentionOptions {
-    float softmax_scale = 0.f;  // >= 0, finite; 0: 1/sqrt(head_dim)
+    float softmax_scale = 0.f;  // 0 (1/sqrt(head_dim)) or 2^-32 to 2^16
     int window_left = -1, window_right = -1;  // >= -1 each
-    float softcap = 0.f;        // >= 0, finite; 0: none
+    float softcap = 0.f;        // 0 (none) or 2^-32 to 2^16
     // ALiBi: fp32 device pointer, a slope per query head ([heads]), or per batch and head
     // ([batch][heads]) where alibi_per_batch; 16-byte aligned, as every tensor. nullptr: none.
     // (A pointer does not carry its allocation's size: fewer slopes than that are read past

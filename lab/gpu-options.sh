@@ -3,8 +3,8 @@
 # the options' tests, the default suite, lab/options-bench.cu, with BASE (a tree before chapter 5,
 # e.g. from `git archive`) chapter 2's plain kernels of both trees in turns (flash_bench), last.
 # After the default suite the options' stress grid (STRESS_SECONDS at most); after the bench,
-# with EXERCISES="5.1 5.2", exercises/run.sh for those, and with TORCH=1 `pytest pytorch`. Logs under OUT; a short table last. Catch2 from
-# CPPFLAGS (e.g. CPPFLAGS=-I.deps/include).
+# with EXERCISES="5.1 5.2", exercises/run.sh for those, and with TORCH=1 `pytest pytorch`. Logs
+# under OUT; a short table last. Catch2 from CPPFLAGS (e.g. CPPFLAGS=-I.deps/include).
 set -uo pipefail
 out=${1:?usage: lab/gpu-options.sh OUT [BASE]} base=${2:-}
 cd "$(dirname "$0")/.." || exit 1

@@ -64,7 +64,7 @@ struct Buffers {
         }
         FLASH_CUDA_CHECK(cudaMalloc(&L, n / 64 * sizeof(float)));  // rows: n / d, d >= 64
         std::vector<float> s(heads);
-        for (int x = 0; x < heads; ++x) s[x] = std::exp2(-8.0f * (x + 1) / heads);
+        for (int x = 0; x < heads; ++x) s[x] = std::exp2(-8.0f * (x + 1) / heads);  // BLOOM's
         FLASH_CUDA_CHECK(cudaMalloc(&slopes, heads * sizeof(float)));
         FLASH_CUDA_CHECK(cudaMemcpy(slopes, s.data(), heads * sizeof(float), cudaMemcpyHostToDevice));
     }

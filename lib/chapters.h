@@ -77,9 +77,9 @@ void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K
 // flash_backward_fp16_scratch_bytes(s) laid out as below: the turns and the ticket zeroed, line 4
 // of Algorithm 2 (D = rowsum(dO o O)) before the kernel, and after it dQ = dQacc scale in T (S is
 // unscaled in both kernels; scale: 1/sqrt(d), or the options'; a row that sees no key gets 0).
-// kernel(scratch) launches the backward kernel, which adds dQ's parts into dQacc in the ordered add's order
-// (lib/ordered_add.cuh), and returns cudaGetLastError(). Throws the first CUDA error, as
-// with_scratch does.
+// kernel(scratch) launches the backward kernel, which adds dQ's parts into dQacc in the ordered
+// add's order (lib/ordered_add.cuh), and returns cudaGetLastError(). Throws the first CUDA error,
+// as with_scratch does.
 constexpr int kBackwardMinBr = 32;  // the fewest rows a Q tile of either backward takes
 struct BackwardScratch {
     float* dQacc;      // B*H*q_len*d floats: dQ before its 1/sqrt(d), the first add stores

@@ -141,9 +141,10 @@ void validate_backward_pointers(const char* fn, const T* Q, const T* K, const T*
 }
 
 // Chapter 5's options (flash.h's AttentionOptions): softmax_scale and softcap 0 or within
-// [2^-32, 2^16], each window bound >= -1, alibi_per_batch only with slopes. The slopes' pointer, where given, is checked with the call's tensors (validate_pointers:
-// null, alignment, overlap with an output, host memory): alibi_arg is its Arg, heads floats
-// (batch * heads where alibi_per_batch).
+// [2^-32, 2^16], each window bound >= -1, alibi_per_batch only with slopes. The slopes' pointer,
+// where given, is checked with the call's tensors (validate_pointers: null, alignment, overlap
+// with an output, host memory): alibi_arg is its Arg, heads floats (batch * heads where
+// alibi_per_batch).
 void validate_options(const char* fn, const AttentionOptions& options);
 Arg alibi_arg(const AttentionOptions& options, const AttentionShape& s);
 

@@ -15,9 +15,8 @@
 #include "checks.h"
 #include "chapters.h"
 #include "flash.h"
-#include "mask_policy.cuh"  // WindowMask::of: which window bounds reach no row
+#include "mask_policy.cuh"  // WindowMask::of (which window bounds reach no row), options_scale
 
-#include <cmath>
 #include <string>
 
 // Whatever chapter 3 runs, chapter 2 has a kernel for too: the API checks a shape against
@@ -116,8 +115,8 @@ static bool changes_nothing(const AttentionOptions& o, const AttentionShape& s) 
     AttentionOptions plain = o;
     const WindowMask m = WindowMask::of(s.q_len, s.kv_len, false, o.window_left, o.window_right);
     plain.window_left = m.left;
-    plain.window_right = s.causal || o.window_right < 0 ? -1 : m.right;
-    if (o.softmax_scale == 1.0f / std::sqrt(float(s.head_dim))) plain.softmax_scale = 0;
+    plain.window_right = s.causal ? -1 : m.right;  // causal bounds the right side itself
+    if (o.softmax_scale == options_scale(s, AttentionOptions{})) plain.softmax_scale = 0;
     return flash_options_plain(plain);
 }
 template <typename T>

@@ -1,10 +1,11 @@
 // flash_torch.cpp: the PyTorch binding of flash.h, for flash_torch.py (which builds and loads it
 // on first use, with torch.utils.cpp_extension; or: make torch). Two functions, forward and
 // backward, over (batch, heads, seq, head_dim) CUDA tensors in fp32, fp16 or bf16, on PyTorch's
-// current stream, with chapter 5's options (flash.h's AttentionOptions: fp16 and bf16 only). Every check of flash.h's launchers runs as it does from C++; this file adds
-// the ones only a tensor can fail (device, dtype, rank, layout, matching sizes). Bad input raises
-// ValueError (pybind11's translation of std::invalid_argument) with the message; a CUDA failure
-// raises RuntimeError.
+// current stream, with chapter 5's options (flash.h's AttentionOptions: fp16 and bf16 only).
+// Every check of flash.h's launchers runs as it does from C++; this file adds the ones only a
+// tensor can fail (device, dtype, rank, layout, matching sizes). Bad input raises ValueError
+// (pybind11's translation of std::invalid_argument) with the message; a CUDA failure raises
+// RuntimeError.
 #include <torch/extension.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -182,8 +182,9 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, options):
         q, k, v = (_readable(t) for t in (q, k, v))
-        alibi = None if options[4] is None else _readable(options[4])
-        ctx.options = (bool(causal),) + tuple(options[:4]) + (alibi,)
+        scale, left, right, softcap, alibi = options  # _options' tuple
+        alibi = None if alibi is None else _readable(alibi)
+        ctx.options = (bool(causal), scale, left, right, softcap, alibi)  # the binding's order
         o, lse = build().forward(q, k, v, *ctx.options)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.mark_non_differentiable(lse)

@@ -169,15 +169,18 @@ int check_kernel_policy(const Policy& p, const Sees& sees, int Br, int Bc, const
             // The forward loads tile tj iff it holds a visible score (j from keys.begin / Bc while
             // j Bc < keys.end), and skips the mask only where every score is visible.
             const bool loaded = tj >= keys.begin / Bc && k0 < keys.end;
-            if (loaded != (seen[ti][tj] > 0)) fail("forward loads tile (" + std::to_string(ti) + ", " + std::to_string(tj) + ")");
+            const std::string pair = "(" + std::to_string(ti) + ", " + std::to_string(tj) + ")";
+            if (loaded != (seen[ti][tj] > 0)) fail("forward loads tile pair " + pair);
             const bool unmasked = loaded && !(k0 < keys.all_begin || k1 > keys.all_end);
             if (unmasked && seen[ti][tj] != (q1 - q0) * (std::min(k1, kv_len) - k0))
                 fail("forward leaves a tile unmasked that has a hidden score");
             if (keys.end > kv_len) fail("forward loads past kv_len");
             // The backward's block tj walks Q tile ti iff it holds a visible score.
             const Span rows = p.queries(k0, std::min(k1, kv_len));
-            const int i_first = rows.first / Br, i_last = rows.last < rows.first ? -1 : rows.last / Br;
-            if ((i_first <= ti && ti <= i_last) != (seen[ti][tj] > 0)) fail("backward walks tile (" + std::to_string(ti) + ", " + std::to_string(tj) + ")");
+            const int i_first = rows.first / Br;
+            const int i_last = rows.last < rows.first ? -1 : rows.last / Br;
+            if ((i_first <= ti && ti <= i_last) != (seen[ti][tj] > 0))
+                fail("backward walks tile pair " + pair);
             if (k1 <= kv_len && q0 + Br <= q_len && p.full(q0, q0 + Br, k0, k1) &&
                 seen[ti][tj] != Br * Bc)
                 fail("backward leaves a tile unmasked that has a hidden score");
