@@ -121,6 +121,22 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
 // that side open; causal bounds the right at 0: causal with a window is (left, 0), Mistral's).
 // O, L and the gradients are then as chapter 1's contract says, with these scores: L the
 // natural-log logsumexp of each row's visible s, a row that sees no key O = 0, L = -inf.
+//
+// Where the rows are (strides, in elements): element x of row i of head h of batch b of a tensor
+// lies at base[b * batch + h * head + i * row + x], the last dimension contiguous. A tensor whose
+// three strides are all 0 (the default) is contiguous, [batch][heads][len][head_dim]. Given
+// strides are each a multiple of 8 (so that every row is 16-byte aligned, as the base pointer
+// is), 8 or more (0 only where the dimension has one index) and below 2^39; an output's (O; dQ, dK, dV) place each element of it apart from
+// every other. A view of one fused QKV projection, (batch, len, 3, heads, head_dim), is Q at
+// base, K at base + heads * head_dim, V at base + 2 * heads * head_dim, each with strides
+// {len * 3 * heads * head_dim, head_dim, 3 * heads * head_dim}. L stays contiguous. Where an
+// argument check names a tensor's size, it is the span from its first element to its last.
+struct TensorStrides {
+    long long batch = 0, head = 0, row = 0;
+};
+struct AttentionLayout {
+    TensorStrides Q, K, V, O, dO, dQ, dK, dV;  // the forward reads the first four only
+};
 struct AttentionOptions {
     float softmax_scale = 0.f;  // 0 (1/sqrt(head_dim)) or 2^-32 to 2^16
     int window_left = -1, window_right = -1;  // >= -1 each
@@ -131,12 +147,14 @@ struct AttentionOptions {
     // their end. The PyTorch op checks the tensor's shape.)
     const float* alibi_slopes = nullptr;
     bool alibi_per_batch = false;
+    AttentionLayout layout;     // contiguous by default
 };
-// The same calls with options. Options that change nothing (every field its default, a window
-// bound no row reaches, the default scale written out) are the calls above, bit for bit and in
-// speed. Any other runs chapter 2's kernels (flash_fp16.cu) with the options as their tile policy
-// (lib/mask_policy.cuh) on every GPU, head_dim in kFlashFp16HeadDims: chapter 3 and the decode
-// do not take options yet. A (Q tile, K/V tile) pair with no visible score is skipped, forward
+// The same calls with options. Options that change no score (every field but the layout its
+// default, a window bound no row reaches, the default scale written out) run what the calls above
+// run, bit for bit and in speed, with the layout's strides: chapter 3 or 2 (the decode only with
+// every tensor contiguous; a strided short query runs chapter 3 or 2). Any other runs chapter 2's
+// kernels (flash_fp16.cu) with the options as their tile policy (lib/mask_policy.cuh) on every
+// GPU, head_dim in kFlashFp16HeadDims: chapter 3 and the decode do not take those yet. A (Q tile, K/V tile) pair with no visible score is skipped, forward
 // and backward: a window of w keys costs O(N w). Bad options throw std::invalid_argument naming
 // the field, before anything is launched.
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
@@ -154,8 +172,8 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
                          __nv_bfloat16* dQ, __nv_bfloat16* dK, __nv_bfloat16* dV,
                          const AttentionShape& shape, const AttentionOptions& options,
                          cudaStream_t stream = 0);
-// True iff every field is its default. (The calls also take a window bound no row reaches and
-// the default scale written out for none: flash.h's rule above, lib/dispatch.cpp.)
+// True iff every field is its default, the layout contiguous. (The calls also take a window bound
+// no row reaches and the default scale written out for none: the rule above, lib/dispatch.cpp.)
 bool flash_options_plain(const AttentionOptions& options);
 
 // ---------------------------------------------------------------------------------------------

@@ -55,20 +55,21 @@ static constexpr int kPad = FLASH_FP16_PAD;
 // place in an accumulator and the quad's reduction are lib/fragments.cuh's (chapter 4 shares
 // them); here, the async copies of rows and the product of two shared-memory operands.
 
-// Rows [first, first + ROWS) of a (len, D) tensor of T into shared memory (row stride D + kPad),
-// 16 bytes per cp.async; rows at or past `len` are filled with zeros (cp.async's source size 0),
+// Rows [first, first + ROWS) of a (len, D) tensor of T, rows `stride` elements apart (chapter 5's
+// layout; D where contiguous), into shared memory (row stride D + kPad), 16 bytes per cp.async; rows at or past `len` are filled with zeros (cp.async's source size 0),
 // so padding rows never carry garbage (0 * NaN would be NaN). Not waited for: see below.
 // THREADS, the block's threads, is a constant so that nvcc steps a thread's row on from chunk to
 // chunk instead of dividing its chunk number out again (NOTES.md section 14).
 template <int ROWS, int D, int THREADS = kFwdThreads, typename T>
-__device__ __forceinline__ void load_rows_async(T* tile, const T* src, int first, int len) {
+__device__ __forceinline__ void load_rows_async(T* tile, const T* src, long long stride, int first,
+                                                int len) {
     for (int x = threadIdx.x; x < ROWS * D / 8; x += THREADS) {  // x: one 16-byte chunk
         const int row = x / (D / 8);
         const int col = x % (D / 8) * 8;
         const bool inside = first + row < len;
         const unsigned to = unsigned(__cvta_generic_to_shared(tile + row * (D + kPad) + col));
         SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to),
-                 "l"(src + size_t(inside ? first + row : 0) * D + col), "r"(inside ? 16 : 0));
+                 "l"(src + (inside ? first + row : 0) * stride + col), "r"(inside ? 16 : 0));
     }
 }
 // The copies this thread has issued so far become one group; wait until at most N groups are
@@ -123,7 +124,8 @@ template <typename T, int D, int Bc, int M, typename Policy>
 __global__ void __launch_bounds__(kFwdThreads)
 flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, T* __restrict__ O, float* __restrict__ L,
-                          const Policy policy, int Tr, int HG, int group, float scale_log2) {
+                          const Policy policy, const Layout lay, int Tr, int HG, int group,
+                          float scale_log2) {
     constexpr int Br = 16 * M * kWarps, ld = D + kPad;  // ld: shared row stride, in Ts
     // Shared memory: Q_i, (Br, ld); then K_j and V_j, (2, Bc, ld) each: two stages (line 7).
     extern __shared__ __align__(16) unsigned char shared[];
@@ -139,18 +141,19 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const Policy pol = policy.for_head(bh);
     const int q_len = pol.q_len, kv_len = pol.kv_len;
     const int query = i * Br + 16 * M * warp + threadIdx.x % 32 / 4;  // its rows: query + 8r
-    // This head's K and V start here: its K/V head's, bh / group (GQA: group query heads share
-    // one K/V head, flash.cu's layouts). Consecutive heads share it, and HG of them run together:
-    // the K/V tiles they read stay in L2.
-    const size_t kv_head = bh / group * kv_len * D;
+    // This head's rows start here (lay: chapter 5's strides); its K and V are its K/V head's,
+    // bh / group (GQA: group query heads share one K/V head, flash.cu's layouts). Consecutive
+    // heads share it, and HG of them run together: the K/V tiles they read stay in L2.
+    const T *Q_h = lay.Q.of(Q, bh), *K_h = lay.K.of(K, bh / group);
+    const T* V_h = lay.V.of(V, bh / group);
     // The keys Q_i needs, keys.begin .. keys.end - 1 (without a mask all, under causal to the
     // last row's last key), in K/V tiles j0 .. ; a tile inside keys.all_begin .. keys.all_end - 1,
     // the keys every row sees, needs no mask.
     const KeySpan keys = pol.keys(i * Br, Br);
     const int j0 = keys.begin / Bc;
-    load_rows_async<Br, D>(Q_i, Q + bh * q_len * D, i * Br, q_len);  // line 4: load Q_i
-    load_rows_async<Bc, D>(K_j, K + kv_head, j0 * Bc, keys.end);  // line 7 for j0
-    load_rows_async<Bc, D>(V_j, V + kv_head, j0 * Bc, keys.end);
+    load_rows_async<Br, D>(Q_i, Q_h, lay.Q.row, i * Br, q_len);  // line 4: load Q_i
+    load_rows_async<Bc, D>(K_j, K_h, lay.K.row, j0 * Bc, keys.end);  // line 7 for j0
+    load_rows_async<Bc, D>(V_j, V_h, lay.V.row, j0 * Bc, keys.end);
     // Line 5: O_i = 0, m = -inf, l = 0, for this thread's rows; m in the scores' units (unscaled).
     // -1e30 stands in for -inf: e^(m_old - m) stays 1, not NaN, while no key has been seen.
     float O_i[M][D / 8][4] = {}, m[2 * M], l[2 * M];
@@ -162,8 +165,10 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         commit_and_wait<0>();
         __syncthreads();
         if ((j + 1) * Bc < keys.end) {                 // line 7, a tile ahead: K_{j+1}, V_{j+1}
-            load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K + kv_head, (j + 1) * Bc, keys.end);
-            load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V + kv_head, (j + 1) * Bc, keys.end);
+            load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K_h, lay.K.row, (j + 1) * Bc,
+                                   keys.end);
+            load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V_h, lay.V.row, (j + 1) * Bc,
+                                   keys.end);
         }
         // Line 8: S_ij = Q_i K_j^T, this warp's rows.
         float S[M][Bc / 8][4] = {};
@@ -218,11 +223,11 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     commit_and_wait<0>();                              // no copy may land after the block exits
     for (int r = 0; r < 2 * M; r++) {                  // lines 12-15 for query + 8r, written once
         const float l_row = quad_reduce(l[r], add);    // the sum over the row's 4 threads
-        const size_t at = bh * q_len + query + 8 * r;  // this row's place in L (and O, x D)
+        const size_t at = bh * q_len + query + 8 * r;  // this row's place in L
         // A row that saw a key has l >= 1 (its max's own term is e^0); one that saw none has
         // l = 0 and O_i = 0: it gets O = 0 / 1 = 0 and L = -inf.
         for (int n = 0; n < D / 8 && query + 8 * r < q_len; n++)  // columns 2n, 2n + 1
-            store_pair(O + at * D + 8 * n + 2 * t,
+            store_pair(lay.O.of(O, bh) + (query + 8 * r) * lay.O.row + 8 * n + 2 * t,
                        acc_at(O_i, r, 2 * n) / fmaxf(l_row, 1.f),
                        acc_at(O_i, r, 2 * n + 1) / fmaxf(l_row, 1.f));
         if (t == 0 && query + 8 * r < q_len)
@@ -292,12 +297,13 @@ __device__ __forceinline__ void load_floats_async(float* to, const float* src, i
 }
 // One warp's tile of 2M rows of 8 a thread by N columns (`rows` rows left in the tensor) out of
 // acc, times scale, in T, row stride LD: P^T and dS^T to shared memory, dK_j and dV_j (line 18).
-template <int M, int N, int LD, typename T>
-__device__ __forceinline__ void store_tile(T* out, float (*acc)[N / 8][4], float scale, int rows) {
+template <int M, int N, typename T>
+__device__ __forceinline__ void store_tile(T* out, long long LD, float (*acc)[N / 8][4], float scale,
+                                           int rows) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int r = 0; r < 2 * M; r++)                    // row 8r + g, columns 8n + 2t, + 1
         for (int n = 0; n < N / 8 && 8 * r + g < rows; n++)
-            store_pair(out + size_t(8 * r + g) * LD + 8 * n + 2 * t,
+            store_pair(out + (8 * r + g) * LD + 8 * n + 2 * t,
                        acc_at(acc, r, 2 * n) * scale, acc_at(acc, r, 2 * n + 1) * scale);
 }
 
@@ -336,8 +342,9 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                            const T* __restrict__ V, const T* __restrict__ dO,
                            const float* __restrict__ L, const float* __restrict__ Dsum,
                            float* __restrict__ dQacc, int* __restrict__ turns, int* next_ticket,
-                           T* __restrict__ dK, T* __restrict__ dV, const Policy policy, int Tc,
-                           int BH, int HG, int group, float scale_log2, float scale) {
+                           T* __restrict__ dK, T* __restrict__ dV, const Policy policy,
+                           const Layout lay, int Tc, int BH, int HG, int group, float scale_log2,
+                           float scale) {
     constexpr int ld = D + kPad, ldS = Br + kPad;
     using TS = WarpTile<Bc, Br, W>;                    // S^T, dP^T: keys x queries
     using TKV = WarpTile<Bc, D, W>;                    // dK_j, dV_j: keys x columns
@@ -363,7 +370,6 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const size_t kv_bh = head0 + slot % heads;         // batch * kv_heads + K/V head
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     const int q_len = policy.q_len, kv_len = policy.kv_len, Tr = (q_len + Br - 1) / Br;
-    const size_t kv_head = kv_bh * kv_len * D;
     // The Q tiles that see a key of tile j, i_first .. i_last (the mask's: all without one);
     // causal (from the left), the last first.
     const Span rows = policy.queries(j * Bc, min((j + 1) * Bc, kv_len));
@@ -376,15 +382,16 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const auto head_of = [&](int n) { return kv_bh * group + n / tiles; };  // its query head bh
     const auto tile_of = [&](int n) { return i0 + di * (n % tiles); };       // its Q tile i
     auto load_Q_tile = [&](int stage, int n) {         // line 9: load Q_i, dO_i, L_i, D_i of step n
-        const size_t bh = head_of(n), q_head = bh * q_len * D;
+        const size_t bh = head_of(n);
         const int q0 = tile_of(n) * Br;
-        load_rows_async<Br, D, 32 * W>(Q_i + stage * ld, Q + q_head, q0, q_len);
-        load_rows_async<Br, D, 32 * W>(dO_i + stage * ld, dO + q_head, q0, q_len);
+        load_rows_async<Br, D, 32 * W>(Q_i + stage * ld, lay.Q.of(Q, bh), lay.Q.row, q0, q_len);
+        load_rows_async<Br, D, 32 * W>(dO_i + stage * ld, lay.dO.of(dO, bh), lay.dO.row, q0,
+                                       q_len);
         load_floats_async<Br>(L_i + stage, L + bh * q_len, q0, q_len);
         load_floats_async<Br>(D_i + stage, Dsum + bh * q_len, q0, q_len);
     };
-    load_rows_async<Bc, D, 32 * W>(K_j, K + kv_head, j * Bc, kv_len);  // line 6: load K_j, V_j
-    load_rows_async<Bc, D, 32 * W>(V_j, V + kv_head, j * Bc, kv_len);
+    load_rows_async<Bc, D, 32 * W>(K_j, lay.K.of(K, kv_bh), lay.K.row, j * Bc, kv_len);  // line 6
+    load_rows_async<Bc, D, 32 * W>(V_j, lay.V.of(V, kv_bh), lay.V.row, j * Bc, kv_len);
     if (steps > 0) load_Q_tile(0, 0);
     float dK_j[TKV::M][TKV::cols / 8][4] = {}, dV_j[TKV::M][TKV::cols / 8][4] = {};  // line 7
     int* added = nullptr;                              // the turn of the dQ_i added to last
@@ -433,8 +440,8 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
             }
         }
         // P^T and dS^T to shared memory, in T, for the products of lines 12, 15 and 16.
-        store_tile<TS::M, TS::cols, ldS>(P_T + k_w * ldS + q_w, S, 1.f, Bc);
-        store_tile<TS::M, TS::cols, ldS>(dS_T + k_w * ldS + q_w, dP, 1.f, Bc);
+        store_tile<TS::M, TS::cols>(P_T + k_w * ldS + q_w, ldS, S, 1.f, Bc);
+        store_tile<TS::M, TS::cols>(dS_T + k_w * ldS + q_w, ldS, dP, 1.f, Bc);
         __syncthreads();
         const int kv_w = TKV::row(warp), d_w = TKV::col(warp);  // this warp's tile of dK_j, dV_j
         mma_AB<TKV::M, Br, TKV::cols, false, false>(   // line 12: dV_j += P^T dO_i
@@ -458,9 +465,10 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     __syncthreads();                                   // every warp's last adds were issued
     if (added && threadIdx.x == 0) pass_turn(added);
     const int key = j * Bc + TKV::row(warp);           // line 18: write dK_j scale, dV_j
-    const size_t at = kv_head + size_t(key) * D + TKV::col(warp);
-    store_tile<TKV::M, TKV::cols, D>(dK + at, dK_j, scale, kv_len - key);
-    store_tile<TKV::M, TKV::cols, D>(dV + at, dV_j, 1.f, kv_len - key);
+    T* dK_at = lay.dK.of(dK, kv_bh) + key * lay.dK.row + TKV::col(warp);
+    T* dV_at = lay.dV.of(dV, kv_bh) + key * lay.dV.row + TKV::col(warp);
+    store_tile<TKV::M, TKV::cols>(dK_at, lay.dK.row, dK_j, scale, kv_len - key);
+    store_tile<TKV::M, TKV::cols>(dV_at, lay.dV.row, dV_j, 1.f, kv_len - key);
 }
 // ---------------------------------------------------------------------------------------------
 // The tile. Br = 16 M kWarps: M = 2 mma tiles of 16 rows a warp (Br = 128) where registers hold
@@ -516,15 +524,16 @@ static constexpr int kFwdHeadGroup = 16;
 // Without options the plain policy (scale 1/sqrt(D)); with them chapter 5's.
 template <typename T, int D, int Bc>
 static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float* L,
-                                const AttentionShape& s, const AttentionOptions* options,
-                                const FlashTile& tile, cudaStream_t stream) {
+                                const AttentionShape& s, const Layout& lay,
+                                const AttentionOptions* options, const FlashTile& tile,
+                                cudaStream_t stream) {
     const int Tr = (s.q_len + tile.Br - 1) / tile.Br;  // Q tiles per head
     const int blocks = grid_blocks(s, s.q_len, tile.Br, "q_len");
     const auto launch = [&](auto policy, float scale_log2) {
         auto kernel = flash_forward_fp16_kernel<T, D, Bc, fwd_M(D), decltype(policy)>;
         allow_shared(kernel, tile.shared_bytes);
         kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
-            Q, K, V, O, L, policy, Tr, kFwdHeadGroup, flash_kv_group(s), scale_log2);
+            Q, K, V, O, L, policy, lay, Tr, kFwdHeadGroup, flash_kv_group(s), scale_log2);
         FLASH_CUDA_CHECK(cudaGetLastError());
     };
     if (options) launch(model_policy(s, *options), options_scale_log2(s, *options));
@@ -533,11 +542,11 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
 
 // The launch once the arguments are checked (shape, pointers): the device's checks, the tile, the
 // kernel. Bc: keys per K/V tile given by the caller (checked), or none for the device's choice;
-// options: chapter 5's (checked), or none.
+// lay: the tensors' strides; options: chapter 5's (checked), or none.
 template <typename T>
 static void forward_fp16_launch(const char* fn, const cudaDeviceProp& prop, const T* Q, const T* K,
                                 const T* V, T* O, float* L, const AttentionShape& s,
-                                std::optional<int> Bc, cudaStream_t stream,
+                                std::optional<int> Bc, const Layout& lay, cudaStream_t stream,
                                 const AttentionOptions* options = nullptr) {
     require_sm80(prop, fn);
     FlashTile tile = flash_choose_tile_fp16(prop, s.head_dim);
@@ -546,9 +555,11 @@ static void forward_fp16_launch(const char* fn, const cudaDeviceProp& prop, cons
         constexpr int D = decltype(dim)::value;
         if constexpr (fwd_max_Bc(D) >= 128)
             if (tile.Bc == 128)
-                return launch_forward_fp16<T, D, 128>(Q, K, V, O, L, s, options, tile, stream);
-        if (tile.Bc == 64) launch_forward_fp16<T, D, 64>(Q, K, V, O, L, s, options, tile, stream);
-        else launch_forward_fp16<T, D, 32>(Q, K, V, O, L, s, options, tile, stream);
+                return launch_forward_fp16<T, D, 128>(Q, K, V, O, L, s, lay, options, tile,
+                                                      stream);
+        if (tile.Bc == 64)
+            launch_forward_fp16<T, D, 64>(Q, K, V, O, L, s, lay, options, tile, stream);
+        else launch_forward_fp16<T, D, 32>(Q, K, V, O, L, s, lay, options, tile, stream);
     });
 }
 
@@ -563,22 +574,23 @@ static void forward_fp16_checked(const char* fn, const T* Q, const T* K, const T
                 "Bc = " + std::to_string(*Bc) + " is invalid; allowed values: 32, 64, 128 (128 up "
                 "to head_dim 64)");
     validate_forward_pointers(fn, Q, K, V, O, L, s);
-    forward_fp16_launch(fn, flash_device_props(), Q, K, V, O, L, s, Bc, stream);
+    forward_fp16_launch(fn, flash_device_props(), Q, K, V, O, L, s, Bc, contiguous_layout(s),
+                        stream);
 }
 
 // For the API layer (lib/dispatch.cpp), which has checked the arguments (lib/checks.h).
 void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
                                  const __half* K, const __half* V, __half* O, float* L,
-                                 const AttentionShape& s, cudaStream_t stream,
+                                 const AttentionShape& s, const Layout& lay, cudaStream_t stream,
                                  const AttentionOptions* options) {
-    forward_fp16_launch(fn, prop, Q, K, V, O, L, s, std::nullopt, stream, options);
+    forward_fp16_launch(fn, prop, Q, K, V, O, L, s, std::nullopt, lay, stream, options);
 }
 void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
                                  const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                  const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
-                                 const AttentionShape& s, cudaStream_t stream,
+                                 const AttentionShape& s, const Layout& lay, cudaStream_t stream,
                                  const AttentionOptions* options) {
-    forward_fp16_launch(fn, prop, Q, K, V, O, L, s, std::nullopt, stream, options);
+    forward_fp16_launch(fn, prop, Q, K, V, O, L, s, std::nullopt, lay, stream, options);
 }
 
 void flash_forward_fp16_ampere(const __half* Q, const __half* K, const __half* V, __half* O,
@@ -645,8 +657,9 @@ FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_d
 template <typename T, int D, int Bc, int Br, typename Policy>
 static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                  const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
-                                 const AttentionOptions& o, const Policy& policy,
-                                 const FlashTile& tile, cudaStream_t stream) {
+                                 const Layout& lay, const AttentionOptions& o,
+                                 const Policy& policy, const FlashTile& tile,
+                                 cudaStream_t stream) {
     auto kernel = flash_backward_fp16_kernel<T, D, bwd_warps(D, Bc), Bc, Br, Policy>;
     const int Tc = (s.kv_len + Bc - 1) / Bc;           // K/V tiles per head
     AttentionShape kv_shape = s;                       // one block per K/V tile of each K/V head
@@ -659,9 +672,9 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     // 32, so that a wave holds few tiles of a head, all starting at its last Q tile (NOTES.md
     // section 14).
     const int group = policy.from_left() ? 32 : 4;
-    flash_backward_passes(O, dO, dQ, s, stream, [&](const BackwardScratch& m) {
+    flash_backward_passes(O, dO, dQ, s, lay, stream, [&](const BackwardScratch& m) {
         kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
-            Q, K, V, dO, L, m.D, m.dQacc, m.turns, m.next_ticket, dK, dV, policy, Tc,
+            Q, K, V, dO, L, m.D, m.dQacc, m.turns, m.next_ticket, dK, dV, policy, lay, Tc,
             s.batch * flash_kv_heads(s), group, kv_group, options_scale_log2(s, o),
             options_scale(s, o));
         return cudaGetLastError();
@@ -673,12 +686,12 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
 template <typename T, int D, int Bc, int Br>
 static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                  const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
-                                 const AttentionOptions* options, const FlashTile& tile,
-                                 cudaStream_t stream) {
+                                 const Layout& lay, const AttentionOptions* options,
+                                 const FlashTile& tile, cudaStream_t stream) {
     if (options)
-        return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, *options,
+        return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, *options,
                                                   model_policy(s, *options), tile, stream);
-    launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, AttentionOptions{},
+    launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, AttentionOptions{},
                                        PlainPolicy{s.q_len, s.kv_len, s.causal}, tile, stream);
 }
 
@@ -686,7 +699,7 @@ template <typename T>
 static void backward_fp16_launch(const char* fn, const cudaDeviceProp& prop, const T* Q,
                                  const T* K, const T* V, const T* O, const T* dO, const float* L,
                                  T* dQ, T* dK, T* dV, const AttentionShape& s,
-                                 std::optional<int> Bc, cudaStream_t stream,
+                                 std::optional<int> Bc, const Layout& lay, cudaStream_t stream,
                                  const AttentionOptions* options = nullptr);
 // Bc: keys per K/V tile given by the caller (one of bwd_tiles' at this head_dim), or none for
 // the device-derived choice.
@@ -704,7 +717,8 @@ static void backward_fp16_checked(const char* fn, const T* Q, const T* K, const 
                 "head_dim 32 to 128)");
     }
     validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s);
-    backward_fp16_launch(fn, flash_device_props(), Q, K, V, O, dO, L, dQ, dK, dV, s, Bc, stream);
+    backward_fp16_launch(fn, flash_device_props(), Q, K, V, O, dO, L, dQ, dK, dV, s, Bc,
+                         contiguous_layout(s), stream);
 }
 
 // The launch once the arguments are checked: the device's checks, the tile, the kernels.
@@ -712,7 +726,7 @@ template <typename T>
 static void backward_fp16_launch(const char* fn, const cudaDeviceProp& prop, const T* Q,
                                  const T* K, const T* V, const T* O, const T* dO, const float* L,
                                  T* dQ, T* dK, T* dV, const AttentionShape& s,
-                                 std::optional<int> Bc, cudaStream_t stream,
+                                 std::optional<int> Bc, const Layout& lay, cudaStream_t stream,
                                  const AttentionOptions* options) {
     require_sm80(prop, fn);
     const FlashTile tile = bwd_tile(prop, s.head_dim, Bc.value_or(0));  // refuses what cannot run
@@ -724,7 +738,7 @@ static void backward_fp16_launch(const char* fn, const cudaDeviceProp& prop, con
             if constexpr (t.Bc > 0)
                 if (tile.Bc == t.Bc && tile.Br == t.Br)
                     launch_backward_fp16<T, D, t.Bc, t.Br>(Q, K, V, O, dO, L, dQ, dK, dV, s,
-                                                           options, tile, stream);
+                                                           lay, options, tile, stream);
         };
         launch_if_chosen(std::integral_constant<int, 0>{});
         launch_if_chosen(std::integral_constant<int, 1>{});
@@ -737,9 +751,9 @@ static void backward_fp16_launch(const char* fn, const cudaDeviceProp& prop, con
 void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
                                   const __half* K, const __half* V, const __half* O,
                                   const __half* dO, const float* L, __half* dQ, __half* dK,
-                                  __half* dV, const AttentionShape& s, cudaStream_t stream,
-                                  const AttentionOptions* options) {
-    backward_fp16_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt, stream,
+                                  __half* dV, const AttentionShape& s, const Layout& lay,
+                                  cudaStream_t stream, const AttentionOptions* options) {
+    backward_fp16_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt, lay, stream,
                          options);
 }
 void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
@@ -747,8 +761,9 @@ void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
                                   const __nv_bfloat16* V, const __nv_bfloat16* O,
                                   const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
                                   __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
-                                  cudaStream_t stream, const AttentionOptions* options) {
-    backward_fp16_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt, stream,
+                                  const Layout& lay, cudaStream_t stream,
+                                  const AttentionOptions* options) {
+    backward_fp16_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, std::nullopt, lay, stream,
                          options);
 }
 

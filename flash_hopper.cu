@@ -101,8 +101,9 @@ __global__ void __launch_bounds__(kWarpgroup * (Consumers + 1), 1)
 flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                             const __grid_constant__ CUtensorMap K,
                             const __grid_constant__ CUtensorMap V, T* __restrict__ O,
-                            float* __restrict__ L, int q_len, int kv_len, bool causal, int Tr,
-                            int tiles, int head_group, int group, float scale_log2, int* next) {
+                            const Rows out, float* __restrict__ L, int q_len, int kv_len,
+                            bool causal, int Tr, int tiles, int head_group, int group,
+                            float scale_log2, int* next) {
     constexpr int Br = 64 * Consumers, Stages = hopper_stages(D);
     auto& sh = shared_storage<FwdShared<T, D, Bc, Consumers>>();
     T* Q_i = sh.Q_i;
@@ -133,15 +134,16 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             const auto [i, bh, Tc] = decode(tile);
             if (q.n > 0) mbar_wait(&empty[Stages], q.phase_before());  // the last Q_i is read
             if (issuer) mbar_expect_bytes(&full[Stages], Br * D * sizeof(T));  // line 4: load Q_i
-            if (issuer) load_tile<Br, D>(Q_i, Q, i * Br, bh, &full[Stages]);
+            if (issuer) load_tile<Br, D>(Q_i, Q, i * Br, bh, out.heads, &full[Stages]);
             for (int j = 0; j < Tc; j++, kv.advance()) {  // line 7: K_j, V_j, in a free stage
                 if (j == Stages) handout<Consumers>();  // the consumers start this tile
                 if (kv.n >= Stages) mbar_wait(&empty[kv.stage()], kv.phase_before());
                 if (!issuer) continue;
                 mbar_expect_bytes(&full[kv.stage()], 2 * Bc * D * sizeof(T));
                 // K/V head bh / group: the group query heads of a K/V head (GQA) share it.
-                load_tile<Bc, D>(K_at(kv.stage()), K, j * Bc, bh / group, &full[kv.stage()]);
-                load_tile<Bc, D>(V_at(kv.stage()), V, j * Bc, bh / group, &full[kv.stage()]);
+                const int kv_bh = bh / group, kv_heads = out.heads / group;
+                load_tile<Bc, D>(K_at(kv.stage()), K, j * Bc, kv_bh, kv_heads, &full[kv.stage()]);
+                load_tile<Bc, D>(V_at(kv.stage()), V, j * Bc, kv_bh, kv_heads, &full[kv.stage()]);
             }
             if (Tc <= Stages) handout<Consumers>();    // (all of its tiles issued)
             tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
@@ -249,7 +251,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             const float inv = l_row > 0.f ? 1.f / l_row : 0.f;  // a row that sees no key: O = 0
 #pragma unroll
             for (int n = 0; n < D / 8; n++)
-                *reinterpret_cast<uint32_t*>(O + (size_t(bh) * q_len + row) * D + 8 * n + 2 * t) =
+                *reinterpret_cast<uint32_t*>(out.of(O, bh) + row * out.row + 8 * n + 2 * t) =
                     pair_bits<T>(acc_at(O_i, r, 2 * n) * inv, acc_at(O_i, r, 2 * n + 1) * inv);
             const float L_row = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
             if (t == 0) L[size_t(bh) * q_len + row] = L_row;
@@ -292,26 +294,25 @@ static_assert(every_head_dim([](int d) { return registers_fit(hopper_consumers(d
 // The launch alone (checks.h: flash_forward_hopper_launch), for callers that have run every check.
 template <typename T>
 static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, float* L,
-                                  const AttentionShape& s, cudaStream_t stream) {
+                                  const AttentionShape& s, const Layout& lay,
+                                  cudaStream_t stream) {
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value, Br = hopper_Br(D), Bc = hopper_Bc(D);
         constexpr size_t bytes = flash_hopper_shared_bytes<D>();
         const int tiles = grid_blocks(s, s.q_len, Br, "q_len");  // Q tiles of all heads
         const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_consumers(D)>;
         allow_shared(kernel, bytes);
-        const size_t heads = size_t(s.batch) * s.heads;
-        const size_t kv_heads = size_t(s.batch) * flash_kv_heads(s);  // GQA: fewer K/V heads
-        const CUtensorMap Qm = tensor_map(Q, heads, s.q_len, D, Br),
-                          Km = tensor_map(K, kv_heads, s.kv_len, D, Bc),
-                          Vm = tensor_map(V, kv_heads, s.kv_len, D, Bc);
+        const CUtensorMap Qm = tensor_map(Q, lay.Q, s.batch, s.q_len, D, Br),
+                          Km = tensor_map(K, lay.K, s.batch, s.kv_len, D, Bc),  // GQA: fewer heads
+                          Vm = tensor_map(V, lay.V, s.batch, s.kv_len, D, Bc);
         const int blocks = kPersistent ? std::min(tiles, flash_device_props().multiProcessorCount)
                                        : tiles;
         with_scratch(sizeof(int), stream, [&](void* next) {  // the next tile to hand out
             cudaError_t err = cudaMemsetAsync(next, 0, sizeof(int), stream);  // the int 0
             if (err != cudaSuccess) return err;
             kernel<<<blocks, kWarpgroup * (hopper_consumers(D) + 1), bytes, stream>>>(
-                Qm, Km, Vm, O, L, s.q_len, s.kv_len, s.causal, (s.q_len + Br - 1) / Br, tiles,
-                kHopperHeadGroup, flash_kv_group(s), scale_log2_for(D),
+                Qm, Km, Vm, O, lay.O, L, s.q_len, s.kv_len, s.causal, (s.q_len + Br - 1) / Br,
+                tiles, kHopperHeadGroup, flash_kv_group(s), scale_log2_for(D),
                 static_cast<int*>(next));
             return cudaGetLastError();
         });
@@ -319,13 +320,14 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
 }
 
 void flash_forward_hopper_launch(const __half* Q, const __half* K, const __half* V, __half* O,
-                                 float* L, const AttentionShape& s, cudaStream_t stream) {
-    launch_forward_hopper(Q, K, V, O, L, s, stream);
+                                 float* L, const AttentionShape& s, const Layout& lay,
+                                 cudaStream_t stream) {
+    launch_forward_hopper(Q, K, V, O, L, s, lay, stream);
 }
 void flash_forward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                  const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
-                                 const AttentionShape& s, cudaStream_t stream) {
-    launch_forward_hopper(Q, K, V, O, L, s, stream);
+                                 const AttentionShape& s, const Layout& lay, cudaStream_t stream) {
+    launch_forward_hopper(Q, K, V, O, L, s, lay, stream);
 }
 
 template <typename T>
@@ -338,7 +340,7 @@ static void forward_hopper_checked(const char* fn, const T* Q, const T* K, const
         throw std::runtime_error(std::string(fn) + " needs a GPU of compute capability 9.0 (wgmma, "
                                  "sm_90a: H100, H200); " + prop.name + " is " +
                                  std::to_string(prop.major) + "." + std::to_string(prop.minor));
-    launch_forward_hopper(Q, K, V, O, L, s, stream);
+    launch_forward_hopper(Q, K, V, O, L, s, contiguous_layout(s), stream);
 }
 
 void flash_forward_fp16_hopper(const __half* Q, const __half* K, const __half* V, __half* O,

@@ -126,6 +126,7 @@ struct BwdBlock {
     bool causal;
     int group, Tr;                 // query heads a K/V head, Q tiles a query head
     int kvh, j;                    // line 5
+    int kv_heads;                  // K/V heads a batch (kv_heads * group query heads)
     int i_first, per_head, tiles;  // the first Q tile that sees tile j; how many do, a query head
     int mine;                      // the block's place in each dQ_i's order of adds
     // The n-th Q tile {query head, i}: at each i the group's heads in turn, so that every block
@@ -143,9 +144,11 @@ struct BwdBlock {
 // that see key tile j.
 template <int Bc, int Br>
 __device__ __forceinline__ BwdBlock bwd_block(int ticket, int q_len, int kv_len, bool causal,
-                                              int Tc, int BH, int group, int HG) {
+                                              int Tc, int BH, int group, int HG,
+                                              int kv_heads) {
     BwdBlock b;
     b.q_len = q_len, b.kv_len = kv_len, b.causal = causal, b.group = group;
+    b.kv_heads = kv_heads;
     const int head0 = ticket / (HG * Tc) * HG, heads = min(HG, BH - head0);
     const int slot = ticket % (HG * Tc);
     b.kvh = head0 + slot % heads;
@@ -208,8 +211,8 @@ __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& 
     constexpr int Br = kBwdBr, Bc = bwd_Bc(D), Stages = bwd_stages(D);
     if (threadIdx.x == 0) {                            // line 6: K_j, V_j, once
         mbar_expect_bytes(&sh.kv_full, 2 * Bc * D * sizeof(T));
-        load_tile<Bc, D>(sh.K_j, K, blk.j * Bc, blk.kvh, &sh.kv_full);
-        load_tile<Bc, D>(sh.V_j, V, blk.j * Bc, blk.kvh, &sh.kv_full);
+        load_tile<Bc, D>(sh.K_j, K, blk.j * Bc, blk.kvh, blk.kv_heads, &sh.kv_full);
+        load_tile<Bc, D>(sh.V_j, V, blk.j * Bc, blk.kvh, blk.kv_heads, &sh.kv_full);
     }
     PipelineState<Stages> st;
     float next[Br / 32][2];                            // L_i, D_i of tile n, then of n + 1
@@ -225,8 +228,9 @@ __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& 
         if (threadIdx.x > 0) mbar_arrive(&sh.full[s]);  // its L_i, D_i written: an arrival each
         else {                                         // lane 0's arrival, with the bytes to come
             mbar_expect_bytes(&sh.full[s], 2 * Br * D * sizeof(T));
-            load_tile<Br, D>(sh.Q_s[s], Q, i * Br, bh, &sh.full[s]);
-            load_tile<Br, D>(sh.dO_s[s], dO, i * Br, bh, &sh.full[s]);
+            const int heads = blk.kv_heads * blk.group;  // query heads a batch
+            load_tile<Br, D>(sh.Q_s[s], Q, i * Br, bh, heads, &sh.full[s]);
+            load_tile<Br, D>(sh.dO_s[s], dO, i * Br, bh, heads, &sh.full[s]);
         }
     }
     // It leaves once the last stages it filled are read (as the forward's producer).
@@ -254,6 +258,7 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
     const bool lane0 = threadIdx.x % 32 == 0;
     for (int n = 0, q = 0; n < blk.tiles; n++) {
         const auto [bh, i] = blk.tile_at(n);
+        const int heads = blk.kv_heads * blk.group;    // query heads a batch
         int* turn = turns + size_t(bh) * blk.Tr + i;
         bool adding = false;                           // it has chunks of tile n
         for (int c = 0; c < Chunks; c++, q++) {
@@ -262,8 +267,8 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
             if (!adding) wait_turn(turn, blk.mine), fence_proxy_async_global(), adding = true;
             if (lane0) {
                 for (int h = 0; h < Cols / 32; h++)    // its boxes of 32 columns
-                    tma_store(dQacc, sh.dQ_s[w] + 32 * h * Br, Cols * c + 32 * h, i * Br, bh,
-                              blk.mine > 0);
+                    tma_store(dQacc, sh.dQ_s[w] + 32 * h * Br, Cols * c + 32 * h, i * Br,
+                              bh % heads, bh / heads, blk.mine > 0);
                 bulk_commit(), bulk_wait_read<0>();
                 mbar_arrive(&sh.dq_empty[w]);
             }
@@ -463,21 +468,24 @@ __device__ __forceinline__ void send_dq(BwdShared<T, D>& sh, float (&dQ_i)[32], 
     }
 }
 
-// Line 18: dK_j / sqrt(d) (S was unscaled), dV_j, rows past kv_len left out.
+// Line 18: dK_j / sqrt(d) (S was unscaled), dV_j, rows past kv_len left out; dk, dv: where their
+// rows are (chapter 5's strides).
 template <typename T, int D>
-__device__ __forceinline__ void store_dK_dV(T* dK, T* dV, float (&dK_j)[D / bwd_split(D) / 2],
+__device__ __forceinline__ void store_dK_dV(T* dK, T* dV, const Rows dk, const Rows dv,
+                                            float (&dK_j)[D / bwd_split(D) / 2],
                                             float (&dV_j)[D / bwd_split(D) / 2],
                                             const BwdBlock blk, const ConsumerThread<D> me) {
     constexpr int Bc = bwd_Bc(D), Dw = D / bwd_split(D);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int key = blk.j * Bc + me.kw + 16 * me.warp + me.g + 8 * r;
-        const size_t at = (size_t(blk.kvh) * blk.kv_len + key) * D + me.cw + 2 * me.t;
+        T* dK_at = dk.of(dK, blk.kvh) + key * dk.row + me.cw + 2 * me.t;
+        T* dV_at = dv.of(dV, blk.kvh) + key * dv.row + me.cw + 2 * me.t;
 #pragma unroll
         for (int b = 0; b < Dw / 8 && key < blk.kv_len; b++) {
-            *reinterpret_cast<uint32_t*>(dK + at + 8 * b) = pair_bits<T>(
+            *reinterpret_cast<uint32_t*>(dK_at + 8 * b) = pair_bits<T>(
                 acc_at(dK_j, r, 2 * b) * rsqrtf(D), acc_at(dK_j, r, 2 * b + 1) * rsqrtf(D));
-            *reinterpret_cast<uint32_t*>(dV + at + 8 * b) =
+            *reinterpret_cast<uint32_t*>(dV_at + 8 * b) =
                 pair_bits<T>(acc_at(dV_j, r, 2 * b), acc_at(dV_j, r, 2 * b + 1));
         }
     }
@@ -487,7 +495,7 @@ __device__ __forceinline__ void store_dK_dV(T* dK, T* dV, float (&dK_j)[D / bwd_
 // block's order (line 8) the five products and the steps between them, in a stage of the ring.
 template <typename T, int D>
 __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const BwdBlock blk, T* dK, T* dV,
-                                        float scale_log2) {
+                                        const Rows dk, const Rows dv, float scale_log2) {
     constexpr int C = kBwdConsumers, Br = kBwdBr, Stages = bwd_stages(D), Bc = bwd_Bc(D);
     constexpr int Split = bwd_split(D);
     const ConsumerThread<D> me;
@@ -531,7 +539,7 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const BwdBlock blk,
         keep(P), keep(dS);
         mbar_arrive(&sh.empty[s]);
     }
-    store_dK_dV(dK, dV, dK_j, dV_j, blk, me);          // line 18
+    store_dK_dV(dK, dV, dk, dv, dK_j, dV_j, blk, me);  // line 18
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -548,8 +556,9 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                              const float* __restrict__ Dsum,
                              const __grid_constant__ CUtensorMap dQacc,
                              int* __restrict__ turns, int* next_ticket, T* __restrict__ dK,
-                             T* __restrict__ dV, int q_len, int kv_len, bool causal, int Tc,
-                             int BH, int group, int HG, float scale_log2) {
+                             T* __restrict__ dV, const Rows dk, const Rows dv, int q_len,
+                             int kv_len, bool causal, int Tc, int BH, int group, int HG,
+                             float scale_log2) {
     static_assert(Split == bwd_split(D), "the launcher's Split is bwd_split(D)");
     BwdShared<T, D>& sh = shared_storage<BwdShared<T, D>>();
     if (threadIdx.x == 0) {                            // the mbarriers, before any use
@@ -560,7 +569,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     }
     const int ticket = block_ticket(next_ticket);      // its barrier publishes the mbarriers too
     const BwdBlock blk = bwd_block<bwd_Bc(D), kBwdBr>(ticket, q_len, kv_len, causal, Tc, BH,
-                                                       group, HG);
+                                                       group, HG, dk.heads);
     if (threadIdx.x < kWarpgroup) {                    // warpgroup 0: few registers
         setmaxnreg<false, kBwdProducerRegs>();
         if (threadIdx.x >= 32 * (1 + kBwdDqBuffers)) return;
@@ -568,7 +577,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         return produce(sh, Q, K, V, dO, L, Dsum, blk);  // the producer
     }
     setmaxnreg<true, kBwdConsumerRegs>();              // the consumers: many
-    consume(sh, blk, dK, dV, scale_log2);
+    consume(sh, blk, dK, dV, dk, dv, scale_log2);
 }
 
 #undef HOPPER_ONLY
@@ -579,7 +588,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 template <typename T>
 static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                    const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
-                                   cudaStream_t stream) {
+                                   const Layout& lay, cudaStream_t stream) {
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value, Bc = bwd_Bc(D), Br = kBwdBr;
         constexpr size_t bytes = bwd_hopper_shared_bytes<D>();
@@ -589,11 +598,10 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
         kv_shape.heads = flash_kv_heads(s);
         const int blocks = grid_blocks(kv_shape, s.kv_len, Bc, "kv_len");
         const int Tc = (s.kv_len + Bc - 1) / Bc, BH = s.batch * flash_kv_heads(s);
-        const size_t q_heads = l_elems(s) / s.q_len;
-        const CUtensorMap Qm = tensor_map(Q, q_heads, s.q_len, D, Br),
-                          dOm = tensor_map(dO, q_heads, s.q_len, D, Br),
-                          Km = tensor_map(K, size_t(BH), s.kv_len, D, Bc),
-                          Vm = tensor_map(V, size_t(BH), s.kv_len, D, Bc);
+        const CUtensorMap Qm = tensor_map(Q, lay.Q, s.batch, s.q_len, D, Br),
+                          dOm = tensor_map(dO, lay.dO, s.batch, s.q_len, D, Br),
+                          Km = tensor_map(K, lay.K, s.batch, s.kv_len, D, Bc),
+                          Vm = tensor_map(V, lay.V, s.batch, s.kv_len, D, Bc);
         // Interleaving heads' tiles keeps one head's tiles apart in time (chapter 2's groups): HG
         // heads' tickets at a time, K/V tile by K/V tile. Under the mask about two waves of blocks
         // a group (HG Tc = 2 SMs, at most 32 heads), but 32 heads at d = 256; without it 4.
@@ -601,11 +609,12 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
         const int HG = !s.causal ? 4 : D == 256 ? 32 : std::clamp(2 * sms / Tc, 1, 32);
         // The kernel's turns: one a (query head, Q tile of 64), within the passes' B*H*ceil(q_len
         // / 32). dQacc (fp32) is written by the TMA: boxes of Br rows x 32 columns.
-        flash_backward_passes(O, dO, dQ, s, stream, [&](const BackwardScratch& m) {
-            const CUtensorMap dQm = tensor_map(m.dQacc, q_heads, s.q_len, D, Br);
+        flash_backward_passes(O, dO, dQ, s, lay, stream, [&](const BackwardScratch& m) {
+            const Rows dq_acc = rows_of({}, s.heads, s.q_len, D);  // contiguous, fp32
+            const CUtensorMap dQm = tensor_map(m.dQacc, dq_acc, s.batch, s.q_len, D, Br);
             kernel<<<blocks, kBwdThreads, bytes, stream>>>(
-                Qm, Km, Vm, dOm, L, m.D, dQm, m.turns, m.next_ticket, dK, dV, s.q_len,
-                s.kv_len, s.causal, Tc, BH, flash_kv_group(s), HG, scale_log2_for(D));
+                Qm, Km, Vm, dOm, L, m.D, dQm, m.turns, m.next_ticket, dK, dV, lay.dK, lay.dV,
+                s.q_len, s.kv_len, s.causal, Tc, BH, flash_kv_group(s), HG, scale_log2_for(D));
             return cudaGetLastError();
         });
     });
@@ -614,15 +623,15 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
 void flash_backward_hopper_launch(const __half* Q, const __half* K, const __half* V,
                                   const __half* O, const __half* dO, const float* L, __half* dQ,
                                   __half* dK, __half* dV, const AttentionShape& s,
-                                  cudaStream_t stream) {
-    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+                                  const Layout& lay, cudaStream_t stream) {
+    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream);
 }
 void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                   const __nv_bfloat16* V, const __nv_bfloat16* O,
                                   const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
                                   __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
-                                  cudaStream_t stream) {
-    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+                                  const Layout& lay, cudaStream_t stream) {
+    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream);
 }
 
 template <typename T>
@@ -636,7 +645,7 @@ static void backward_hopper_checked(const char* fn, const T* Q, const T* K, cons
         throw std::runtime_error(std::string(fn) + " needs a GPU of compute capability 9.0 (wgmma, "
                                  "sm_90a: H100, H200); " + prop.name + " is " +
                                  std::to_string(prop.major) + "." + std::to_string(prop.minor));
-    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, contiguous_layout(s), stream);
 }
 
 void flash_backward_fp16_hopper(const __half* Q, const __half* K, const __half* V,

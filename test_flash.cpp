@@ -204,7 +204,7 @@ TEST_CASE("The float and double references agree", "[cpu][reference]") {
     // backward reads O and L so rounded, which moves P by about u |L|): well within 1e-5 of the
     // largest entry.
     auto check = [&](const char* name, const std::vector<float>& f, const std::vector<double>& d,
-                     const Layout& layout) {
+                     const FlatLayout& layout) {
         check_close(name, f, d, 1e-5 * std::max(1.0, max_abs(d)), s, layout);
     };
     check("O", rf.O, rd.O, q_layout(s));

@@ -24,17 +24,20 @@
 __host__ __device__ constexpr int dot_threads(int d) { return (d / 8) & -(d / 8); }  // 2 .. 32
 template <typename T, int D>
 __global__ void flash_backward_dot_fp16_kernel(const T* __restrict__ O, const T* __restrict__ dO,
-                                               float* __restrict__ Dsum, size_t rows) {
+                                               float* __restrict__ Dsum, size_t rows, int q_len,
+                                               const Rows o_rows, const Rows do_rows) {
     constexpr int TPR = dot_threads(D);
     const int lane = threadIdx.x % 32;
     // The warp's first row, then a grid's worth of rows on; every lane stays for the shuffles.
     for (size_t q0 = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) / 32 * (32 / TPR);
          q0 < rows; q0 += size_t(gridDim.x) * blockDim.x / TPR) {
-        const size_t q = q0 + lane / TPR;
+        const size_t q = q0 + lane / TPR;  // row q % q_len of head q / q_len
+        const T* o_at = o_rows.of(O, q / q_len) + q % q_len * o_rows.row;
+        const T* do_at = do_rows.of(dO, q / q_len) + q % q_len * do_rows.row;
         float sum = 0.f;
         for (int c = lane % TPR * 8; c < D && q < rows; c += 8 * TPR) {  // 8 elements of each
-            const uint4 o = *reinterpret_cast<const uint4*>(O + q * D + c);
-            const uint4 g = *reinterpret_cast<const uint4*>(dO + q * D + c);
+            const uint4 o = *reinterpret_cast<const uint4*>(o_at + c);
+            const uint4 g = *reinterpret_cast<const uint4*>(do_at + c);
             for (int k = 0; k < 4; k++) {
                 const float2 a = float2_of(reinterpret_cast<const Pair<T>*>(&o)[k]);
                 const float2 b = float2_of(reinterpret_cast<const Pair<T>*>(&g)[k]);
@@ -51,14 +54,16 @@ __global__ void flash_backward_dot_fp16_kernel(const T* __restrict__ O, const T*
 // never added to: it gets 0.
 template <typename T, int D>
 __global__ void flash_backward_dq_fp16_kernel(const float* __restrict__ dQacc, T* __restrict__ dQ,
-                                              size_t elems, WindowMask mask, float scale) {
+                                              size_t elems, WindowMask mask, float scale,
+                                              const Rows dq_rows) {
     for (size_t x = 4 * (blockIdx.x * size_t(blockDim.x) + threadIdx.x); x < elems;
          x += 4 * size_t(gridDim.x) * blockDim.x) {
-        const int row = int(x / D % mask.q_len);
+        const int row = int(x / D % mask.q_len);  // dQacc is contiguous, dQ as its layout says
+        T* to = dq_rows.of(dQ, x / D / mask.q_len) + row * dq_rows.row + x % D;
         const bool seen = mask.first_key(row) <= mask.last_key(row);
         const float4 a = seen ? *reinterpret_cast<const float4*>(dQacc + x) : float4{};
-        reinterpret_cast<Pair<T>*>(dQ + x)[0] = pair_of<T>(a.x * scale, a.y * scale);
-        reinterpret_cast<Pair<T>*>(dQ + x)[1] = pair_of<T>(a.z * scale, a.w * scale);
+        reinterpret_cast<Pair<T>*>(to)[0] = pair_of<T>(a.x * scale, a.y * scale);
+        reinterpret_cast<Pair<T>*>(to)[1] = pair_of<T>(a.z * scale, a.w * scale);
     }
 }
 
@@ -85,7 +90,7 @@ size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
 // turns and ticket zeroed, line 4 (D) before the kernel, dQ = dQacc scale after it.
 template <typename T>
 static void backward_passes(const T* O, const T* dO, T* dQ, const AttentionShape& s,
-                            cudaStream_t stream, const BackwardKernel& kernel,
+                            const Layout& lay, cudaStream_t stream, const BackwardKernel& kernel,
                             const AttentionOptions& o) {
     const WindowMask mask = WindowMask::of(s.q_len, s.kv_len, s.causal, o.window_left,
                                            o.window_right);
@@ -107,22 +112,23 @@ static void backward_passes(const T* O, const T* dO, T* dQ, const AttentionShape
             cudaError_t err = cudaMemsetAsync(m.turns, 0, (turns + 1) * sizeof(int), stream);
             if (err != cudaSuccess) return err;
             flash_backward_dot_fp16_kernel<T, D>
-                <<<grid(rows * dot_threads(D)), 256, 0, stream>>>(O, dO, m.D, rows);
+                <<<grid(rows * dot_threads(D)), 256, 0, stream>>>(O, dO, m.D, rows, s.q_len,
+                                                                   lay.O, lay.dO);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             if ((err = kernel(m)) != cudaSuccess) return err;
             flash_backward_dq_fp16_kernel<T, D><<<grid(scratch.dq / 4), 256, 0, stream>>>(
-                m.dQacc, dQ, scratch.dq, mask, options_scale(s, o));
+                m.dQacc, dQ, scratch.dq, mask, options_scale(s, o), lay.dQ);
             return cudaGetLastError();
         });
     });
 }
 void flash_backward_passes(const __half* O, const __half* dO, __half* dQ,
-                           const AttentionShape& s, cudaStream_t stream,
+                           const AttentionShape& s, const Layout& lay, cudaStream_t stream,
                            const BackwardKernel& kernel, const AttentionOptions& options) {
-    backward_passes(O, dO, dQ, s, stream, kernel, options);
+    backward_passes(O, dO, dQ, s, lay, stream, kernel, options);
 }
 void flash_backward_passes(const __nv_bfloat16* O, const __nv_bfloat16* dO, __nv_bfloat16* dQ,
-                           const AttentionShape& s, cudaStream_t stream,
+                           const AttentionShape& s, const Layout& lay, cudaStream_t stream,
                            const BackwardKernel& kernel, const AttentionOptions& options) {
-    backward_passes(O, dO, dQ, s, stream, kernel, options);
+    backward_passes(O, dO, dQ, s, lay, stream, kernel, options);
 }

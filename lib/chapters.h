@@ -22,12 +22,12 @@ bool flash_hopper_built();
 // tile; fn names the public call in the refusal), takes the device's tile and launches.
 void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
                                  const __half* K, const __half* V, __half* O, float* L,
-                                 const AttentionShape& s, cudaStream_t stream,
+                                 const AttentionShape& s, const Layout& lay, cudaStream_t stream,
                                  const AttentionOptions* options = nullptr);
 void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
                                  const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                  const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
-                                 const AttentionShape& s, cudaStream_t stream,
+                                 const AttentionShape& s, const Layout& lay, cudaStream_t stream,
                                  const AttentionOptions* options = nullptr);
 // Chapter 4 (flash_decode.cu): whether flash_forward_fp16 / _bf16 run the decode kernel for this
 // shape on this device (q_len <= kFlashDecodeMaxQLen, head_dim in kFlashDecodeHeadDims, compute
@@ -42,10 +42,11 @@ void flash_decode_launch(const cudaDeviceProp& prop, const __nv_bfloat16* Q,
                          float* L, const AttentionShape& s, int splits, cudaStream_t stream);
 // Chapter 3 (flash_hopper.cu), for a device where flash_forward_runs_hopper is true.
 void flash_forward_hopper_launch(const __half* Q, const __half* K, const __half* V, __half* O,
-                                 float* L, const AttentionShape& s, cudaStream_t stream);
+                                 float* L, const AttentionShape& s, const Layout& lay,
+                                 cudaStream_t stream);
 void flash_forward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                  const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
-                                 const AttentionShape& s, cudaStream_t stream);
+                                 const AttentionShape& s, const Layout& lay, cudaStream_t stream);
 
 // The backwards, the same way: chapter 2's (flash_fp16.cu; fn names the public call in its
 // refusals) and chapter 3's (flash_hopper_backward.cu, where flash_backward_runs_hopper is true:
@@ -54,23 +55,24 @@ bool flash_backward_runs_hopper(const cudaDeviceProp& prop, int head_dim);
 void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop, const __half* Q,
                                   const __half* K, const __half* V, const __half* O,
                                   const __half* dO, const float* L, __half* dQ, __half* dK,
-                                  __half* dV, const AttentionShape& s, cudaStream_t stream,
-                                  const AttentionOptions* options = nullptr);
+                                  __half* dV, const AttentionShape& s, const Layout& lay,
+                                  cudaStream_t stream, const AttentionOptions* options = nullptr);
 void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
                                   const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                   const __nv_bfloat16* V, const __nv_bfloat16* O,
                                   const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
                                   __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
-                                  cudaStream_t stream, const AttentionOptions* options = nullptr);
+                                  const Layout& lay, cudaStream_t stream,
+                                  const AttentionOptions* options = nullptr);
 void flash_backward_hopper_launch(const __half* Q, const __half* K, const __half* V,
                                   const __half* O, const __half* dO, const float* L, __half* dQ,
                                   __half* dK, __half* dV, const AttentionShape& s,
-                                  cudaStream_t stream);
+                                  const Layout& lay, cudaStream_t stream);
 void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                   const __nv_bfloat16* V, const __nv_bfloat16* O,
                                   const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
                                   __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
-                                  cudaStream_t stream);
+                                  const Layout& lay, cudaStream_t stream);
 
 // The two passes around both backwards on tensor cores (lib/backward_passes.cu: chapter 2's
 // launcher and chapter 3's run them around their kernels), in one scratch of
@@ -90,9 +92,10 @@ struct BackwardScratch {
 };
 using BackwardKernel = std::function<cudaError_t(const BackwardScratch&)>;
 // options: chapter 5's (the dQ pass takes its scale and the rows its window leaves unseen).
+// lay: where O, dO and dQ's rows are (chapter 5's strides; dQacc is contiguous).
 void flash_backward_passes(const __half* O, const __half* dO, __half* dQ, const AttentionShape& s,
-                           cudaStream_t stream, const BackwardKernel& kernel,
+                           const Layout& lay, cudaStream_t stream, const BackwardKernel& kernel,
                            const AttentionOptions& options = {});
 void flash_backward_passes(const __nv_bfloat16* O, const __nv_bfloat16* dO, __nv_bfloat16* dQ,
-                           const AttentionShape& s, cudaStream_t stream,
+                           const AttentionShape& s, const Layout& lay, cudaStream_t stream,
                            const BackwardKernel& kernel, const AttentionOptions& options = {});

@@ -4,6 +4,7 @@
 // of them a public call runs is dispatch.cpp's.
 #include "checks.h"
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -107,6 +108,63 @@ size_t kv_elems(const AttentionShape& s) {
 size_t l_elems(const AttentionShape& s) { return size_t(s.batch) * s.heads * s.q_len; }
 
 // ---------------------------------------------------------------------------------------------
+// Layouts (chapter 5's strides)
+
+size_t span_elems(const Rows& r, const AttentionShape& s, int len) {
+    return size_t(s.batch - 1) * r.batch + size_t(r.heads - 1) * r.head +
+           size_t(len - 1) * r.row + s.head_dim;
+}
+
+// One tensor's given strides: each in [0, 2^39) and a multiple of 8; an output's apart.
+static void check_strides(const std::string& call, const char* name, const TensorStrides& t,
+                          const AttentionShape& s, int heads, int len, bool output) {
+    if (!strides_given(t)) return;  // contiguous
+    const struct { const char* field; long long stride; int extent; } given[] = {
+        {"batch", t.batch, s.batch}, {"head", t.head, heads}, {"row", t.row, len}};
+    for (const auto& g : given)  // (a dimension of one index: its stride is never used)
+        require(g.stride >= (g.extent > 1 ? 8 : 0) && g.stride < (1LL << 39) && g.stride % 8 == 0,
+                call + "options.layout." + name + "." + g.field + " = " +
+                    std::to_string(g.stride) + " is invalid; allowed values: 8 to 2^39 - 8 (0 " +
+                    "too where the dimension has one index), a multiple of 8 elements (16 " +
+                    "bytes, so that every row stays aligned)");
+    const unsigned __int128 span = (unsigned __int128)(s.batch - 1) * t.batch +
+                                   (unsigned __int128)(heads - 1) * t.head +
+                                   (unsigned __int128)(len - 1) * t.row + s.head_dim;
+    require(span < ((unsigned __int128)1 << 60),
+            call + "options.layout." + name + ": the tensor would span 2^60 elements or more");
+    if (!output) return;
+    // Apart: sorted by stride, each dimension of more than one index steps past everything the
+    // smaller ones reach (the columns reach head_dim - 1).
+    std::pair<long long, long long> dims[] = {{t.batch, s.batch}, {t.head, heads}, {t.row, len}};
+    std::sort(std::begin(dims), std::end(dims));
+    long long reach = s.head_dim - 1;
+    for (const auto& d : dims) {
+        if (d.second == 1) continue;
+        require(d.first > reach, call + "options.layout." + name + " = {" +
+                                     std::to_string(t.batch) + ", " + std::to_string(t.head) +
+                                     ", " + std::to_string(t.row) + "} is invalid for an " +
+                                     "output: two of its elements would share a place; allowed: " +
+                                     "strides that keep every element apart");
+        reach += d.first * (d.second - 1);  // < 2^39 * 2^31 * 3: no overflow
+    }
+}
+
+void validate_layout(const char* fn, const AttentionLayout& a, const AttentionShape& s,
+                     bool backward) {
+    const std::string call = std::string(fn) + ": ";
+    const int H = s.heads, KH = flash_kv_heads(s), q = s.q_len, k = s.kv_len;
+    check_strides(call, "Q", a.Q, s, H, q, false);
+    check_strides(call, "K", a.K, s, KH, k, false);
+    check_strides(call, "V", a.V, s, KH, k, false);
+    check_strides(call, "O", a.O, s, H, q, !backward);
+    if (!backward) return;
+    check_strides(call, "dO", a.dO, s, H, q, false);
+    check_strides(call, "dQ", a.dQ, s, H, q, true);
+    check_strides(call, "dK", a.dK, s, KH, k, true);
+    check_strides(call, "dV", a.dV, s, KH, k, true);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Pointers
 
 void validate_pointers(const char* fn, std::initializer_list<Arg> args) {
@@ -167,7 +225,8 @@ Arg alibi_arg(const AttentionOptions& o, const AttentionShape& s) {
 
 bool flash_options_plain(const AttentionOptions& o) {
     return o.softmax_scale == 0 && o.window_left == -1 && o.window_right == -1 &&
-           o.softcap == 0 && o.alibi_slopes == nullptr && !o.alibi_per_batch;
+           o.softcap == 0 && o.alibi_slopes == nullptr && !o.alibi_per_batch &&
+           !layout_given(o.layout);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "flash.h"
+#include "layout.h"
 
 #include <cstddef>
 #include <functional>
@@ -120,25 +121,47 @@ Arg output_arg(const char* name, T* ptr, size_t elems) {
 // bytes at a time), an output overlapping any other argument, host memory the GPU cannot read.
 // fn names the API call in the message. Call validate_shape first: it bounds the byte counts.
 void validate_pointers(const char* fn, std::initializer_list<Arg> args);
-// The forward's tensors, in every chapter: inputs Q, K, V and outputs O (element type T) and L.
+// The elements a tensor of this layout spans, from its first to its last, plus one (validate_layout
+// first: it bounds the strides): q_elems or kv_elems where it is contiguous.
+size_t span_elems(const Rows& r, const AttentionShape& s, int len);
+// The forward's tensors, in every chapter: inputs Q, K, V and outputs O (element type T) and L,
+// each over the span its layout gives (chapter 5's strides; contiguous without).
 template <typename T>
 void validate_forward_pointers(const char* fn, const T* Q, const T* K, const T* V, T* O,
-                               float* L, const AttentionShape& s) {
-    validate_pointers(fn, {input_arg("Q", Q, q_elems(s)), input_arg("K", K, kv_elems(s)),
-                           input_arg("V", V, kv_elems(s)), output_arg("O", O, q_elems(s)),
+                               float* L, const AttentionShape& s,
+                               const Layout& a = Layout{}) {
+    const Layout& l = a.Q.heads ? a : contiguous_layout(s);
+    const int q = s.q_len, k = s.kv_len;
+    validate_pointers(fn, {input_arg("Q", Q, span_elems(l.Q, s, q)),
+                           input_arg("K", K, span_elems(l.K, s, k)),
+                           input_arg("V", V, span_elems(l.V, s, k)),
+                           output_arg("O", O, span_elems(l.O, s, q)),
                            output_arg("L", L, l_elems(s))});
 }
 // The backward's: inputs Q, K, V, O, dO (element type T) and L, outputs dQ, dK, dV.
 template <typename T>
 void validate_backward_pointers(const char* fn, const T* Q, const T* K, const T* V, const T* O,
                                 const T* dO, const float* L, T* dQ, T* dK, T* dV,
-                                const AttentionShape& s) {
-    validate_pointers(fn, {input_arg("Q", Q, q_elems(s)), input_arg("K", K, kv_elems(s)),
-                           input_arg("V", V, kv_elems(s)), input_arg("O", O, q_elems(s)),
-                           input_arg("dO", dO, q_elems(s)), input_arg("L", L, l_elems(s)),
-                           output_arg("dQ", dQ, q_elems(s)), output_arg("dK", dK, kv_elems(s)),
-                           output_arg("dV", dV, kv_elems(s))});
+                                const AttentionShape& s, const Layout& a = Layout{}) {
+    const Layout& l = a.Q.heads ? a : contiguous_layout(s);
+    const int q = s.q_len, k = s.kv_len;
+    validate_pointers(fn, {input_arg("Q", Q, span_elems(l.Q, s, q)),
+                           input_arg("K", K, span_elems(l.K, s, k)),
+                           input_arg("V", V, span_elems(l.V, s, k)),
+                           input_arg("O", O, span_elems(l.O, s, q)),
+                           input_arg("dO", dO, span_elems(l.dO, s, q)),
+                           input_arg("L", L, l_elems(s)),
+                           output_arg("dQ", dQ, span_elems(l.dQ, s, q)),
+                           output_arg("dK", dK, span_elems(l.dK, s, k)),
+                           output_arg("dV", dV, span_elems(l.dV, s, k))});
 }
+// Chapter 5's strides (flash.h's AttentionLayout rule), of the tensors the call reads and writes
+// (backward: all eight; the forward: Q, K, V, O): each given one's strides multiples of 8, 8 or
+// more (0 too for a dimension of one index: no broadcasting) and below 2^39; an output's (O, dQ, dK, dV) such that no two of its elements share a place:
+// taken from the smallest stride up, each stride past the reach of those below it. Throws
+// std::invalid_argument naming the tensor and the stride. Call validate_shape first.
+void validate_layout(const char* fn, const AttentionLayout& layout, const AttentionShape& s,
+                     bool backward);
 
 // Chapter 5's options (flash.h's AttentionOptions): softmax_scale and softcap 0 or within
 // [2^-32, 2^16], each window bound >= -1, alibi_per_batch only with slopes. The slopes' pointer,

@@ -47,6 +47,26 @@ bool flash_backward_runs_hopper(const cudaDeviceProp& prop, int head_dim) {
     return flash_forward_runs_hopper(prop, head_dim);
 }
 
+// One chapter's launch, the arguments checked; lay: where the tensors' rows are (chapter 5).
+template <typename T>
+static void forward_run(const char* fn, const T* Q, const T* K, const T* V, T* O, float* L,
+                        const AttentionShape& s, const Layout& lay, cudaStream_t stream) {
+    const cudaDeviceProp prop = flash_device_props();
+    // The decode rule (chapter 4): a short query (q_len <= kFlashDecodeMaxQLen, 8) runs the
+    // split-KV decode kernel wherever it has the head dim and the device (flash_decode_runs):
+    // chapters 2 and 3 give one block a (batch, head) and fill 1 to 8 of its 128 rows, and read
+    // the keys with a block a head; the decode kernel splits the keys over the SMs. Same contract.
+    // It reads contiguous tensors only, so far.
+    const Layout dense = contiguous_layout(s);
+    if (flash_decode_runs(prop, s) && lay.Q == dense.Q && lay.K == dense.K && lay.V == dense.V &&
+        lay.O == dense.O)
+        return flash_decode_launch(prop, Q, K, V, O, L, s, 0, stream);
+#ifndef FLASH_NO_HOPPER
+    if (flash_forward_runs_hopper(prop, s.head_dim))
+        return flash_forward_hopper_launch(Q, K, V, O, L, s, lay, stream);
+#endif
+    flash_forward_ampere_launch(fn, prop, Q, K, V, O, L, s, lay, stream);
+}
 // Every check of the arguments (std::invalid_argument before anything touches the GPU but the
 // pointer queries), then one chapter's launch. fn: the public call's name, for messages.
 template <typename T>
@@ -54,17 +74,7 @@ static void forward_fp16_dispatch(const char* fn, const T* Q, const T* K, const 
                                   float* L, const AttentionShape& s, cudaStream_t stream) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(T));
     validate_forward_pointers(fn, Q, K, V, O, L, s);
-    const cudaDeviceProp prop = flash_device_props();
-    // The decode rule (chapter 4): a short query (q_len <= kFlashDecodeMaxQLen, 8) runs the
-    // split-KV decode kernel wherever it has the head dim and the device (flash_decode_runs):
-    // chapters 2 and 3 give one block a (batch, head) and fill 1 to 8 of its 128 rows, and read
-    // the keys with a block a head; the decode kernel splits the keys over the SMs. Same contract.
-    if (flash_decode_runs(prop, s)) return flash_decode_launch(prop, Q, K, V, O, L, s, 0, stream);
-#ifndef FLASH_NO_HOPPER
-    if (flash_forward_runs_hopper(prop, s.head_dim))
-        return flash_forward_hopper_launch(Q, K, V, O, L, s, stream);
-#endif
-    flash_forward_ampere_launch(fn, prop, Q, K, V, O, L, s, stream);
+    forward_run(fn, Q, K, V, O, L, s, contiguous_layout(s), stream);
 }
 
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
@@ -78,20 +88,26 @@ void flash_forward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __
     forward_fp16_dispatch("flash_forward_bf16", Q, K, V, O, L, shape, stream);
 }
 
-// The backward the same way: checks, then chapter 3's backward (flash_hopper_backward.cu) or
-// chapter 2's (flash_fp16.cu).
+// The backward the same way: chapter 3's backward (flash_hopper_backward.cu) or chapter 2's
+// (flash_fp16.cu).
+template <typename T>
+static void backward_run(const char* fn, const T* Q, const T* K, const T* V, const T* O,
+                         const T* dO, const float* L, T* dQ, T* dK, T* dV,
+                         const AttentionShape& s, const Layout& lay, cudaStream_t stream) {
+    const cudaDeviceProp prop = flash_device_props();
+#ifndef FLASH_NO_HOPPER
+    if (flash_backward_runs_hopper(prop, s.head_dim))
+        return flash_backward_hopper_launch(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream);
+#endif
+    flash_backward_ampere_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream);
+}
 template <typename T>
 static void backward_fp16_dispatch(const char* fn, const T* Q, const T* K, const T* V, const T* O,
                                    const T* dO, const float* L, T* dQ, T* dK, T* dV,
                                    const AttentionShape& s, cudaStream_t stream) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(T));
     validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s);
-    const cudaDeviceProp prop = flash_device_props();
-#ifndef FLASH_NO_HOPPER
-    if (flash_backward_runs_hopper(prop, s.head_dim))
-        return flash_backward_hopper_launch(Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
-#endif
-    flash_backward_ampere_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
+    backward_run(fn, Q, K, V, O, dO, L, dQ, dK, dV, s, contiguous_layout(s), stream);
 }
 
 void flash_backward_fp16(const __half* Q, const __half* K, const __half* V, const __half* O,
@@ -107,16 +123,17 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
     backward_fp16_dispatch("flash_backward_bf16", Q, K, V, O, dO, L, dQ, dK, dV, shape, stream);
 }
 
-// Chapter 5: the calls with options. Options that change nothing are the calls without (a bound
-// of the window no row reaches, WindowMask::of's rule, and the default scale written out, are
-// none); any other runs chapter 2's kernels with the options as their policy, the one chapter
-// that has it so far.
+// Chapter 5: the calls with options. Options that change no score are the calls without, with
+// the layout's strides (a bound of the window no row reaches, WindowMask::of's rule, and the
+// default scale written out, are none); any other runs chapter 2's kernels with the options as
+// their policy, the one chapter that has it so far.
 static bool changes_nothing(const AttentionOptions& o, const AttentionShape& s) {
     AttentionOptions plain = o;
     const WindowMask m = WindowMask::of(s.q_len, s.kv_len, false, o.window_left, o.window_right);
     plain.window_left = m.left;
     plain.window_right = s.causal ? -1 : m.right;  // causal bounds the right side itself
     if (o.softmax_scale == options_scale(s, AttentionOptions{})) plain.softmax_scale = 0;
+    plain.layout = {};
     return flash_options_plain(plain);
 }
 template <typename T>
@@ -125,12 +142,14 @@ static void forward_options_dispatch(const char* fn, const T* Q, const T* K, con
                                      cudaStream_t stream) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(T));
     validate_options(fn, o);
-    if (changes_nothing(o, s)) return forward_fp16_dispatch(fn, Q, K, V, O, L, s, stream);
-    validate_forward_pointers(fn, Q, K, V, O, L, s);
+    validate_layout(fn, o.layout, s, false);
+    const Layout lay = layout_of(o.layout, s);
+    validate_forward_pointers(fn, Q, K, V, O, L, s, lay);
+    if (changes_nothing(o, s)) return forward_run(fn, Q, K, V, O, L, s, lay, stream);
     if (o.alibi_slopes)  // the slopes against the outputs, which they must not overlap
-        validate_pointers(fn, {alibi_arg(o, s), output_arg("O", O, q_elems(s)),
+        validate_pointers(fn, {alibi_arg(o, s), output_arg("O", O, span_elems(lay.O, s, s.q_len)),
                                output_arg("L", L, l_elems(s))});
-    flash_forward_ampere_launch(fn, flash_device_props(), Q, K, V, O, L, s, stream, &o);
+    flash_forward_ampere_launch(fn, flash_device_props(), Q, K, V, O, L, s, lay, stream, &o);
 }
 template <typename T>
 static void backward_options_dispatch(const char* fn, const T* Q, const T* K, const T* V,
@@ -139,14 +158,17 @@ static void backward_options_dispatch(const char* fn, const T* Q, const T* K, co
                                       cudaStream_t stream) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(T));
     validate_options(fn, o);
+    validate_layout(fn, o.layout, s, true);
+    const Layout lay = layout_of(o.layout, s);
+    validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s, lay);
     if (changes_nothing(o, s))
-        return backward_fp16_dispatch(fn, Q, K, V, O, dO, L, dQ, dK, dV, s, stream);
-    validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s);
+        return backward_run(fn, Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream);
     if (o.alibi_slopes)
-        validate_pointers(fn, {alibi_arg(o, s), output_arg("dQ", dQ, q_elems(s)),
-                               output_arg("dK", dK, kv_elems(s)),
-                               output_arg("dV", dV, kv_elems(s))});
-    flash_backward_ampere_launch(fn, flash_device_props(), Q, K, V, O, dO, L, dQ, dK, dV, s,
+        validate_pointers(fn, {alibi_arg(o, s),
+                               output_arg("dQ", dQ, span_elems(lay.dQ, s, s.q_len)),
+                               output_arg("dK", dK, span_elems(lay.dK, s, s.kv_len)),
+                               output_arg("dV", dV, span_elems(lay.dV, s, s.kv_len))});
+    flash_backward_ampere_launch(fn, flash_device_props(), Q, K, V, O, dO, L, dQ, dK, dV, s, lay,
                                  stream, &o);
 }
 

@@ -79,33 +79,36 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {  // mbarrier.arrive
                              : "memory"));
 }
 // cp.async.bulk.tensor (PTX ISA, "Data Movement: cp.async.bulk.tensor"): the box of the tensor map
-// at (column, row, head) to shared memory, its bytes counted on bar. The map is a __grid_constant__
-// kernel parameter, named by its generic address.
+// at (column, row, head, batch) to shared memory, its bytes counted on bar. The map is a
+// __grid_constant__ kernel parameter, named by its generic address.
 __device__ __forceinline__ void tma_load(void* to, const CUtensorMap& map, int col, int row,
-                                         int head, uint64_t* bar) {
+                                         int head, int batch, uint64_t* bar) {
     HOPPER_ONLY(asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(smem_addr(to)),
-        "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(row), "r"(head), "r"(smem_addr(bar))
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_addr(to)),
+        "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(row), "r"(head), "r"(batch),
+        "r"(smem_addr(bar))
         : "memory"));
 }
 // The other way (the backward's dQ): cp.reduce.async.bulk.tensor adds the box at (column, row,
-// head) of shared memory into the tensor in global memory, element by element in L2 (fp32 adds);
+// head, batch) of shared memory into the tensor in global memory, element by element in L2 (fp32 adds);
 // with add = false, cp.async.bulk.tensor stores it instead. Rows past the tensor's end are left
 // alone. The copies a thread issued form a bulk group at bulk_commit; bulk_wait_read<N> waits
 // until at most N of its groups still read shared memory (the buffer is free), bulk_wait<N> until
 // at most N are incomplete (their writes done).
 __device__ __forceinline__ void tma_store(const CUtensorMap& map, const void* from, int col,
-                                          int row, int head, bool add) {
+                                          int row, int head, int batch, bool add) {
     const uint64_t m = reinterpret_cast<uint64_t>(&map);
     if (add)
-        HOPPER_ONLY(asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile"
-                                 ".bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(m), "r"(col),
-                                 "r"(row), "r"(head), "r"(smem_addr(from)) : "memory"));
+        HOPPER_ONLY(asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile"
+                                 ".bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(m),
+                                 "r"(col), "r"(row), "r"(head), "r"(batch),
+                                 "r"(smem_addr(from)) : "memory"));
     else
-        HOPPER_ONLY(asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group"
-                                 " [%0, {%1, %2, %3}], [%4];\n" ::"l"(m), "r"(col), "r"(row),
-                                 "r"(head), "r"(smem_addr(from)) : "memory"));
+        HOPPER_ONLY(asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
+                                 " [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(m), "r"(col),
+                                 "r"(row), "r"(head), "r"(batch), "r"(smem_addr(from))
+                                 : "memory"));
 }
 __device__ __forceinline__ void bulk_commit() {
     HOPPER_ONLY(asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"));
@@ -124,13 +127,14 @@ __device__ __forceinline__ void bulk_wait() {
 __device__ __forceinline__ void fence_proxy_async_global() {
     HOPPER_ONLY(asm volatile("fence.proxy.async.global;\n" ::: "memory"));
 }
-// Rows [first, first + R) of one head's (len x D) matrix as blocks of 64 columns (R x 128 bytes
-// each), D / 64 copies on bar.
+// Rows [first, first + R) of head bh's (len x D) matrix (bh = batch * heads + head, `heads` the
+// map's) as blocks of 64 columns (R x 128 bytes each), D / 64 copies on bar.
 template <int R, int D, typename T>
-__device__ __forceinline__ void load_tile(T* to, const CUtensorMap& map, int first, int head,
-                                          uint64_t* bar) {
+__device__ __forceinline__ void load_tile(T* to, const CUtensorMap& map, int first, int bh,
+                                          int heads, uint64_t* bar) {
 #pragma unroll
-    for (int c = 0; c < D / 64; c++) tma_load(to + c * R * 64, map, c * 64, first, head, bar);
+    for (int c = 0; c < D / 64; c++)
+        tma_load(to + c * R * 64, map, c * 64, first, bh % heads, bh / heads, bar);
 }
 
 // setmaxnreg (PTX ISA, "Miscellaneous Instructions: setmaxnreg"): a warpgroup gives back registers
@@ -289,12 +293,13 @@ __device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty, i
     HOPPER_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
 }
 
-// The tensor map of Q, K or V, (heads, len, D) elements of T, for boxes of rows x 128 bytes (64
-// elements of fp16 or bf16; 32 of fp32: the backward's dQacc) in the 128-byte swizzle; rows past
-// len are read as zeros (and not written). cuTensorMapEncodeTiled is a driver call,
-// found through the runtime, so that nothing links libcuda (CI machines have none).
+// The tensor map of Q, K or V, (batch, heads, len, D) elements of T where `r` (chapter 5's
+// strides: lib/layout.h) puts them, for boxes of rows x 128 bytes (64 elements of fp16 or bf16; 32
+// of fp32: the backward's dQacc) in the 128-byte swizzle; rows past len are read as zeros (and not
+// written). cuTensorMapEncodeTiled is a driver call, found through the runtime, so that nothing
+// links libcuda (CI machines have none).
 template <typename T>
-static CUtensorMap tensor_map(const T* base, size_t heads, int len, int D, int rows) {
+static CUtensorMap tensor_map(const T* base, const Rows& at, int batch, int len, int D, int rows) {
     static const auto encode = [] {
         void* fn = nullptr;
         cudaDriverEntryPointQueryResult found;
@@ -305,15 +310,19 @@ static CUtensorMap tensor_map(const T* base, size_t heads, int len, int D, int r
         return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
     }();
     CUtensorMap map;
-    const cuuint64_t dims[3] = {cuuint64_t(D), cuuint64_t(len), heads};
-    const cuuint64_t strides[2] = {D * sizeof(T), size_t(len) * D * sizeof(T)};  // bytes
-    const cuuint32_t box[3] = {cuuint32_t(128 / sizeof(T)), cuuint32_t(rows), 1},
-                     steps[3] = {1, 1, 1};
+    const cuuint64_t dims[4] = {cuuint64_t(D), cuuint64_t(len), cuuint64_t(at.heads),
+                                cuuint64_t(batch)};
+    // Bytes; a dimension of one index takes any stride the map allows (its one index is 0).
+    const cuuint64_t row = len > 1 ? at.row : D, head = at.heads > 1 ? at.head : row * len,
+                     strides[3] = {row * sizeof(T), head * sizeof(T),
+                                   (batch > 1 ? at.batch : head * at.heads) * sizeof(T)};
+    const cuuint32_t box[4] = {cuuint32_t(128 / sizeof(T)), cuuint32_t(rows), 1, 1},
+                     steps[4] = {1, 1, 1, 1};
     const CUresult r = encode(
         &map, std::is_same<T, float>::value    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
               : std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        3, const_cast<T*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        4, const_cast<T*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)

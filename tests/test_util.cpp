@@ -194,17 +194,17 @@ template Tolerances backward_tolerances16(const Problem<__nv_bfloat16>&, const O
 // =============================================================================================
 // Comparing tensors
 
-Layout q_layout(const AttentionShape& s, size_t first_bh) {
+FlatLayout q_layout(const AttentionShape& s, size_t first_bh) {
     return {s.heads, s.q_len, s.head_dim, "i", first_bh};
 }
-Layout kv_layout(const AttentionShape& s, size_t first_bh) {
+FlatLayout kv_layout(const AttentionShape& s, size_t first_bh) {
     return {flash_kv_heads(s), s.kv_len, s.head_dim, "j", first_bh};  // K/V heads (GQA)
 }
-Layout l_layout(const AttentionShape& s, size_t first_bh) {
+FlatLayout l_layout(const AttentionShape& s, size_t first_bh) {
     return {s.heads, s.q_len, 1, "i", first_bh};
 }
 
-std::string where(const Layout& l, size_t e) {
+std::string where(const FlatLayout& l, size_t e) {
     const size_t row = e / size_t(l.row_len), x = e % size_t(l.row_len);
     const size_t bh = l.first_bh + row / size_t(l.rows);
     std::ostringstream os;
@@ -255,7 +255,7 @@ void check_masked_rows(const char* name, const std::vector<float>& got, const At
                        int row_len, float value) {
     const int masked = masked_rows(s);
     REQUIRE(masked > 0);
-    const Layout layout{s.heads, s.q_len, row_len, "i", 0};
+    const FlatLayout layout{s.heads, s.q_len, row_len, "i", 0};
     const size_t heads = size_t(s.batch) * s.heads, per_head = size_t(s.q_len) * row_len;
     REQUIRE(got.size() == heads * per_head);
     size_t wrong = 0, first = 0;
@@ -291,7 +291,7 @@ bool bitwise_equal(const Outputs<float>& a, const Outputs<float>& b) {
 }
 
 void check_bitwise(const char* name, const std::vector<float>& a, const std::vector<float>& b,
-                   const AttentionShape& s, const Layout& layout) {
+                   const AttentionShape& s, const FlatLayout& layout) {
     REQUIRE(a.size() == b.size());
     const bool same = bitwise_equal(a, b);
     size_t first = 0;

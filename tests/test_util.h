@@ -494,7 +494,7 @@ Tolerances backward_tolerances16(const Problem<T>& p, const Outputs<float>& got,
 // Comparing tensors
 
 // How a flat tensor maps to (b, h, row, x), to say where an element is.
-struct Layout {
+struct FlatLayout {
     int heads;         // heads per batch: splits a batch*head index into (b, h)
     int rows;          // rows per head: q_len or kv_len
     int row_len;       // head_dim, or 1 for L
@@ -502,12 +502,12 @@ struct Layout {
     size_t first_bh;   // batch*head index of the vector's first head (when it holds a slice)
 };
 // The layouts of Q, O, dQ, dO; of K, V, dK, dV; of L. first_bh: where a slice starts.
-Layout q_layout(const AttentionShape& s, size_t first_bh = 0);
-Layout kv_layout(const AttentionShape& s, size_t first_bh = 0);
-Layout l_layout(const AttentionShape& s, size_t first_bh = 0);
+FlatLayout q_layout(const AttentionShape& s, size_t first_bh = 0);
+FlatLayout kv_layout(const AttentionShape& s, size_t first_bh = 0);
+FlatLayout l_layout(const AttentionShape& s, size_t first_bh = 0);
 
 // Where flat element e is: "(b=1, h=2, i=30, x=5)".
-std::string where(const Layout& l, size_t e);
+std::string where(const FlatLayout& l, size_t e);
 
 // The one comparison every test uses: `got` (the GPU's, or the value under test) against `want`
 // (the reference's), element by element. Each may hold float or double: e.g. the GPU's results
@@ -519,7 +519,7 @@ std::string where(const Layout& l, size_t e);
 // or unwritten.
 template <typename G, typename W>
 void check_close(const char* name, const std::vector<G>& got, const std::vector<W>& want,
-                 double tol, const AttentionShape& s, const Layout& layout) {
+                 double tol, const AttentionShape& s, const FlatLayout& layout) {
     REQUIRE(got.size() == want.size());
     REQUIRE(!got.empty());
     size_t worst = 0, beyond = 0, nans = 0, first_nan = 0, infinite = 0;
@@ -603,7 +603,7 @@ bool bitwise_equal(const Outputs<float>& a, const Outputs<float>& b);
 
 // Two results that must be bitwise identical (the kernels are deterministic: no atomics).
 void check_bitwise(const char* name, const std::vector<float>& a, const std::vector<float>& b,
-                   const AttentionShape& s, const Layout& layout);
+                   const AttentionShape& s, const FlatLayout& layout);
 // The same for every output of two calls: O and L, and dQ, dK and dV where they hold any.
 void check_bitwise(const Outputs<float>& first, const Outputs<float>& again,
                    const AttentionShape& s);

@@ -1,0 +1,50 @@
+// layout.h: chapter 5's strides (flash.h's AttentionLayout) as the kernels take them. Each
+// tensor's strides resolved (a tensor given as all 0 gets the contiguous ones) with its head
+// count, which is what a kernel needs to find the rows of head bh = b * heads + h, the flattened
+// (batch, head) every grid walks. The checks of given strides are in checks.h (validate_layout).
+#pragma once
+
+#include "flash.h"
+
+#include <cstddef>
+#include <initializer_list>
+
+struct Rows {
+    long long batch, head, row;  // in elements
+    int heads;                   // heads of this tensor: the query heads, or the K/V heads
+    // The first element of head bh's row 0.
+    template <typename T>
+    __host__ __device__ T* of(T* base, size_t bh) const {
+        return base + (long long)(bh / heads) * batch + (long long)(bh % heads) * head;
+    }
+    bool operator==(const Rows& o) const {
+        return batch == o.batch && head == o.head && row == o.row && heads == o.heads;
+    }
+};
+struct Layout {
+    Rows Q, K, V, O, dO, dQ, dK, dV;
+};
+
+// Whether a tensor's strides are given (any not 0), or it is contiguous; and any of a layout's.
+inline bool strides_given(const TensorStrides& t) { return t.batch || t.head || t.row; }
+inline bool layout_given(const AttentionLayout& a) {
+    for (const TensorStrides* t : {&a.Q, &a.K, &a.V, &a.O, &a.dO, &a.dQ, &a.dK, &a.dV})
+        if (strides_given(*t)) return true;
+    return false;
+}
+// A tensor of `heads` heads of len rows of d: its given strides, or, where all three are 0, the
+// contiguous ones, [batch][heads][len][d].
+inline Rows rows_of(const TensorStrides& t, int heads, int len, int d) {
+    if (!strides_given(t))
+        return {(long long)heads * len * d, (long long)len * d, d, heads};
+    return {t.batch, t.head, t.row, heads};
+}
+inline Layout layout_of(const AttentionLayout& a, const AttentionShape& s) {
+    const int H = s.heads, KH = flash_kv_heads(s), d = s.head_dim;
+    return {rows_of(a.Q, H, s.q_len, d),   rows_of(a.K, KH, s.kv_len, d),
+            rows_of(a.V, KH, s.kv_len, d), rows_of(a.O, H, s.q_len, d),
+            rows_of(a.dO, H, s.q_len, d),  rows_of(a.dQ, H, s.q_len, d),
+            rows_of(a.dK, KH, s.kv_len, d), rows_of(a.dV, KH, s.kv_len, d)};
+}
+// Every tensor contiguous: the layout of the calls without options.
+inline Layout contiguous_layout(const AttentionShape& s) { return layout_of({}, s); }
