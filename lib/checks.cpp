@@ -122,11 +122,10 @@ static void check_strides(const std::string& call, const char* name, const Tenso
     const struct { const char* field; long long stride; int extent; } given[] = {
         {"batch", t.batch, s.batch}, {"head", t.head, heads}, {"row", t.row, len}};
     for (const auto& g : given)  // (a dimension of one index: its stride is never used)
-        require(g.stride >= (g.extent > 1 ? 8 : 0) && g.stride < (1LL << 39) && g.stride % 8 == 0,
+        require(g.extent == 1 || (g.stride >= 8 && g.stride < (1LL << 39) && g.stride % 8 == 0),
                 call + "options.layout." + name + "." + g.field + " = " +
-                    std::to_string(g.stride) + " is invalid; allowed values: 8 to 2^39 - 8 (0 " +
-                    "too where the dimension has one index), a multiple of 8 elements (16 " +
-                    "bytes, so that every row stays aligned)");
+                    std::to_string(g.stride) + " is invalid; allowed values: 8 to 2^39 - 8, a " +
+                    "multiple of 8 elements (16 bytes, so that every row stays aligned)");
     const unsigned __int128 span = (unsigned __int128)(s.batch - 1) * t.batch +
                                    (unsigned __int128)(heads - 1) * t.head +
                                    (unsigned __int128)(len - 1) * t.row + s.head_dim;
@@ -145,7 +144,7 @@ static void check_strides(const std::string& call, const char* name, const Tenso
                                      ", " + std::to_string(t.row) + "} is invalid for an " +
                                      "output: two of its elements would share a place; allowed: " +
                                      "strides that keep every element apart");
-        reach += d.first * (d.second - 1);  // < 2^39 * 2^31 * 3: no overflow
+        reach += d.first * (d.second - 1);  // within the span, < 2^60: no overflow
     }
 }
 

@@ -32,19 +32,21 @@ inline bool layout_given(const AttentionLayout& a) {
         if (strides_given(*t)) return true;
     return false;
 }
-// A tensor of `heads` heads of len rows of d: its given strides, or, where all three are 0, the
-// contiguous ones, [batch][heads][len][d].
-inline Rows rows_of(const TensorStrides& t, int heads, int len, int d) {
-    if (!strides_given(t))
-        return {(long long)heads * len * d, (long long)len * d, d, heads};
-    return {t.batch, t.head, t.row, heads};
+// A tensor of batch x heads x len rows of d: its given strides, or, where all three are 0, the
+// contiguous ones, [batch][heads][len][d]. A dimension of one index takes the contiguous stride
+// whatever is given (it is never used), so that a layout that differs only there is the same.
+inline Rows rows_of(const TensorStrides& t, int batch, int heads, int len, int d) {
+    const Rows dense{(long long)heads * len * d, (long long)len * d, d, heads};
+    if (!strides_given(t)) return dense;
+    return {batch > 1 ? t.batch : dense.batch, heads > 1 ? t.head : dense.head,
+            len > 1 ? t.row : dense.row, heads};
 }
 inline Layout layout_of(const AttentionLayout& a, const AttentionShape& s) {
-    const int H = s.heads, KH = flash_kv_heads(s), d = s.head_dim;
-    return {rows_of(a.Q, H, s.q_len, d),   rows_of(a.K, KH, s.kv_len, d),
-            rows_of(a.V, KH, s.kv_len, d), rows_of(a.O, H, s.q_len, d),
-            rows_of(a.dO, H, s.q_len, d),  rows_of(a.dQ, H, s.q_len, d),
-            rows_of(a.dK, KH, s.kv_len, d), rows_of(a.dV, KH, s.kv_len, d)};
+    const int B = s.batch, H = s.heads, KH = flash_kv_heads(s), d = s.head_dim;
+    const int q = s.q_len, k = s.kv_len;
+    return {rows_of(a.Q, B, H, q, d),   rows_of(a.K, B, KH, k, d), rows_of(a.V, B, KH, k, d),
+            rows_of(a.O, B, H, q, d),   rows_of(a.dO, B, H, q, d), rows_of(a.dQ, B, H, q, d),
+            rows_of(a.dK, B, KH, k, d), rows_of(a.dV, B, KH, k, d)};
 }
 // Every tensor contiguous: the layout of the calls without options.
 inline Layout contiguous_layout(const AttentionShape& s) { return layout_of({}, s); }

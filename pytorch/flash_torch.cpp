@@ -13,6 +13,7 @@
 #include "flash.h"
 
 #include <climits>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -42,9 +43,23 @@ static std::string dims(const torch::Tensor& t) {
     return out + ")";
 }
 
+// Whether the kernels can read t where it lies: contiguous at a 16-byte aligned address, or, in
+// float16 and bfloat16 (chapter 5's strides), its last dimension contiguous and every other
+// stride a multiple of 8 elements (16 bytes) and at least 8, but for a dimension of one index
+// (flash.h's AttentionLayout rule). flash_torch.py's _readable is the same rule.
+static bool readable(const torch::Tensor& t) {
+    if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+    if (t.is_contiguous()) return true;
+    if (t.scalar_type() == torch::kFloat32 || t.dim() != 4 || t.stride(3) != 1) return false;
+    for (int64_t i = 0; i < 3; i++)
+        if (t.size(i) > 1 && (t.stride(i) < 8 || t.stride(i) % 8 != 0)) return false;
+    return true;
+}
+
 // The shape of q (B, H, q_len, d) and k (B, H_kv, kv_len, d), after checking what flash.h cannot
-// see: that every tensor is a contiguous 4-D CUDA tensor of one dtype on one device, and that
-// the sizes agree (flash.h's own checks then name anything out of range, e.g. the head dim).
+// see: that every tensor is a 4-D CUDA tensor of one dtype on one device that the kernels can
+// read where it lies (readable, below), and that the sizes agree (flash.h's own checks then name
+// anything out of range, e.g. the head dim, or a stride).
 // Grouped-query attention as SDPA's enable_gqa=True: k and v may have H_kv heads, a divisor of
 // q's H; query head h then reads K/V head h / (H / H_kv).
 static AttentionShape shape_of(const char* fn, const std::vector<torch::Tensor>& ts,
@@ -59,7 +74,10 @@ static AttentionShape shape_of(const char* fn, const std::vector<torch::Tensor>&
             fail(what + " is on " + ts[i].device().str() + ", q on " + q.device().str());
         if (ts[i].dim() != 4)
             fail(what + " must be 4-D (batch, heads, seq, head_dim); it is " + dims(ts[i]));
-        if (!ts[i].is_contiguous()) fail(what + " must be contiguous");
+        if (!readable(ts[i]))
+            fail(what + " must be contiguous (float16 and bfloat16: or strided with its last " +
+                 "dimension contiguous, other strides multiples of 8 elements, 16-byte aligned; " +
+                 "flash_torch.py copies any other)");
         for (int64_t size : ts[i].sizes())
             if (size > INT_MAX) fail(what + " is " + dims(ts[i]) + ": a size exceeds INT_MAX");
     }
@@ -80,6 +98,24 @@ static AttentionShape shape_of(const char* fn, const std::vector<torch::Tensor>&
     }
     return AttentionShape{int(q.size(0)), int(q.size(1)), int(q.size(2)), int(k.size(2)),
                           int(q.size(3)), causal, int(k.size(1))};
+}
+
+// Chapter 5's strides: a tensor's (batch, head, row) strides in elements, as flash.h's
+// AttentionLayout takes them; none (contiguous) where it is contiguous.
+static TensorStrides strides_of(const torch::Tensor& t) {
+    if (t.is_contiguous()) return {};
+    return {t.stride(0), t.stride(1), t.stride(2)};
+}
+// An output shaped as t, laid out as t's rows are: (B, seq, H, d) in memory, seen as (B, H, seq,
+// d), where t's heads lie closer together than its rows (a view of a (B, seq, H, d) tensor, as
+// from a fused projection: the output is then what the model's transpose back expects, at no
+// copy); else contiguous.
+static torch::Tensor empty_laid_out_as(const torch::Tensor& t) {
+    const bool rows_apart = t.size(1) > 1 && t.size(2) > 1 && t.stride(1) < t.stride(2);
+    if (rows_apart && t.scalar_type() != torch::kFloat32)
+        return torch::empty({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options())
+            .transpose(1, 2);
+    return torch::empty_like(t, torch::MemoryFormat::Contiguous);
 }
 
 // Chapter 5's options from FlashAttention-2's keyword arguments (scale 0: 1/sqrt(d)); ALiBi's
@@ -137,13 +173,16 @@ static std::tuple<torch::Tensor, torch::Tensor> forward(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, bool causal, double scale, int64_t left,
     int64_t right, double softcap, c10::optional<torch::Tensor> alibi) {
     const AttentionShape s = shape_of("flash_attention", {q, k, v}, {"q", "k", "v"}, causal);
-    const AttentionOptions opt = options_of("flash_attention", s, q, scale, left, right, softcap,
-                                            alibi);
+    const AttentionOptions options = options_of("flash_attention", s, q, scale, left, right,
+                                                softcap, alibi);
     const c10::cuda::CUDAGuard guard(q.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    torch::Tensor o = torch::empty_like(q);
+    torch::Tensor o = empty_laid_out_as(q);
     torch::Tensor L = torch::empty({q.size(0), q.size(1), q.size(2)},
                                    q.options().dtype(torch::kFloat32));
+    AttentionOptions opt = options;
+    opt.layout.Q = strides_of(q), opt.layout.K = strides_of(k), opt.layout.V = strides_of(v);
+    opt.layout.O = strides_of(o);
     with_dtype("flash_attention", q, [&](auto zero) {
         using T = decltype(zero);
         if constexpr (std::is_same_v<T, float>)
@@ -165,8 +204,8 @@ static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
     c10::optional<torch::Tensor> alibi) {
     const AttentionShape s =
         shape_of("flash_attention backward", {q, k, v, o, dO}, {"q", "k", "v", "o", "do"}, causal);
-    const AttentionOptions opt = options_of("flash_attention backward", s, q, scale, left, right,
-                                            softcap, alibi);
+    AttentionOptions opt = options_of("flash_attention backward", s, q, scale, left, right,
+                                      softcap, alibi);
     if (!L.is_cuda() || L.device() != q.device() || !L.is_contiguous() ||
         L.scalar_type() != torch::kFloat32 ||
         L.sizes() != torch::IntArrayRef({q.size(0), q.size(1), q.size(2)}))
@@ -174,7 +213,9 @@ static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
              "(B, H, q_len) on q's device");
     const c10::cuda::CUDAGuard guard(q.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
+    torch::Tensor dq = empty_laid_out_as(q), dk = empty_laid_out_as(k), dv = empty_laid_out_as(v);
+    opt.layout = {strides_of(q),  strides_of(k),  strides_of(v),  strides_of(o),
+                  strides_of(dO), strides_of(dq), strides_of(dk), strides_of(dv)};
     with_dtype("flash_attention backward", q, [&](auto zero) {
         using T = decltype(zero);
         if constexpr (std::is_same_v<T, float>)

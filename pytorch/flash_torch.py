@@ -28,10 +28,14 @@ when q_len == kv_len. For q_len != kv_len the matching PyTorch mask is
 torch.nn.attention.bias.causal_lower_right(q_len, kv_len). A query row that sees no key (causal,
 q_len > kv_len) gets o = 0, lse = -inf and zero gradients (SDPA gives NaN there).
 
-The kernels read dense row-major tensors at 16-byte aligned addresses (flash.h). Any other q, k,
-v or gradient of o (a transposed or sliced view, an expanded tensor, a view at an odd offset) is
-copied to one first, a copy of its size; the outputs o, lse, dq, dk, dv are contiguous (autograd
-then hands each input's gradient back in that input's own layout). The backward runs once:
+The kernels read tensors where they lie at 16-byte aligned addresses (flash.h): contiguous ones
+and, in float16 and bfloat16 (chapter 5's strides), views whose last dimension is contiguous and
+whose other strides are multiples of 8 elements, e.g. q, k, v as (batch, seq, 3, heads, d) of one
+fused projection, transposed to (batch, heads, seq, d): no copy. Any other q, k, v or gradient of
+o (an expanded tensor, a view at an odd offset, a float32 view) is copied first, a copy of its
+size. The outputs o, dq, dk, dv take their input's row layout: (batch, seq, heads, d) in memory
+where the input's heads lie closer than its rows (so that o.transpose(1, 2).reshape(batch, seq,
+-1) is free), else contiguous; lse is contiguous. The backward runs once:
 differentiating it again raises RuntimeError. Bad input raises ValueError naming the argument and
 what is allowed (the C++ checks' own messages); a CUDA failure raises RuntimeError.
 
@@ -161,11 +165,19 @@ def build():
 
 
 def _readable(t):
-    """t itself if the kernels can read it where it lies: contiguous (row-major, dense) and at a
-    16-byte aligned address, as flash.h requires; else a copy that is (fresh memory from PyTorch's
-    allocator is aligned). contiguous() alone would keep a contiguous view at an odd offset."""
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
+    """t itself if the kernels can read it where it lies (flash.h): at a 16-byte aligned address,
+    and contiguous or, in float16 and bfloat16 (chapter 5's strides), 4-D with its last dimension
+    contiguous and every other stride a multiple of 8 elements and at least 8 (but for a dimension
+    of size 1): a transposed or sliced view, e.g. of one fused QKV projection, is read in place.
+    Else a contiguous copy (fresh memory from PyTorch's allocator is aligned); contiguous() alone
+    would keep a contiguous view at an odd offset. flash_torch.cpp's readable is the same rule."""
+    if t.data_ptr() % 16 == 0:
+        if t.is_contiguous():
+            return t
+        if (t.dtype in (torch.float16, torch.bfloat16) and t.dim() == 4 and t.stride(3) == 1 and
+                all(t.size(i) == 1 or (t.stride(i) >= 8 and t.stride(i) % 8 == 0)
+                    for i in range(3))):
+            return t
     return t.clone(memory_format=torch.contiguous_format)
 
 

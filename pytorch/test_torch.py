@@ -192,17 +192,41 @@ def test_saved_tensors_are_inputs_output_and_lse_not_p():
     assert not lse.requires_grad
 
 
-def test_non_contiguous_inputs_are_copied_and_give_the_same_result():
+def test_non_contiguous_inputs_give_the_same_result():
     q, k, v, do = inputs((2, 3, 65, 65), 64, torch.bfloat16, seed=5)
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, not contiguous
     assert not qt.is_contiguous()
     assert torch.equal(flash_attention(qt, k, v), flash_attention(q, k, v))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_views_of_a_fused_projection_are_read_in_place_and_o_comes_back_in_their_layout(dtype):
+    """Chapter 5's strides: q, k, v as (B, N, 3, H, d) views of one projection are what the
+    kernels read (no copy), o (and dq, dk, dv) come back (B, N, H, d) in memory, so the model's
+    o.transpose(1, 2).reshape(B, N, H d) is a view; an expanded or odd-offset tensor is copied."""
+    from flash_torch import _readable
+    b, n, h, d = 2, 100, 3, 64
+    g = torch.Generator(device="cuda").manual_seed(7)
+    qkv = randn(g, dtype, b, n, 3 * h * d).requires_grad_()
+    q, k, v = qkv.view(b, n, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+    assert all(_readable(t) is t for t in (q, k, v))
+    o = flash_attention(q, k, v, causal=True)
+    assert o.transpose(1, 2).is_contiguous(), f"o's strides {o.stride()}"
+    captured = {}
+    o.register_hook(lambda grad: captured.setdefault("do", grad))
+    o.backward(randn(g, dtype, b, n, h, d).transpose(1, 2))
+    assert _readable(captured["do"]) is captured["do"], f"do's strides {captured['do'].stride()}"
+    every_other = q[..., ::2]  # the last dimension strided: a copy
+    assert _readable(every_other) is not every_other
+    expanded = q[:, :1].expand(b, h, n, d)  # stride 0 over the heads: a copy
+    assert _readable(expanded) is not expanded
+
+
 # The op as models call it. A model's q, k, v are views of its own tensors (a projection viewed
 # (B, N, H, d) and transposed, three slices of one fused projection, ...) and the gradient of o
 # comes as the rest of the graph makes it (expanded by a sum, transposed, a slice of a larger
-# one): the op copies what its kernels cannot read, and each case runs forward and backward.
+# one): the op reads them in place where its kernels can (float16 and bfloat16 views whose last
+# dimension is contiguous) and copies the rest, and each case runs forward and backward.
 
 def randn(g, dtype, *shape):
     """N(0, 1) rounded to dtype, on the GPU: random, never all ones or zeros."""
@@ -249,7 +273,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_strided_q_k_v_forward_and_backward(layout, dtype, causal):
-    """q, k, v as views of a model's tensors, which the op must copy. o, lse and the gradients
+    """q, k, v as views of a model's tensors (read in place by float16 and bfloat16, copied for
+    float32: flash_torch._readable). o, lse and the gradients
     match the float64 reference run through the same views; each model tensor's gradient has its
     shape and strides, and 0 where no view reads it; and everything equals, bit for bit, the op
     on contiguous copies (flash.h: the kernels are deterministic)."""
@@ -261,7 +286,7 @@ def test_strided_q_k_v_forward_and_backward(layout, dtype, causal):
     tensors = [t.requires_grad_() for t in make(b, h, nq, nk, d, dtype, g)]
     do = randn(g, dtype, b, h, nq, d)
     q, k, v = views(tensors, b, h, nq, nk, d)
-    assert not any(t.is_contiguous() for t in (q, k, v)), f"{label}: a premise, views to copy"
+    assert not any(t.is_contiguous() for t in (q, k, v)), f"{label}: a premise, strided views"
     o, lse = flash_attention_with_lse(q, k, v, causal=causal)
     o.backward(do)
     for t in tensors:

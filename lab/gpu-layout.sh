@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# lab/gpu-layout.sh OUT [BASE]: one GPU run for chapter 5's strides (lab/chapter5.md): the build,
+# the layout tests, the default suite, then, with BASE (a tree before the strides, e.g. from `git
+# archive`), the plain contiguous kernels of both trees in turns (flash_bench: chapter 3's public
+# call and chapter 2's, forward and backward), to show the strides cost the contiguous calls
+# nothing. With TORCH=1 `pytest pytorch` and lab/layout-bench.py after. Logs under OUT; a short
+# table last. Catch2 from CPPFLAGS (e.g. CPPFLAGS=-I.deps/include).
+set -uo pipefail
+out=${1:?usage: lab/gpu-layout.sh OUT [BASE]} base=${2:-}
+cd "$(dirname "$0")/.." || exit 1
+export PATH="$PATH:/usr/local/cuda/bin"
+mkdir -p "$out"
+rows=()
+[ -n "$base" ] && (cd "$base" && make -j8 flash_bench >"$out/base-build.log" 2>&1) &
+t0=$SECONDS; make -j8 test_flash flash_bench >"$out/build.log" 2>&1; rc=$?
+rows+=("build|$((SECONDS - t0)) s|exit $rc")
+t0=$SECONDS; ./test_flash "[layout]" --durations yes >"$out/layout.log" 2>&1; rc=$?
+rows+=("[layout] tests|$((SECONDS - t0)) s|exit $rc, $(tail -n 1 "$out/layout.log")")
+t0=$SECONDS; ./test_flash >"$out/default.log" 2>&1; rc=$?
+rows+=("default suite|$((SECONDS - t0)) s|exit $rc, $(tail -n 1 "$out/default.log")")
+wait
+if [ -n "$base" ]; then
+    for round in 1 2; do
+        for tree in base new; do
+            dir=.; [ $tree = base ] && dir=$base
+            for chapter in "" --chapter2; do
+                for d in 64 128; do
+                    echo "== round $round, $tree, ${chapter:-public} d $d"
+                    (cd "$dir" && ./flash_bench --dtype fp16 $chapter --dim $d --seq 4096 \
+                        --batch 4 --heads 16 --causal 1 --no-standard) 2>&1 | grep -E "(fwd|bwd) \|"
+                done
+            done
+        done
+    done >"$out/ab.log"
+fi
+if [ "${TORCH:-0}" = 1 ]; then
+    t0=$SECONDS; timeout 400 python3 -m pytest -q pytorch >"$out/torch.log" 2>&1; rc=$?
+    rows+=("pytest pytorch|$((SECONDS - t0)) s|exit $rc, $(tail -n 1 "$out/torch.log")")
+    t0=$SECONDS; python3 lab/layout-bench.py --csv "$out/layout-bench.csv" >"$out/layout-bench.txt" 2>&1; rc=$?
+    rows+=("layout bench|$((SECONDS - t0)) s|exit $rc")
+fi
+echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)"
+[ -n "$base" ] && grep -E "round|fwd|bwd" "$out/ab.log"
+[ -f "$out/layout-bench.txt" ] && cat "$out/layout-bench.txt"
+grep -E "FAILED|failed" -A3 "$out/layout.log" | head -30
+for r in "${rows[@]}"; do IFS='|' read -r what time how <<<"$r"; printf '%-20s %7s  %s\n' "$what" "$time" "$how"; done
