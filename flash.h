@@ -124,13 +124,14 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
 //
 // Where the rows are (strides, in elements): element x of row i of head h of batch b of a tensor
 // lies at base[b * batch + h * head + i * row + x], the last dimension contiguous. A tensor whose
-// three strides are all 0 (the default) is contiguous, [batch][heads][len][head_dim]. Given
-// strides are each a multiple of 8 (so that every row is 16-byte aligned, as the base pointer
-// is), 8 or more and below 2^39 (a dimension of one index: any, it is never used); an output's (O; dQ, dK, dV) place each element of it apart from
-// every other. A view of one fused QKV projection, (batch, len, 3, heads, head_dim), is Q at
-// base, K at base + heads * head_dim, V at base + 2 * heads * head_dim, each with strides
-// {len * 3 * heads * head_dim, head_dim, 3 * heads * head_dim}. L stays contiguous. Where an
-// argument check names a tensor's size, it is the span from its first element to its last.
+// three strides are all 0 (the default) is contiguous, [batch][heads][len][head_dim]. Given strides
+// are each a multiple of 8 (so that every row is 16-byte aligned, as the base pointer is), 8 or
+// more and below 2^39 (a dimension of one index: any, it is never used); an output's (O; dQ, dK,
+// dV) place each element of it apart from every other. A view of one fused QKV projection, (batch,
+// len, 3, heads, head_dim), is Q at base, K at base + heads * head_dim, V at base + 2 * heads *
+// head_dim, each with strides {len * 3 * heads * head_dim, head_dim, 3 * heads * head_dim}. L stays
+// contiguous. Where an argument check names a tensor's size, it is the span from its first element
+// to its last.
 struct TensorStrides {
     long long batch = 0, head = 0, row = 0;
 };
@@ -153,10 +154,10 @@ struct AttentionOptions {
 // default, a window bound no row reaches, the default scale written out) run what the calls above
 // run, bit for bit and in speed, with the layout's strides: chapter 3 or 2 (the decode only with
 // every tensor contiguous; a strided short query runs chapter 3 or 2). Any other runs chapter 2's
-// kernels (flash_fp16.cu) with the options as their tile policy (lib/mask_policy.cuh) on every
-// GPU, head_dim in kFlashFp16HeadDims: chapter 3 and the decode do not take those yet. A (Q tile, K/V tile) pair with no visible score is skipped, forward
-// and backward: a window of w keys costs O(N w). Bad options throw std::invalid_argument naming
-// the field, before anything is launched.
+// kernels (flash_fp16.cu) with the options as their tile policy (lib/mask_policy.cuh) on every GPU,
+// head_dim in kFlashFp16HeadDims: chapter 3 and the decode do not take those yet. A (Q tile, K/V
+// tile) pair with no visible score is skipped, forward and backward: a window of w keys costs O(N
+// w). Bad options throw std::invalid_argument naming the field, before anything is launched.
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
                         const AttentionShape& shape, const AttentionOptions& options,
                         cudaStream_t stream = 0);

@@ -56,10 +56,11 @@ static constexpr int kPad = FLASH_FP16_PAD;
 // them); here, the async copies of rows and the product of two shared-memory operands.
 
 // Rows [first, first + ROWS) of a (len, D) tensor of T, rows `stride` elements apart (chapter 5's
-// layout; D where contiguous), into shared memory (row stride D + kPad), 16 bytes per cp.async; rows at or past `len` are filled with zeros (cp.async's source size 0),
-// so padding rows never carry garbage (0 * NaN would be NaN). Not waited for: see below.
-// THREADS, the block's threads, is a constant so that nvcc steps a thread's row on from chunk to
-// chunk instead of dividing its chunk number out again (NOTES.md section 14).
+// layout; D where contiguous), into shared memory (row stride D + kPad), 16 bytes per cp.async;
+// rows at or past `len` are filled with zeros (cp.async's source size 0), so padding rows never
+// carry garbage (0 * NaN would be NaN). Not waited for: see below. THREADS, the block's threads, is
+// a constant so that nvcc steps a thread's row on from chunk to chunk instead of dividing its chunk
+// number out again (NOTES.md section 14).
 template <int ROWS, int D, int THREADS = kFwdThreads, typename T>
 __device__ __forceinline__ void load_rows_async(T* tile, const T* src, long long stride, int first,
                                                 int len) {
@@ -120,11 +121,11 @@ __device__ __forceinline__ void mma_AB(float (*acc)[N / 8][4], const T* A, int l
 // fragment a warp loads from shared memory to two mmas, where M = 1 loads it for one.
 // Policy: the mask and the score (lib/mask_policy.cuh): which K/V tiles a Q tile loads, which
 // scores are tested, each score's change; scale_log2 turns its units into the exponent's.
-template <typename T, int D, int Bc, int M, typename Policy>
+template <typename T, int D, int Bc, int M, typename Policy, typename Lay>
 __global__ void __launch_bounds__(kFwdThreads)
 flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, T* __restrict__ O, float* __restrict__ L,
-                          const Policy policy, const Layout lay, int Tr, int HG, int group,
+                          const Policy policy, const Lay lay, int Tr, int HG, int group,
                           float scale_log2) {
     constexpr int Br = 16 * M * kWarps, ld = D + kPad;  // ld: shared row stride, in Ts
     // Shared memory: Q_i, (Br, ld); then K_j and V_j, (2, Bc, ld) each: two stages (line 7).
@@ -298,8 +299,8 @@ __device__ __forceinline__ void load_floats_async(float* to, const float* src, i
 // One warp's tile of 2M rows of 8 a thread by N columns (`rows` rows left in the tensor) out of
 // acc, times scale, in T, row stride LD: P^T and dS^T to shared memory, dK_j and dV_j (line 18).
 template <int M, int N, typename T>
-__device__ __forceinline__ void store_tile(T* out, long long LD, float (*acc)[N / 8][4], float scale,
-                                           int rows) {
+__device__ __forceinline__ void store_tile(T* out, long long LD, float (*acc)[N / 8][4],
+                                           float scale, int rows) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int r = 0; r < 2 * M; r++)                    // row 8r + g, columns 8n + 2t, + 1
         for (int n = 0; n < N / 8 && 8 * r + g < rows; n++)
@@ -336,14 +337,14 @@ __device__ __forceinline__ void add_tile(float* dQacc, float (*acc)[N / 8][4], i
 // SM where Q tiles have 64 rows at d <= 64: their warps hide each other's barriers and loads
 // (NOTES.md section 14), for registers capped at 128 (a few spill at d = 64).
 // Policy: the forward's (lib/mask_policy.cuh); scale: the softmax scale, dK's last factor.
-template <typename T, int D, int W, int Bc, int Br, typename Policy>
+template <typename T, int D, int W, int Bc, int Br, typename Policy, typename Lay>
 __global__ void __launch_bounds__(32 * W, D <= 64 && Br == 64 ? 2 : 1)
 flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                            const T* __restrict__ V, const T* __restrict__ dO,
                            const float* __restrict__ L, const float* __restrict__ Dsum,
                            float* __restrict__ dQacc, int* __restrict__ turns, int* next_ticket,
                            T* __restrict__ dK, T* __restrict__ dV, const Policy policy,
-                           const Layout lay, int Tc, int BH, int HG, int group, float scale_log2,
+                           const Lay lay, int Tc, int BH, int HG, int group, float scale_log2,
                            float scale) {
     constexpr int ld = D + kPad, ldS = Br + kPad;
     using TS = WarpTile<Bc, Br, W>;                    // S^T, dP^T: keys x queries
@@ -529,15 +530,18 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
                                 cudaStream_t stream) {
     const int Tr = (s.q_len + tile.Br - 1) / tile.Br;  // Q tiles per head
     const int blocks = grid_blocks(s, s.q_len, tile.Br, "q_len");
-    const auto launch = [&](auto policy, float scale_log2) {
-        auto kernel = flash_forward_fp16_kernel<T, D, Bc, fwd_M(D), decltype(policy)>;
+    const auto launch = [&](auto policy, auto layout, float scale_log2) {
+        auto kernel = flash_forward_fp16_kernel<T, D, Bc, fwd_M(D), decltype(policy),
+                                                decltype(layout)>;
         allow_shared(kernel, tile.shared_bytes);
         kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
-            Q, K, V, O, L, policy, lay, Tr, kFwdHeadGroup, flash_kv_group(s), scale_log2);
+            Q, K, V, O, L, policy, layout, Tr, kFwdHeadGroup, flash_kv_group(s), scale_log2);
         FLASH_CUDA_CHECK(cudaGetLastError());
     };
-    if (options) launch(model_policy(s, *options), options_scale_log2(s, *options));
-    else launch(PlainPolicy{s.q_len, s.kv_len, s.causal}, scale_log2_for(D));
+    const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
+    if (options) launch(model_policy(s, *options), lay, options_scale_log2(s, *options));
+    else if (dense(lay, s, false)) launch(plain, dense_layout<D>(s), scale_log2_for(D));
+    else launch(plain, lay, scale_log2_for(D));
 }
 
 // The launch once the arguments are checked (shape, pointers): the device's checks, the tile, the
@@ -654,13 +658,13 @@ FlashTile flash_choose_tile_fp16_backward(const cudaDeviceProp& prop, int head_d
     return bwd_tile(prop, head_dim, 0);
 }
 
-template <typename T, int D, int Bc, int Br, typename Policy>
+template <typename T, int D, int Bc, int Br, typename Policy, typename Lay>
 static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                  const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
-                                 const Layout& lay, const AttentionOptions& o,
-                                 const Policy& policy, const FlashTile& tile,
-                                 cudaStream_t stream) {
-    auto kernel = flash_backward_fp16_kernel<T, D, bwd_warps(D, Bc), Bc, Br, Policy>;
+                                 const Layout& lay, const Lay& kernel_lay,
+                                 const AttentionOptions& o, const Policy& policy,
+                                 const FlashTile& tile, cudaStream_t stream) {
+    auto kernel = flash_backward_fp16_kernel<T, D, bwd_warps(D, Bc), Bc, Br, Policy, Lay>;
     const int Tc = (s.kv_len + Bc - 1) / Bc;           // K/V tiles per head
     AttentionShape kv_shape = s;                       // one block per K/V tile of each K/V head
     kv_shape.heads = flash_kv_heads(s);
@@ -674,25 +678,33 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     const int group = policy.from_left() ? 32 : 4;
     flash_backward_passes(O, dO, dQ, s, lay, stream, [&](const BackwardScratch& m) {
         kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
-            Q, K, V, dO, L, m.D, m.dQacc, m.turns, m.next_ticket, dK, dV, policy, lay, Tc,
-            s.batch * flash_kv_heads(s), group, kv_group, options_scale_log2(s, o),
+            Q, K, V, dO, L, m.D, m.dQacc, m.turns, m.next_ticket, dK, dV, policy, kernel_lay,
+            Tc, s.batch * flash_kv_heads(s), group, kv_group, options_scale_log2(s, o),
             options_scale(s, o));
         return cudaGetLastError();
     }, o);
 }
 
 
-// Without options the plain policy (scale 1/sqrt(D)); with them chapter 5's.
+// Without options the plain policy (scale 1/sqrt(D)); with them chapter 5's. The layout: the
+// contiguous one's constants (DenseLayout) for plain calls on contiguous tensors, else the
+// strides (Layout).
 template <typename T, int D, int Bc, int Br>
 static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                  const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
                                  const Layout& lay, const AttentionOptions* options,
                                  const FlashTile& tile, cudaStream_t stream) {
     if (options)
-        return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, *options,
-                                                  model_policy(s, *options), tile, stream);
-    launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, AttentionOptions{},
-                                       PlainPolicy{s.q_len, s.kv_len, s.causal}, tile, stream);
+        return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay,
+                                                  *options, model_policy(s, *options), tile,
+                                                  stream);
+    const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
+    if (dense(lay, s, true))
+        return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay,
+                                                  dense_layout<D>(s), AttentionOptions{}, plain,
+                                                  tile, stream);
+    launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay,
+                                       AttentionOptions{}, plain, tile, stream);
 }
 
 template <typename T>

@@ -134,16 +134,17 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             const auto [i, bh, Tc] = decode(tile);
             if (q.n > 0) mbar_wait(&empty[Stages], q.phase_before());  // the last Q_i is read
             if (issuer) mbar_expect_bytes(&full[Stages], Br * D * sizeof(T));  // line 4: load Q_i
-            if (issuer) load_tile<Br, D>(Q_i, Q, i * Br, bh, out.heads, &full[Stages]);
+            // (batch b, head h); its K/V head h / group: the group query heads of a K/V head
+            // (GQA) share it.
+            const int b = bh / out.heads, h = bh % out.heads;
+            if (issuer) load_tile<Br, D>(Q_i, Q, i * Br, h, b, &full[Stages]);
             for (int j = 0; j < Tc; j++, kv.advance()) {  // line 7: K_j, V_j, in a free stage
                 if (j == Stages) handout<Consumers>();  // the consumers start this tile
                 if (kv.n >= Stages) mbar_wait(&empty[kv.stage()], kv.phase_before());
                 if (!issuer) continue;
                 mbar_expect_bytes(&full[kv.stage()], 2 * Bc * D * sizeof(T));
-                // K/V head bh / group: the group query heads of a K/V head (GQA) share it.
-                const int kv_bh = bh / group, kv_heads = out.heads / group;
-                load_tile<Bc, D>(K_at(kv.stage()), K, j * Bc, kv_bh, kv_heads, &full[kv.stage()]);
-                load_tile<Bc, D>(V_at(kv.stage()), V, j * Bc, kv_bh, kv_heads, &full[kv.stage()]);
+                load_tile<Bc, D>(K_at(kv.stage()), K, j * Bc, h / group, b, &full[kv.stage()]);
+                load_tile<Bc, D>(V_at(kv.stage()), V, j * Bc, h / group, b, &full[kv.stage()]);
             }
             if (Tc <= Stages) handout<Consumers>();    // (all of its tiles issued)
             tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);

@@ -211,8 +211,9 @@ __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& 
     constexpr int Br = kBwdBr, Bc = bwd_Bc(D), Stages = bwd_stages(D);
     if (threadIdx.x == 0) {                            // line 6: K_j, V_j, once
         mbar_expect_bytes(&sh.kv_full, 2 * Bc * D * sizeof(T));
-        load_tile<Bc, D>(sh.K_j, K, blk.j * Bc, blk.kvh, blk.kv_heads, &sh.kv_full);
-        load_tile<Bc, D>(sh.V_j, V, blk.j * Bc, blk.kvh, blk.kv_heads, &sh.kv_full);
+        const int h = blk.kvh % blk.kv_heads, b = blk.kvh / blk.kv_heads;
+        load_tile<Bc, D>(sh.K_j, K, blk.j * Bc, h, b, &sh.kv_full);
+        load_tile<Bc, D>(sh.V_j, V, blk.j * Bc, h, b, &sh.kv_full);
     }
     PipelineState<Stages> st;
     float next[Br / 32][2];                            // L_i, D_i of tile n, then of n + 1
@@ -229,8 +230,8 @@ __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& 
         else {                                         // lane 0's arrival, with the bytes to come
             mbar_expect_bytes(&sh.full[s], 2 * Br * D * sizeof(T));
             const int heads = blk.kv_heads * blk.group;  // query heads a batch
-            load_tile<Br, D>(sh.Q_s[s], Q, i * Br, bh, heads, &sh.full[s]);
-            load_tile<Br, D>(sh.dO_s[s], dO, i * Br, bh, heads, &sh.full[s]);
+            load_tile<Br, D>(sh.Q_s[s], Q, i * Br, bh % heads, bh / heads, &sh.full[s]);
+            load_tile<Br, D>(sh.dO_s[s], dO, i * Br, bh % heads, bh / heads, &sh.full[s]);
         }
     }
     // It leaves once the last stages it filled are read (as the forward's producer).

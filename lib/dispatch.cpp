@@ -57,9 +57,7 @@ static void forward_run(const char* fn, const T* Q, const T* K, const T* V, T* O
     // chapters 2 and 3 give one block a (batch, head) and fill 1 to 8 of its 128 rows, and read
     // the keys with a block a head; the decode kernel splits the keys over the SMs. Same contract.
     // It reads contiguous tensors only, so far.
-    const Layout dense = contiguous_layout(s);
-    if (flash_decode_runs(prop, s) && lay.Q == dense.Q && lay.K == dense.K && lay.V == dense.V &&
-        lay.O == dense.O)
+    if (flash_decode_runs(prop, s) && dense(lay, s, false))
         return flash_decode_launch(prop, Q, K, V, O, L, s, 0, stream);
 #ifndef FLASH_NO_HOPPER
     if (flash_forward_runs_hopper(prop, s.head_dim))

@@ -91,9 +91,9 @@ __device__ __forceinline__ void tma_load(void* to, const CUtensorMap& map, int c
         : "memory"));
 }
 // The other way (the backward's dQ): cp.reduce.async.bulk.tensor adds the box at (column, row,
-// head, batch) of shared memory into the tensor in global memory, element by element in L2 (fp32 adds);
-// with add = false, cp.async.bulk.tensor stores it instead. Rows past the tensor's end are left
-// alone. The copies a thread issued form a bulk group at bulk_commit; bulk_wait_read<N> waits
+// head, batch) of shared memory into the tensor in global memory, element by element in L2 (fp32
+// adds); with add = false, cp.async.bulk.tensor stores it instead. Rows past the tensor's end are
+// left alone. The copies a thread issued form a bulk group at bulk_commit; bulk_wait_read<N> waits
 // until at most N of its groups still read shared memory (the buffer is free), bulk_wait<N> until
 // at most N are incomplete (their writes done).
 __device__ __forceinline__ void tma_store(const CUtensorMap& map, const void* from, int col,
@@ -127,14 +127,14 @@ __device__ __forceinline__ void bulk_wait() {
 __device__ __forceinline__ void fence_proxy_async_global() {
     HOPPER_ONLY(asm volatile("fence.proxy.async.global;\n" ::: "memory"));
 }
-// Rows [first, first + R) of head bh's (len x D) matrix (bh = batch * heads + head, `heads` the
-// map's) as blocks of 64 columns (R x 128 bytes each), D / 64 copies on bar.
+// Rows [first, first + R) of (head, batch)'s (len x D) matrix as blocks of 64 columns (R x 128
+// bytes each), D / 64 copies on bar.
 template <int R, int D, typename T>
-__device__ __forceinline__ void load_tile(T* to, const CUtensorMap& map, int first, int bh,
-                                          int heads, uint64_t* bar) {
+__device__ __forceinline__ void load_tile(T* to, const CUtensorMap& map, int first, int head,
+                                          int batch, uint64_t* bar) {
 #pragma unroll
     for (int c = 0; c < D / 64; c++)
-        tma_load(to + c * R * 64, map, c * 64, first, bh % heads, bh / heads, bar);
+        tma_load(to + c * R * 64, map, c * 64, first, head, batch, bar);
 }
 
 // setmaxnreg (PTX ISA, "Miscellaneous Instructions: setmaxnreg"): a warpgroup gives back registers

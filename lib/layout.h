@@ -12,9 +12,9 @@
 struct Rows {
     long long batch, head, row;  // in elements
     int heads;                   // heads of this tensor: the query heads, or the K/V heads
-    // The first element of head bh's row 0.
+    // The first element of head bh's row 0 (bh < batch * heads < 2^31, as every grid's count).
     template <typename T>
-    __host__ __device__ T* of(T* base, size_t bh) const {
+    __host__ __device__ T* of(T* base, int bh) const {
         return base + (long long)(bh / heads) * batch + (long long)(bh % heads) * head;
     }
     bool operator==(const Rows& o) const {
@@ -50,3 +50,33 @@ inline Layout layout_of(const AttentionLayout& a, const AttentionShape& s) {
 }
 // Every tensor contiguous: the layout of the calls without options.
 inline Layout contiguous_layout(const AttentionShape& s) { return layout_of({}, s); }
+
+// The contiguous layout as constants, for the kernels of chapter 2 (a layout policy, as the
+// masks are a tile policy: lib/mask_policy.cuh): rows D elements apart, heads len rows apart,
+// the address arithmetic of a kernel without strides, in the registers of one. Its members read
+// as Rows' do, so that one kernel body takes either.
+template <int D>
+struct DenseRows {
+    static constexpr long long row = D;
+    int len;  // rows a head
+    template <typename T>
+    __host__ __device__ T* of(T* base, int bh) const {
+        return base + size_t(bh) * len * D;
+    }
+};
+template <int D>
+struct DenseLayout {
+    DenseRows<D> Q, K, V, O, dO, dQ, dK, dV;
+};
+template <int D>
+DenseLayout<D> dense_layout(const AttentionShape& s) {
+    const DenseRows<D> q{s.q_len}, k{s.kv_len};
+    return {q, k, k, q, q, q, k, k};
+}
+// Whether lay is the contiguous layout in the tensors a call reads and writes (the forward's Q, K,
+// V, O; with backward all eight).
+inline bool dense(const Layout& lay, const AttentionShape& s, bool backward) {
+    const Layout c = contiguous_layout(s);
+    return lay.Q == c.Q && lay.K == c.K && lay.V == c.V && lay.O == c.O &&
+           (!backward || (lay.dO == c.dO && lay.dQ == c.dQ && lay.dK == c.dK && lay.dV == c.dV));
+}
