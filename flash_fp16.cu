@@ -62,7 +62,7 @@ static constexpr int kPad = FLASH_FP16_PAD;
 // a constant so that nvcc steps a thread's row on from chunk to chunk instead of dividing its chunk
 // number out again (NOTES.md section 14).
 template <int ROWS, int D, int THREADS = kFwdThreads, typename T>
-__device__ __forceinline__ void load_rows_async(T* tile, const T* src, long long stride, int first,
+__device__ __forceinline__ void load_rows_async(T* tile, const T* src, size_t stride, int first,
                                                 int len) {
     for (int x = threadIdx.x; x < ROWS * D / 8; x += THREADS) {  // x: one 16-byte chunk
         const int row = x / (D / 8);
@@ -70,7 +70,7 @@ __device__ __forceinline__ void load_rows_async(T* tile, const T* src, long long
         const bool inside = first + row < len;
         const unsigned to = unsigned(__cvta_generic_to_shared(tile + row * (D + kPad) + col));
         SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to),
-                 "l"(src + (inside ? first + row : 0) * stride + col), "r"(inside ? 16 : 0));
+                 "l"(src + size_t(inside ? first + row : 0) * stride + col), "r"(inside ? 16 : 0));
     }
 }
 // The copies this thread has issued so far become one group; wait until at most N groups are
@@ -142,19 +142,19 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const Policy pol = policy.for_head(bh);
     const int q_len = pol.q_len, kv_len = pol.kv_len;
     const int query = i * Br + 16 * M * warp + threadIdx.x % 32 / 4;  // its rows: query + 8r
-    // This head's rows start here (lay: chapter 5's strides); its K and V are its K/V head's,
-    // bh / group (GQA: group query heads share one K/V head, flash.cu's layouts). Consecutive
-    // heads share it, and HG of them run together: the K/V tiles they read stay in L2.
-    const T *Q_h = lay.Q.of(Q, bh), *K_h = lay.K.of(K, bh / group);
-    const T* V_h = lay.V.of(V, bh / group);
+    // This head's rows start at these offsets (lay: chapter 5's strides, or the contiguous ones
+    // as constants); its K and V are its K/V head's, bh / group (GQA: group query heads share one
+    // K/V head, flash.cu's layouts). Consecutive heads share it, and HG of them run together: the
+    // K/V tiles they read stay in L2.
+    const size_t k_at = lay.K.at(bh / group, kv_len), v_at = lay.V.at(bh / group, kv_len);
     // The keys Q_i needs, keys.begin .. keys.end - 1 (without a mask all, under causal to the
     // last row's last key), in K/V tiles j0 .. ; a tile inside keys.all_begin .. keys.all_end - 1,
     // the keys every row sees, needs no mask.
     const KeySpan keys = pol.keys(i * Br, Br);
     const int j0 = keys.begin / Bc;
-    load_rows_async<Br, D>(Q_i, Q_h, lay.Q.row, i * Br, q_len);  // line 4: load Q_i
-    load_rows_async<Bc, D>(K_j, K_h, lay.K.row, j0 * Bc, keys.end);  // line 7 for j0
-    load_rows_async<Bc, D>(V_j, V_h, lay.V.row, j0 * Bc, keys.end);
+    load_rows_async<Br, D>(Q_i, Q + lay.Q.at(bh, q_len), lay.Q.row, i * Br, q_len);  // line 4
+    load_rows_async<Bc, D>(K_j, K + k_at, lay.K.row, j0 * Bc, keys.end);  // line 7 for j0
+    load_rows_async<Bc, D>(V_j, V + v_at, lay.V.row, j0 * Bc, keys.end);
     // Line 5: O_i = 0, m = -inf, l = 0, for this thread's rows; m in the scores' units (unscaled).
     // -1e30 stands in for -inf: e^(m_old - m) stays 1, not NaN, while no key has been seen.
     float O_i[M][D / 8][4] = {}, m[2 * M], l[2 * M];
@@ -166,9 +166,9 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         commit_and_wait<0>();
         __syncthreads();
         if ((j + 1) * Bc < keys.end) {                 // line 7, a tile ahead: K_{j+1}, V_{j+1}
-            load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K_h, lay.K.row, (j + 1) * Bc,
+            load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K + k_at, lay.K.row, (j + 1) * Bc,
                                    keys.end);
-            load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V_h, lay.V.row, (j + 1) * Bc,
+            load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V + v_at, lay.V.row, (j + 1) * Bc,
                                    keys.end);
         }
         // Line 8: S_ij = Q_i K_j^T, this warp's rows.
@@ -225,10 +225,11 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     for (int r = 0; r < 2 * M; r++) {                  // lines 12-15 for query + 8r, written once
         const float l_row = quad_reduce(l[r], add);    // the sum over the row's 4 threads
         const size_t at = bh * q_len + query + 8 * r;  // this row's place in L
+        T* O_row = O + lay.O.at(bh, q_len) + (query + 8 * r) * lay.O.row;  // and in O
         // A row that saw a key has l >= 1 (its max's own term is e^0); one that saw none has
         // l = 0 and O_i = 0: it gets O = 0 / 1 = 0 and L = -inf.
         for (int n = 0; n < D / 8 && query + 8 * r < q_len; n++)  // columns 2n, 2n + 1
-            store_pair(lay.O.of(O, bh) + (query + 8 * r) * lay.O.row + 8 * n + 2 * t,
+            store_pair(O_row + 8 * n + 2 * t,
                        acc_at(O_i, r, 2 * n) / fmaxf(l_row, 1.f),
                        acc_at(O_i, r, 2 * n + 1) / fmaxf(l_row, 1.f));
         if (t == 0 && query + 8 * r < q_len)
@@ -385,14 +386,17 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     auto load_Q_tile = [&](int stage, int n) {         // line 9: load Q_i, dO_i, L_i, D_i of step n
         const size_t bh = head_of(n);
         const int q0 = tile_of(n) * Br;
-        load_rows_async<Br, D, 32 * W>(Q_i + stage * ld, lay.Q.of(Q, bh), lay.Q.row, q0, q_len);
-        load_rows_async<Br, D, 32 * W>(dO_i + stage * ld, lay.dO.of(dO, bh), lay.dO.row, q0,
+        load_rows_async<Br, D, 32 * W>(Q_i + stage * ld, Q + lay.Q.at(bh, q_len), lay.Q.row, q0,
+                                       q_len);
+        load_rows_async<Br, D, 32 * W>(dO_i + stage * ld, dO + lay.dO.at(bh, q_len), lay.dO.row, q0,
                                        q_len);
         load_floats_async<Br>(L_i + stage, L + bh * q_len, q0, q_len);
         load_floats_async<Br>(D_i + stage, Dsum + bh * q_len, q0, q_len);
     };
-    load_rows_async<Bc, D, 32 * W>(K_j, lay.K.of(K, kv_bh), lay.K.row, j * Bc, kv_len);  // line 6
-    load_rows_async<Bc, D, 32 * W>(V_j, lay.V.of(V, kv_bh), lay.V.row, j * Bc, kv_len);
+    load_rows_async<Bc, D, 32 * W>(K_j, K + lay.K.at(kv_bh, kv_len), lay.K.row, j * Bc,
+                                   kv_len);  // line 6
+    load_rows_async<Bc, D, 32 * W>(V_j, V + lay.V.at(kv_bh, kv_len), lay.V.row, j * Bc,
+                                   kv_len);
     if (steps > 0) load_Q_tile(0, 0);
     float dK_j[TKV::M][TKV::cols / 8][4] = {}, dV_j[TKV::M][TKV::cols / 8][4] = {};  // line 7
     int* added = nullptr;                              // the turn of the dQ_i added to last
@@ -466,8 +470,8 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     __syncthreads();                                   // every warp's last adds were issued
     if (added && threadIdx.x == 0) pass_turn(added);
     const int key = j * Bc + TKV::row(warp);           // line 18: write dK_j scale, dV_j
-    T* dK_at = lay.dK.of(dK, kv_bh) + key * lay.dK.row + TKV::col(warp);
-    T* dV_at = lay.dV.of(dV, kv_bh) + key * lay.dV.row + TKV::col(warp);
+    T* dK_at = dK + lay.dK.at(kv_bh, kv_len) + key * lay.dK.row + TKV::col(warp);
+    T* dV_at = dV + lay.dV.at(kv_bh, kv_len) + key * lay.dV.row + TKV::col(warp);
     store_tile<TKV::M, TKV::cols>(dK_at, lay.dK.row, dK_j, scale, kv_len - key);
     store_tile<TKV::M, TKV::cols>(dV_at, lay.dV.row, dV_j, 1.f, kv_len - key);
 }
@@ -540,7 +544,7 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
     };
     const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
     if (options) launch(model_policy(s, *options), lay, options_scale_log2(s, *options));
-    else if (dense(lay, s, false)) launch(plain, dense_layout<D>(s), scale_log2_for(D));
+    else if (dense(lay, s, false)) launch(plain, DenseLayout<D>{}, scale_log2_for(D));
     else launch(plain, lay, scale_log2_for(D));
 }
 
@@ -701,7 +705,7 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
     if (dense(lay, s, true))
         return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay,
-                                                  dense_layout<D>(s), AttentionOptions{}, plain,
+                                                  DenseLayout<D>{}, AttentionOptions{}, plain,
                                                   tile, stream);
     launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay,
                                        AttentionOptions{}, plain, tile, stream);

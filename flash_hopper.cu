@@ -252,7 +252,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             const float inv = l_row > 0.f ? 1.f / l_row : 0.f;  // a row that sees no key: O = 0
 #pragma unroll
             for (int n = 0; n < D / 8; n++)
-                *reinterpret_cast<uint32_t*>(out.of(O, bh) + row * out.row + 8 * n + 2 * t) =
+                *reinterpret_cast<uint32_t*>(O + (out.at(bh) + row * out.row) + 8 * n + 2 * t) =
                     pair_bits<T>(acc_at(O_i, r, 2 * n) * inv, acc_at(O_i, r, 2 * n + 1) * inv);
             const float L_row = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
             if (t == 0) L[size_t(bh) * q_len + row] = L_row;

@@ -480,8 +480,8 @@ __device__ __forceinline__ void store_dK_dV(T* dK, T* dV, const Rows dk, const R
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int key = blk.j * Bc + me.kw + 16 * me.warp + me.g + 8 * r;
-        T* dK_at = dk.of(dK, blk.kvh) + key * dk.row + me.cw + 2 * me.t;
-        T* dV_at = dv.of(dV, blk.kvh) + key * dv.row + me.cw + 2 * me.t;
+        T* dK_at = dK + dk.at(blk.kvh) + key * dk.row + me.cw + 2 * me.t;
+        T* dV_at = dV + dv.at(blk.kvh) + key * dv.row + me.cw + 2 * me.t;
 #pragma unroll
         for (int b = 0; b < Dw / 8 && key < blk.kv_len; b++) {
             *reinterpret_cast<uint32_t*>(dK_at + 8 * b) = pair_bits<T>(

@@ -32,6 +32,14 @@ if [ -n "$base" ]; then
             done
         done
     done >"$out/ab.log"
+    # Chapter 5's options, which now read through the strides (Layout): both trees' options bench.
+    objs="build/flash.o build/flash_fp16.o build/backward_passes.o build/flash_decode.o"
+    objs="$objs build/checks.o build/dispatch.o build/flash_hopper.o build/flash_hopper_backward.o"
+    for tree in base new; do
+        dir=.; [ $tree = base ] && dir=$base
+        (cd "$dir" && nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/options-bench.cu $objs \
+            -o options_bench && ./options_bench) >"$out/options-$tree.csv" 2>&1
+    done
 fi
 if [ "${TORCH:-0}" = 1 ]; then
     t0=$SECONDS; timeout 400 python3 -m pytest -q pytorch >"$out/torch.log" 2>&1; rc=$?
@@ -40,7 +48,12 @@ if [ "${TORCH:-0}" = 1 ]; then
     rows+=("layout bench|$((SECONDS - t0)) s|exit $rc")
 fi
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)"
-[ -n "$base" ] && grep -E "round|fwd|bwd" "$out/ab.log"
+if [ -n "$base" ]; then  # ms: tree, call, d, direction, round 1, round 2
+    awk '/^==/{t=$4; c=$5; d=$7} /(fwd|bwd) \|/{split($0,a,"|"); split(a[2],b," ");
+         k=t" "c" d"d" "(index($0,"fwd")?"fwd":"bwd"); ms[k]=ms[k]" "b[1]}
+         END{for (k in ms) print k, ms[k]}' "$out/ab.log" | sort -k3,3 -k2,2 -k4,4 -k1,1
+    paste -d'|' "$out/options-base.csv" "$out/options-new.csv"
+fi
 [ -f "$out/layout-bench.txt" ] && cat "$out/layout-bench.txt"
 grep -E "FAILED|failed" -A3 "$out/layout.log" | head -30
 for r in "${rows[@]}"; do IFS='|' read -r what time how <<<"$r"; printf '%-20s %7s  %s\n' "$what" "$time" "$how"; done

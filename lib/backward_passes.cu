@@ -32,8 +32,8 @@ __global__ void flash_backward_dot_fp16_kernel(const T* __restrict__ O, const T*
     for (size_t q0 = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) / 32 * (32 / TPR);
          q0 < rows; q0 += size_t(gridDim.x) * blockDim.x / TPR) {
         const size_t q = q0 + lane / TPR;  // row q % q_len of head q / q_len
-        const T* o_at = o_rows.of(O, q / q_len) + q % q_len * o_rows.row;
-        const T* do_at = do_rows.of(dO, q / q_len) + q % q_len * do_rows.row;
+        const T* o_at = O + o_rows.at(q / q_len) + q % q_len * o_rows.row;
+        const T* do_at = dO + do_rows.at(q / q_len) + q % q_len * do_rows.row;
         float sum = 0.f;
         for (int c = lane % TPR * 8; c < D && q < rows; c += 8 * TPR) {  // 8 elements of each
             const uint4 o = *reinterpret_cast<const uint4*>(o_at + c);
@@ -59,7 +59,7 @@ __global__ void flash_backward_dq_fp16_kernel(const float* __restrict__ dQacc, T
     for (size_t x = 4 * (blockIdx.x * size_t(blockDim.x) + threadIdx.x); x < elems;
          x += 4 * size_t(gridDim.x) * blockDim.x) {
         const int row = int(x / D % mask.q_len);  // dQacc is contiguous, dQ as its layout says
-        T* to = dq_rows.of(dQ, x / D / mask.q_len) + row * dq_rows.row + x % D;
+        T* to = dQ + dq_rows.at(x / D / mask.q_len) + row * dq_rows.row + x % D;
         const bool seen = mask.first_key(row) <= mask.last_key(row);
         const float4 a = seen ? *reinterpret_cast<const float4*>(dQacc + x) : float4{};
         reinterpret_cast<Pair<T>*>(to)[0] = pair_of<T>(a.x * scale, a.y * scale);

@@ -12,10 +12,12 @@
 struct Rows {
     long long batch, head, row;  // in elements
     int heads;                   // heads of this tensor: the query heads, or the K/V heads
-    // The first element of head bh's row 0 (bh < batch * heads < 2^31, as every grid's count).
-    template <typename T>
-    __host__ __device__ T* of(T* base, int bh) const {
-        return base + (long long)(bh / heads) * batch + (long long)(bh % heads) * head;
+    // Where head bh's row 0 starts, in elements from the tensor's base (bh < batch * heads <
+    // 2^31, as every grid's count). (len, the rows a head, is DenseRows' business: the strides
+    // say it here.)
+    __host__ __device__ long long at(size_t bh, int /* len */ = 0) const {
+        const int h = int(bh);
+        return (long long)(h / heads) * batch + (long long)(h % heads) * head;
     }
     bool operator==(const Rows& o) const {
         return batch == o.batch && head == o.head && row == o.row && heads == o.heads;
@@ -52,27 +54,19 @@ inline Layout layout_of(const AttentionLayout& a, const AttentionShape& s) {
 inline Layout contiguous_layout(const AttentionShape& s) { return layout_of({}, s); }
 
 // The contiguous layout as constants, for the kernels of chapter 2 (a layout policy, as the
-// masks are a tile policy: lib/mask_policy.cuh): rows D elements apart, heads len rows apart,
-// the address arithmetic of a kernel without strides, in the registers of one. Its members read
-// as Rows' do, so that one kernel body takes either.
+// masks are a tile policy: lib/mask_policy.cuh): rows D elements apart, heads len rows apart (the
+// kernel's own q_len or kv_len), the address arithmetic of a kernel without strides, in the
+// registers of one (at 255 registers a thread, two more spill). Its members read as Rows' do, so
+// that one kernel body takes either.
 template <int D>
 struct DenseRows {
     static constexpr long long row = D;
-    int len;  // rows a head
-    template <typename T>
-    __host__ __device__ T* of(T* base, int bh) const {
-        return base + size_t(bh) * len * D;
-    }
+    __host__ __device__ size_t at(size_t bh, int len) const { return bh * len * D; }
 };
 template <int D>
 struct DenseLayout {
     DenseRows<D> Q, K, V, O, dO, dQ, dK, dV;
 };
-template <int D>
-DenseLayout<D> dense_layout(const AttentionShape& s) {
-    const DenseRows<D> q{s.q_len}, k{s.kv_len};
-    return {q, k, k, q, q, q, k, k};
-}
 // Whether lay is the contiguous layout in the tensors a call reads and writes (the forward's Q, K,
 // V, O; with backward all eight).
 inline bool dense(const Layout& lay, const AttentionShape& s, bool backward) {

@@ -212,7 +212,7 @@ std::vector<LayoutCase> layout_cases() {
          Kind::Padded},
         {"padded, a window, d 256", {1, 2, 190, 260, 256, false}, Kind::Padded, 0.f, 50},
         {"a short query, strided (chapter 3 or 2: the decode reads contiguous tensors only)",
-         {2, 4, 4, 300, 128, true, 2}, Kind::Padded, 0.f, -1, false},
+         {2, 4, 4, 300, 128, true}, Kind::Padded, 0.f, -1, false},
     };
 }
 
