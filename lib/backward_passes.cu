@@ -17,54 +17,61 @@
 #include <type_traits>
 
 
-// Line 4, before the kernel: D = rowsum(dO o O), fp32, over the (B*H*q_len) rows. A row is read
-// by dot_threads(D) neighbouring threads, 16 bytes each a step, so that a warp reads whole rows
-// (one thread a row would read 16 bytes of each of 32 rows a load, twice the memory traffic that
+// Both passes walk heads along the grid's y (bh, of BH = batch * heads) and a head's rows along
+// its x, so that a row's place in O, dO, dQ (chapter 5's strides: Rows) needs no division.
+
+// Line 4, before the kernel: D = rowsum(dO o O), fp32, row by row of each head. A row is read by
+// dot_threads(D) neighbouring threads, 16 bytes each a step, so that a warp reads whole rows (one
+// thread a row would read 16 bytes of each of 32 rows a load, twice the memory traffic that
 // needs: lab/chapter2.md, step 11); their sums meet over shuffles.
 __host__ __device__ constexpr int dot_threads(int d) { return (d / 8) & -(d / 8); }  // 2 .. 32
 template <typename T, int D>
 __global__ void flash_backward_dot_fp16_kernel(const T* __restrict__ O, const T* __restrict__ dO,
-                                               float* __restrict__ Dsum, size_t rows, int q_len,
+                                               float* __restrict__ Dsum, int BH, int q_len,
                                                const Rows o_rows, const Rows do_rows) {
     constexpr int TPR = dot_threads(D);
     const int lane = threadIdx.x % 32;
-    // The warp's first row, then a grid's worth of rows on; every lane stays for the shuffles.
-    for (size_t q0 = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) / 32 * (32 / TPR);
-         q0 < rows; q0 += size_t(gridDim.x) * blockDim.x / TPR) {
-        const size_t q = q0 + lane / TPR;  // row q % q_len of head q / q_len
-        const T* o_at = O + o_rows.at(q / q_len) + q % q_len * o_rows.row;
-        const T* do_at = dO + do_rows.at(q / q_len) + q % q_len * do_rows.row;
-        float sum = 0.f;
-        for (int c = lane % TPR * 8; c < D && q < rows; c += 8 * TPR) {  // 8 elements of each
-            const uint4 o = *reinterpret_cast<const uint4*>(o_at + c);
-            const uint4 g = *reinterpret_cast<const uint4*>(do_at + c);
-            for (int k = 0; k < 4; k++) {
-                const float2 a = float2_of(reinterpret_cast<const Pair<T>*>(&o)[k]);
-                const float2 b = float2_of(reinterpret_cast<const Pair<T>*>(&g)[k]);
-                sum += a.x * b.x + a.y * b.y;
+    for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
+        const T *O_h = O + o_rows.at(bh), *dO_h = dO + do_rows.at(bh);
+        // The warp's first row, then a grid's worth of rows on; every lane stays for the shuffles.
+        for (int i0 = (blockIdx.x * blockDim.x + threadIdx.x) / 32 * (32 / TPR); i0 < q_len;
+             i0 += gridDim.x * blockDim.x / TPR) {
+            const int i = i0 + lane / TPR;
+            float sum = 0.f;
+            for (int c = lane % TPR * 8; c < D && i < q_len; c += 8 * TPR) {  // 8 elements each
+                const uint4 o = *reinterpret_cast<const uint4*>(O_h + i * o_rows.row + c);
+                const uint4 g = *reinterpret_cast<const uint4*>(dO_h + i * do_rows.row + c);
+                for (int k = 0; k < 4; k++) {
+                    const float2 a = float2_of(reinterpret_cast<const Pair<T>*>(&o)[k]);
+                    const float2 b = float2_of(reinterpret_cast<const Pair<T>*>(&g)[k]);
+                    sum += a.x * b.x + a.y * b.y;
+                }
             }
+            for (int x = TPR / 2; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+            if (i < q_len && lane % TPR == 0) Dsum[size_t(bh) * q_len + i] = sum;
         }
-        for (int x = TPR / 2; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
-        if (q < rows && lane % TPR == 0) Dsum[q] = sum;
     }
 }
 
 // After the kernel: dQ = dQacc scale in T (S was unscaled; scale 1/sqrt(d), or the options'), 4
-// elements a thread a step. A row that sees no key (causal with q_len > kv_len, a window) was
-// never added to: it gets 0.
+// elements a thread a step (dQacc is contiguous, dQ where its layout says). A row that sees no
+// key (causal with q_len > kv_len, a window) was never added to: it gets 0.
 template <typename T, int D>
 __global__ void flash_backward_dq_fp16_kernel(const float* __restrict__ dQacc, T* __restrict__ dQ,
-                                              size_t elems, WindowMask mask, float scale,
+                                              int BH, WindowMask mask, float scale,
                                               const Rows dq_rows) {
-    for (size_t x = 4 * (blockIdx.x * size_t(blockDim.x) + threadIdx.x); x < elems;
-         x += 4 * size_t(gridDim.x) * blockDim.x) {
-        const int row = int(x / D % mask.q_len);  // dQacc is contiguous, dQ as its layout says
-        T* to = dQ + dq_rows.at(x / D / mask.q_len) + row * dq_rows.row + x % D;
-        const bool seen = mask.first_key(row) <= mask.last_key(row);
-        const float4 a = seen ? *reinterpret_cast<const float4*>(dQacc + x) : float4{};
-        reinterpret_cast<Pair<T>*>(to)[0] = pair_of<T>(a.x * scale, a.y * scale);
-        reinterpret_cast<Pair<T>*>(to)[1] = pair_of<T>(a.z * scale, a.w * scale);
-    }
+    const size_t head = size_t(mask.q_len) * D;        // elements a head
+    for (int bh = blockIdx.y; bh < BH; bh += gridDim.y)
+        for (size_t x = 4 * (blockIdx.x * size_t(blockDim.x) + threadIdx.x); x < head;
+             x += 4 * size_t(gridDim.x) * blockDim.x) {
+            const int row = int(x / D);
+            T* to = dQ + dq_rows.at(bh) + row * dq_rows.row + x % D;
+            const bool seen = mask.first_key(row) <= mask.last_key(row);
+            const float* from = dQacc + bh * head + x;
+            const float4 a = seen ? *reinterpret_cast<const float4*>(from) : float4{};
+            reinterpret_cast<Pair<T>*>(to)[0] = pair_of<T>(a.x * scale, a.y * scale);
+            reinterpret_cast<Pair<T>*>(to)[1] = pair_of<T>(a.z * scale, a.w * scale);
+        }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -96,9 +103,14 @@ static void backward_passes(const T* O, const T* dO, T* dQ, const AttentionShape
                                            o.window_right);
     const BwdScratch scratch(s);
     const size_t rows = scratch.rows, turns = scratch.turns;
-    // Element-wise passes: 256 threads a block, at most 64 blocks an SM's worth (grid-stride).
-    const int sms = flash_device_props().multiProcessorCount;
-    const auto grid = [&](size_t n) { return int(std::min<size_t>((n + 255) / 256, 64 * sms)); };
+    // Element-wise passes: 256 threads a block, a head's work of n threads along x, the heads
+    // along y, at most 64 blocks an SM's worth in all (grid-stride both ways).
+    const int sms = flash_device_props().multiProcessorCount, BH = int(rows / s.q_len);
+    const auto grid = [&](size_t n) {
+        const int y = std::min(BH, 65535);
+        return dim3(unsigned(std::clamp<size_t>((n + 255) / 256, 1, std::max(64 * sms / y, 1))),
+                    unsigned(y));
+    };
     dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
         with_scratch(scratch.bytes(), stream, [&](void* memory) {  // laid out as BwdScratch says
@@ -112,12 +124,12 @@ static void backward_passes(const T* O, const T* dO, T* dQ, const AttentionShape
             cudaError_t err = cudaMemsetAsync(m.turns, 0, (turns + 1) * sizeof(int), stream);
             if (err != cudaSuccess) return err;
             flash_backward_dot_fp16_kernel<T, D>
-                <<<grid(rows * dot_threads(D)), 256, 0, stream>>>(O, dO, m.D, rows, s.q_len,
-                                                                   lay.O, lay.dO);
+                <<<grid(size_t(s.q_len) * dot_threads(D)), 256, 0, stream>>>(
+                    O, dO, m.D, BH, s.q_len, lay.O, lay.dO);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             if ((err = kernel(m)) != cudaSuccess) return err;
-            flash_backward_dq_fp16_kernel<T, D><<<grid(scratch.dq / 4), 256, 0, stream>>>(
-                m.dQacc, dQ, scratch.dq, mask, options_scale(s, o), lay.dQ);
+            flash_backward_dq_fp16_kernel<T, D><<<grid(size_t(s.q_len) * D / 4), 256, 0, stream>>>(
+                m.dQacc, dQ, BH, mask, options_scale(s, o), lay.dQ);
             return cudaGetLastError();
         });
     });

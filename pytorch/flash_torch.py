@@ -200,6 +200,7 @@ class FlashAttention(torch.autograd.Function):
         o, lse = build().forward(q, k, v, *ctx.options)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse takes no gradient: no zeros made for it
         return o, lse
 
     @staticmethod
@@ -207,6 +208,8 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         # do comes as the rest of the graph made it: often expanded (stride 0, from a sum or a
         # mean), transposed (a transpose after attention) or a slice of a larger gradient.
+        if do is None:  # o takes no part in the loss (lse takes no gradient): none for q, k, v
+            return None, None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = build().backward(q, k, v, o, _readable(do), lse, *ctx.options)
         return dq, dk, dv, None, None
