@@ -164,6 +164,9 @@ check:
 	        echo "make check: exercise $$p is applied (git apply -R $$p undoes it); nothing checked"; \
 	        exit 1; \
 	    fi; \
+	    git apply --check "$$p" 2>/dev/null || { \
+	        echo "make check: exercise $$p no longer applies to the sources (remake its diff)"; \
+	        exit 1; }; \
 	done
 	@$(MAKE) --no-print-directory check_docs
 	./check_docs

@@ -152,9 +152,12 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     // the keys every row sees, needs no mask.
     const KeySpan keys = pol.keys(i * Br, Br);
     const int j0 = keys.begin / Bc;
+    const auto load_KV = [&](int j, int stage) {       // line 7: K_j, V_j into a stage
+        load_rows_async<Bc, D>(K_j + stage, K + k_at, lay.K.row, j * Bc, keys.end);
+        load_rows_async<Bc, D>(V_j + stage, V + v_at, lay.V.row, j * Bc, keys.end);
+    };
     load_rows_async<Br, D>(Q_i, Q + lay.Q.at(bh, q_len), lay.Q.row, i * Br, q_len);  // line 4
-    load_rows_async<Bc, D>(K_j, K + k_at, lay.K.row, j0 * Bc, keys.end);  // line 7 for j0
-    load_rows_async<Bc, D>(V_j, V + v_at, lay.V.row, j0 * Bc, keys.end);
+    load_KV(j0, 0);
     // Line 5: O_i = 0, m = -inf, l = 0, for this thread's rows; m in the scores' units (unscaled).
     // -1e30 stands in for -inf: e^(m_old - m) stays 1, not NaN, while no key has been seen.
     float O_i[M][D / 8][4] = {}, m[2 * M], l[2 * M];
@@ -165,12 +168,7 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // stage is free.
         commit_and_wait<0>();
         __syncthreads();
-        if ((j + 1) * Bc < keys.end) {                 // line 7, a tile ahead: K_{j+1}, V_{j+1}
-            load_rows_async<Bc, D>(K_j + (Bc * ld - stage), K + k_at, lay.K.row, (j + 1) * Bc,
-                                   keys.end);
-            load_rows_async<Bc, D>(V_j + (Bc * ld - stage), V + v_at, lay.V.row, (j + 1) * Bc,
-                                   keys.end);
-        }
+        if ((j + 1) * Bc < keys.end) load_KV(j + 1, Bc * ld - stage);  // line 7, a tile ahead
         // Line 8: S_ij = Q_i K_j^T, this warp's rows.
         float S[M][Bc / 8][4] = {};
         mma_AB<M, D, Bc, false, true>(S, Q_i + 16 * M * warp * ld, ld, K_j + stage, ld);
@@ -225,11 +223,10 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     for (int r = 0; r < 2 * M; r++) {                  // lines 12-15 for query + 8r, written once
         const float l_row = quad_reduce(l[r], add);    // the sum over the row's 4 threads
         const size_t at = bh * q_len + query + 8 * r;  // this row's place in L
-        T* O_row = O + lay.O.at(bh, q_len) + (query + 8 * r) * lay.O.row;  // and in O
         // A row that saw a key has l >= 1 (its max's own term is e^0); one that saw none has
         // l = 0 and O_i = 0: it gets O = 0 / 1 = 0 and L = -inf.
         for (int n = 0; n < D / 8 && query + 8 * r < q_len; n++)  // columns 2n, 2n + 1
-            store_pair(O_row + 8 * n + 2 * t,
+            store_pair(O + lay.O.at(bh, q_len) + (query + 8 * r) * lay.O.row + 8 * n + 2 * t,
                        acc_at(O_i, r, 2 * n) / fmaxf(l_row, 1.f),
                        acc_at(O_i, r, 2 * n + 1) / fmaxf(l_row, 1.f));
         if (t == 0 && query + 8 * r < q_len)
