@@ -32,7 +32,10 @@ if [ -n "$base" ]; then
             done
         done
     done >"$out/ab.log"
-    # Chapter 5's options, which now read through the strides (Layout): both trees' options bench.
+fi
+# Chapter 5's options, which now read through the strides (Layout): both trees' options bench
+# (OPTIONS_AB=0 leaves it out).
+if [ -n "$base" ] && [ "${OPTIONS_AB:-1}" = 1 ]; then
     objs="build/flash.o build/flash_fp16.o build/backward_passes.o build/flash_decode.o"
     objs="$objs build/checks.o build/dispatch.o build/flash_hopper.o build/flash_hopper_backward.o"
     for tree in base new; do
@@ -52,7 +55,7 @@ if [ -n "$base" ]; then  # ms: tree, call, d, direction, round 1, round 2
     awk '/^==/{t=$4; c=$5; d=$7} /(fwd|bwd) \|/{split($0,a,"|"); split(a[2],b," ");
          k=t" "c" d"d" "(index($0,"fwd")?"fwd":"bwd"); ms[k]=ms[k]" "b[1]}
          END{for (k in ms) print k, ms[k]}' "$out/ab.log" | sort -k3,3 -k2,2 -k4,4 -k1,1
-    paste -d'|' "$out/options-base.csv" "$out/options-new.csv"
+    [ -f "$out/options-new.csv" ] && paste -d'|' "$out/options-base.csv" "$out/options-new.csv"
 fi
 [ -f "$out/layout-bench.txt" ] && cat "$out/layout-bench.txt"
 grep -E "FAILED|failed" -A3 "$out/layout.log" | head -30
