@@ -125,6 +125,14 @@ $(B)/%.o: tests/%.cu $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
 $(B)/%.o: bench/%.cu $(HEADERS) $(B)/flags | $(B)
 	$(COMPILE) -c $< -o $@
+# Chapter 2 in two halves compiled at once, its forward's and its backward's host code (its
+# kernels' instances are most of the build: flash_fp16.cu says how), joined into one object.
+$(B)/flash_fp16_forward.o: flash_fp16.cu $(HEADERS) $(B)/flags | $(B)
+	$(COMPILE) -DFLASH_FP16_FORWARD -c $< -o $@
+$(B)/flash_fp16_backward.o: flash_fp16.cu $(HEADERS) $(B)/flags | $(B)
+	$(COMPILE) -DFLASH_FP16_BACKWARD -c $< -o $@
+$(B)/flash_fp16.o: $(B)/flash_fp16_forward.o $(B)/flash_fp16_backward.o
+	ld -r $^ -o $@
 # Chapter 3: wgmma exists only in the sm_90a target, whatever ARCH says (on another GPU its
 # launcher refuses to run, and the kernel traps if it ever did).
 $(B)/flash_hopper.o $(B)/flash_hopper_backward.o: $(B)/%.o: %.cu $(HEADERS) $(B)/flags | $(B)

@@ -485,6 +485,19 @@ constexpr int fwd_M(int head_dim) { return head_dim <= 128 ? 2 : 1; }
 constexpr int fwd_Br(int head_dim) { return 16 * kWarps * fwd_M(head_dim); }
 constexpr int fwd_max_Bc(int head_dim) { return head_dim <= 64 ? 128 : head_dim <= 128 ? 64 : 32; }
 
+// Chapter 2's instructions (mma.sync.m16n8k16, cp.async) need compute capability 8.0.
+static void require_sm80(const cudaDeviceProp& prop, const char* fn) {
+    if (prop.major < 8)
+        throw std::runtime_error(std::string(fn) + " needs a GPU of compute capability 8.0 or " +
+                                 "newer (mma.sync.m16n8k16, cp.async); " + prop.name + " is " +
+                                 std::to_string(prop.major) + "." + std::to_string(prop.minor));
+}
+
+// The host code below comes in two halves, the forward's and the backward's. The Makefile
+// compiles this file twice, with -DFLASH_FP16_FORWARD and -DFLASH_FP16_BACKWARD, into two objects
+// built at once (the kernels' instances are most of the build's time); without either macro one
+// object holds both (PyTorch's extension build).
+#if !defined(FLASH_FP16_BACKWARD)
 static size_t fp16_shared_bytes(int head_dim, int Bc) {  // Q_i, 2 x K_j, 2 x V_j
     return size_t(fwd_Br(head_dim) + 4 * Bc) * (head_dim + kPad) * sizeof(__half);
 }
@@ -496,14 +509,6 @@ static FlashTile fp16_tile(const cudaDeviceProp& prop, int head_dim, int Bc) {
                                  "memory for the fp16 tile at head_dim " +
                                  std::to_string(head_dim));
     return tile;
-}
-
-// Chapter 2's instructions (mma.sync.m16n8k16, cp.async) need compute capability 8.0.
-static void require_sm80(const cudaDeviceProp& prop, const char* fn) {
-    if (prop.major < 8)
-        throw std::runtime_error(std::string(fn) + " needs a GPU of compute capability 8.0 or " +
-                                 "newer (mma.sync.m16n8k16, cp.async); " + prop.name + " is " +
-                                 std::to_string(prop.major) + "." + std::to_string(prop.minor));
 }
 
 FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
@@ -613,6 +618,9 @@ void flash_forward_fp16_bc(const __half* Q, const __half* K, const __half* V, __
                            float* L, const AttentionShape& shape, int Bc, cudaStream_t stream) {
     forward_fp16_checked("flash_forward_fp16", Q, K, V, O, L, shape, Bc, stream);
 }
+
+#endif  // the forward's host code
+#if !defined(FLASH_FP16_FORWARD)
 
 // The backward's tile: Bc keys a K/V tile, Br query rows a Q tile, W warps. Registers decide
 // first: a thread holds its share of dK_j and dV_j, 2 Bc d / (32 W) floats, beside S^T and dP^T.
@@ -802,3 +810,4 @@ void flash_backward_fp16_bc(const __half* Q, const __half* K, const __half* V, c
                             const AttentionShape& s, int Bc, cudaStream_t stream) {
     backward_fp16_checked("flash_backward_fp16", Q, K, V, O, dO, L, dQ, dK, dV, s, Bc, stream);
 }
+#endif  // the backward's host code
