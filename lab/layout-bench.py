@@ -9,8 +9,8 @@ backend's time, aiming for cuDNN's). Each row: the time of o = attention(q, k, v
 torch.autograd.grad(o, (q, k, v), do), do a (B, N, H, d) tensor seen transposed (as a model's
 output projection hands it back), so the time is the attention's alone, not the stack that
 gathers dq, dk, dv into the projection's gradient:
-  ours, views       flash_torch.flash_attention on the views (chapter 5's strides: read in place)
-  ours, contiguous  the same on contiguous copies made beforehand (the kernels' own time)
+  ours views        flash_torch.flash_attention on the views (chapter 5's strides: read in place)
+  ours contiguous   the same on contiguous copies made beforehand (the kernels' own time)
   sdpa flash        F.scaled_dot_product_attention on the views, flash backend
   sdpa cudnn        the same, cuDNN backend
 Times: a call's share of --iters calls back to back between two CUDA events (as a training loop
@@ -103,7 +103,7 @@ def main():
             return torch.autograd.grad(o, (q, k, v), do)
         return run
 
-    rows = [("ours, views", ours(q, k, v)), ("ours, contiguous", ours(qc, kc, vc)),
+    rows = [("ours views", ours(q, k, v)), ("ours contiguous", ours(qc, kc, vc)),
             ("sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION)),
             ("sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))]
     flops = 3.5 * 2 * b * h * n * n * d  # causal: half of 4 N^2 d, forward + 2.5x backward
