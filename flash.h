@@ -126,7 +126,8 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
 // lies at base[b * batch + h * head + i * row + x], the last dimension contiguous. A tensor whose
 // three strides are all 0 (the default) is contiguous, [batch][heads][len][head_dim]. Given strides
 // are each a multiple of 8 (so that every row is 16-byte aligned, as the base pointer is), 8 or
-// more and below 2^39 (a dimension of one index: any, it is never used); an output's (O; dQ, dK,
+// more (the row stride head_dim or more) and below 2^39 (a dimension of one index: any, it is
+// never used); an output's (O; dQ, dK,
 // dV) place each element of it apart from every other. A view of one fused QKV projection, (batch,
 // len, 3, heads, head_dim), is Q at base, K at base + heads * head_dim, V at base + 2 * heads *
 // head_dim, each with strides {len * 3 * heads * head_dim, head_dim, 3 * heads * head_dim}. L stays

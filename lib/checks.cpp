@@ -121,11 +121,15 @@ static void check_strides(const std::string& call, const char* name, const Tenso
     if (!strides_given(t)) return;  // contiguous
     const struct { const char* field; long long stride; int extent; } given[] = {
         {"batch", t.batch, s.batch}, {"head", t.head, heads}, {"row", t.row, len}};
-    for (const auto& g : given)  // (a dimension of one index: its stride is never used)
-        require(g.extent == 1 || (g.stride >= 8 && g.stride < (1LL << 39) && g.stride % 8 == 0),
+    for (const auto& g : given) {  // (a dimension of one index: its stride is never used)
+        const long long least = g.field[0] == 'r' ? std::max(s.head_dim, 8) : 8;  // rows apart
+        require(g.extent == 1 || (g.stride >= least && g.stride < (1LL << 39) && g.stride % 8 == 0),
                 call + "options.layout." + name + "." + g.field + " = " +
-                    std::to_string(g.stride) + " is invalid; allowed values: 8 to 2^39 - 8, a " +
-                    "multiple of 8 elements (16 bytes, so that every row stays aligned)");
+                    std::to_string(g.stride) + " is invalid; allowed values: " +
+                    std::to_string(least) + " to 2^39 - 8, a multiple of 8 elements (16 bytes, " +
+                    "so that every row stays aligned)" +
+                    (g.field[0] == 'r' ? "; a row at least head_dim" : ""));
+    }
     const unsigned __int128 span = (unsigned __int128)(s.batch - 1) * t.batch +
                                    (unsigned __int128)(heads - 1) * t.head +
                                    (unsigned __int128)(len - 1) * t.row + s.head_dim;

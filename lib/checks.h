@@ -157,8 +157,8 @@ void validate_backward_pointers(const char* fn, const T* Q, const T* K, const T*
 }
 // Chapter 5's strides (flash.h's AttentionLayout rule), of the tensors the call reads and writes
 // (backward: all eight; the forward: Q, K, V, O): each given one's strides multiples of 8, 8 or
-// more (no broadcasting) and below 2^39, but for a dimension of one index, whose stride is never
-// used; an output's (O, dQ, dK, dV) such that no two of its elements share a place:
+// more (no broadcasting; rows head_dim or more apart) and below 2^39, but for a dimension of one
+// index, whose stride is never used; an output's (O, dQ, dK, dV) such that no two of its elements share a place:
 // taken from the smallest stride up, each stride past the reach of those below it. Throws
 // std::invalid_argument naming the tensor and the stride. Call validate_shape first.
 void validate_layout(const char* fn, const AttentionLayout& layout, const AttentionShape& s,

@@ -12,6 +12,7 @@
 
 #include "flash.h"
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <stdexcept>
@@ -45,14 +46,19 @@ static std::string dims(const torch::Tensor& t) {
 
 // Whether the kernels can read t where it lies: contiguous at a 16-byte aligned address, or, in
 // float16 and bfloat16 (chapter 5's strides), its last dimension contiguous and every other
-// stride a multiple of 8 elements (16 bytes) and at least 8, but for a dimension of one index
-// (flash.h's AttentionLayout rule). flash_torch.py's _readable is the same rule.
+// stride a multiple of 8 elements (16 bytes), at least 8 (the rows' at least head_dim) and below
+// 2^39, but for a dimension of one index (flash.h's AttentionLayout rule). flash_torch.py's
+// _readable is the same rule.
 static bool readable(const torch::Tensor& t) {
     if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
     if (t.is_contiguous()) return true;
     if (t.scalar_type() == torch::kFloat32 || t.dim() != 4 || t.stride(3) != 1) return false;
-    for (int64_t i = 0; i < 3; i++)
-        if (t.size(i) > 1 && (t.stride(i) < 8 || t.stride(i) % 8 != 0)) return false;
+    for (int64_t i = 0; i < 3; i++) {
+        const int64_t least = i == 2 ? std::max<int64_t>(t.size(3), 8) : 8;  // rows apart
+        if (t.size(i) > 1 && (t.stride(i) < least || t.stride(i) % 8 != 0 ||
+                              t.stride(i) >= (int64_t(1) << 39)))
+            return false;
+    }
     return true;
 }
 

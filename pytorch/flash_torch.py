@@ -167,15 +167,17 @@ def build():
 def _readable(t):
     """t itself if the kernels can read it where it lies (flash.h): at a 16-byte aligned address,
     and contiguous or, in float16 and bfloat16 (chapter 5's strides), 4-D with its last dimension
-    contiguous and every other stride a multiple of 8 elements and at least 8 (but for a dimension
-    of size 1): a transposed or sliced view, e.g. of one fused QKV projection, is read in place.
-    Else a contiguous copy (fresh memory from PyTorch's allocator is aligned); contiguous() alone
-    would keep a contiguous view at an odd offset. flash_torch.cpp's readable is the same rule."""
+    contiguous and every other stride a multiple of 8 elements, at least 8 (the rows' at least
+    head_dim) and below 2^39 (but for a dimension of size 1): a transposed or sliced view, e.g.
+    of one fused QKV projection, is read in place. Else a contiguous copy (fresh memory from
+    PyTorch's allocator is aligned); contiguous() alone would keep a contiguous view at an odd
+    offset. flash_torch.cpp's readable is the same rule."""
     if t.data_ptr() % 16 == 0:
         if t.is_contiguous():
             return t
+        least = (8, 8, max(t.size(-1), 8))  # rows head_dim apart at least
         if (t.dtype in (torch.float16, torch.bfloat16) and t.dim() == 4 and t.stride(3) == 1 and
-                all(t.size(i) == 1 or (t.stride(i) >= 8 and t.stride(i) % 8 == 0)
+                all(t.size(i) == 1 or (least[i] <= t.stride(i) < 2**39 and t.stride(i) % 8 == 0)
                     for i in range(3))):
             return t
     return t.clone(memory_format=torch.contiguous_format)

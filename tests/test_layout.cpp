@@ -230,21 +230,13 @@ TEST_CASE("Bad strides are refused, naming the tensor and the stride, before any
           "[cpu][layout][validation]") {
     FakeTensors<__half> t;
     const AttentionShape s{2, 3, 5, 7, 64, true};  // head_dim 64: rows of 64 elements
-    const auto forward = [&](AttentionOptions o) {
-        return refusal([&] { flash_forward_fp16(t.Q, t.K, t.V, t.O, t.L, s, o); });
-    };
-    const auto backward = [&](AttentionOptions o) {
-        return refusal([&] {
-            flash_backward_fp16(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s, o);
-        });
-    };
     struct Bad {
         const char* names;  // what the message must contain
         char calls;         // refused by: 'f' the forward (O is an output there only), 'b'
                             // the backward (which alone reads dO, writes dQ, dK, dV), 'a' both
         AttentionOptions o;
     };
-    std::vector<Bad> bad(9);
+    std::vector<Bad> bad(10);
     bad[0] = {"layout.Q.row", 'a', {}}, bad[0].o.layout.Q = {3 * 5 * 72, 5 * 72, 68};
     bad[1] = {"layout.K.head", 'a', {}}, bad[1].o.layout.K = {3 * 7 * 64, 0, 64};
     bad[2] = {"layout.V.batch", 'a', {}}, bad[2].o.layout.V = {-3 * 7 * 64, 7 * 64, 64};
@@ -255,10 +247,13 @@ TEST_CASE("Bad strides are refused, naming the tensor and the stride, before any
     bad[6] = {"layout.dK", 'b', {}}, bad[6].o.layout.dK = {64, 7 * 64, 64};
     bad[7] = {"layout.dO.row", 'b', {}}, bad[7].o.layout.dO = {3 * 5 * 64, 5 * 64, 4};
     bad[8] = {"layout.dV.row", 'b', {}}, bad[8].o.layout.dV = {3 * 7 * 64, 7 * 64, 0};
+    // An input's rows closer than head_dim (overlapping): refused too (a copy engine's box is a
+    // whole row wide).
+    bad[9] = {"layout.K.row", 'a', {}}, bad[9].o.layout.K = {3 * 7 * 64, 7 * 64, 32};
     for (const Bad& b : bad) {
         INFO("options." << b.names);
-        if (b.calls != 'b') CHECK_THAT(forward(b.o), Catch::Contains(b.names));
-        if (b.calls != 'f') CHECK_THAT(backward(b.o), Catch::Contains(b.names));
+        if (b.calls != 'b') CHECK_THAT(forward_refusal(t, s, b.o), Catch::Contains(b.names));
+        if (b.calls != 'f') CHECK_THAT(backward_refusal(t, s, b.o), Catch::Contains(b.names));
     }
     CHECK(t.outputs_untouched());
 }

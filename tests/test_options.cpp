@@ -221,14 +221,6 @@ TEST_CASE("Bad options are refused, naming the field, before anything runs",
     // Refused before any pointer is looked at: host stand-ins (FakeTensors), left untouched.
     FakeTensors<__half> t;
     const AttentionShape s = valid_shape();
-    const auto forward = [&](AttentionOptions o) {
-        return refusal([&] { flash_forward_fp16(t.Q, t.K, t.V, t.O, t.L, s, o); });
-    };
-    const auto backward = [&](AttentionOptions o) {
-        return refusal([&] {
-            flash_backward_fp16(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s, o);
-        });
-    };
     struct Bad {
         const char* field;
         AttentionOptions o;
@@ -248,8 +240,8 @@ TEST_CASE("Bad options are refused, naming the field, before anything runs",
     bad[9] = {"softcap", {}}, bad[9].o.softcap = 1e-40f;
     for (const Bad& b : bad) {
         INFO("options." << b.field);
-        CHECK_THAT(forward(b.o), NamesWord(b.field));
-        CHECK_THAT(backward(b.o), NamesWord(b.field));
+        CHECK_THAT(forward_refusal(t, s, b.o), NamesWord(b.field));
+        CHECK_THAT(backward_refusal(t, s, b.o), NamesWord(b.field));
     }
     CHECK(t.outputs_untouched());
 }

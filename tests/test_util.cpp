@@ -1050,3 +1050,14 @@ int main(int argc, char* argv[]) {
     }
     return finish(session.run());
 }
+
+std::string forward_refusal(FakeTensors<__half>& t, const AttentionShape& s,
+                            const AttentionOptions& o) {
+    return refusal([&] { flash_forward_fp16(t.Q, t.K, t.V, t.O, t.L, s, o); });
+}
+std::string backward_refusal(FakeTensors<__half>& t, const AttentionShape& s,
+                             const AttentionOptions& o) {
+    return refusal([&] {
+        flash_backward_fp16(t.Q, t.K, t.V, t.O, t.dO, t.L, t.dQ, t.dK, t.dV, s, o);
+    });
+}

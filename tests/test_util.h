@@ -1002,6 +1002,12 @@ struct FakeTensors {
 
 // A small shape every check accepts, for the tests to spoil one field of.
 inline AttentionShape valid_shape() { return {2, 3, 5, 7, 16, true}; }
+// The refusal message of flash_forward_fp16 / flash_backward_fp16 with chapter 5's options o on
+// the stand-ins t (refusal(): the call must throw std::invalid_argument).
+std::string forward_refusal(FakeTensors<__half>& t, const AttentionShape& s,
+                            const AttentionOptions& o);
+std::string backward_refusal(FakeTensors<__half>& t, const AttentionShape& s,
+                             const AttentionOptions& o);
 
 // =============================================================================================
 // The tile chooser
