@@ -34,9 +34,9 @@ __global__ void flash_backward_dot_fp16_kernel(const T* __restrict__ O, const T*
     for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
         const T *O_h = O + o_rows.at(bh), *dO_h = dO + do_rows.at(bh);
         // The warp's first row, then a grid's worth of rows on; every lane stays for the shuffles.
-        for (long long i0 = (blockIdx.x * blockDim.x + threadIdx.x) / 32 * (32 / TPR); i0 < q_len;
+        for (int i0 = (blockIdx.x * blockDim.x + threadIdx.x) / 32 * (32 / TPR); i0 < q_len;
              i0 += gridDim.x * blockDim.x / TPR) {
-            const long long i = i0 + lane / TPR;
+            const int i = i0 + lane / TPR;
             float sum = 0.f;
             for (int c = lane % TPR * 8; c < D && i < q_len; c += 8 * TPR) {  // 8 elements each
                 const uint4 o = *reinterpret_cast<const uint4*>(O_h + i * o_rows.row + c);
