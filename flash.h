@@ -2,8 +2,8 @@
 // on the CUDA cores (flash.cu); 2 in fp16 and bf16 on the tensor cores (flash_fp16.cu); 3 the fp16
 // and bf16 forward and backward on Hopper's own instructions (flash_hopper.cu,
 // flash_hopper_backward.cu); 4 grouped K/V heads in every chapter, and split-KV decoding
-// (flash_decode.cu); 5 attention as models call it: sliding windows, softcap, ALiBi and the
-// softmax scale (AttentionOptions, below), so far in chapter 2's kernels only.
+// (flash_decode.cu); 5 attention as models call it: strides, packed batches of sequences of their
+// own lengths, sliding windows, softcap, ALiBi and the softmax scale (AttentionOptions, below).
 //
 // Only what a user calls is here. Which chapter a call runs is decided in one place, the API layer
 // lib/dispatch.cpp (flash_forward_fp16 / _bf16 are the only calls with a choice); every other call
@@ -139,6 +139,22 @@ struct TensorStrides {
 struct AttentionLayout {
     TensorStrides Q, K, V, O, dO, dQ, dK, dV;  // the forward reads the first four only
 };
+// A packed batch (FlashAttention-2's flash_attn_varlen_func): shape.batch sequences of their own
+// lengths, one after another. Sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
+// - 1 of Q, O, dO and dQ, (total_q, heads, head_dim) tensors; its keys rows cu_seqlens_k[b] .. of
+// K, V, dK and dV, (total_k, kv_heads, head_dim). Every rule above holds within each sequence
+// (causal bottom-right at its own lengths). shape.q_len and kv_len are the longest sequence's
+// (max_seqlen_q, max_seqlen_k: they size the grid). L is [heads][total_q]. A packed tensor's
+// strides are its head and row strides (the batch stride is unused); all 0 is contiguous, rows
+// heads * head_dim apart. cu_seqlens_q, _k: int32 device pointers, batch + 1 offsets, 0 first,
+// non-decreasing (a sequence may be empty), the last total_q, total_k, no length above q_len,
+// kv_len. The calls copy both to the host to check them: a packed call waits for the stream's
+// earlier work, and cannot be captured in a CUDA graph.
+struct PackedBatch {
+    const int* cu_seqlens_q = nullptr;  // nullptr (both): not packed
+    const int* cu_seqlens_k = nullptr;
+    int total_q = 0, total_k = 0;       // rows of the packed Q and K
+};
 struct AttentionOptions {
     float softmax_scale = 0.f;  // 0 (1/sqrt(head_dim)) or 2^-32 to 2^16
     int window_left = -1, window_right = -1;  // >= -1 each
@@ -150,6 +166,7 @@ struct AttentionOptions {
     const float* alibi_slopes = nullptr;
     bool alibi_per_batch = false;
     AttentionLayout layout;     // contiguous by default
+    PackedBatch packed;         // none by default
 };
 // The same calls with options. Options that change no score (every field but the layout its
 // default, a window bound no row reaches, the default scale written out) run what the calls above
@@ -158,7 +175,8 @@ struct AttentionOptions {
 // kernels (flash_fp16.cu) with the options as their tile policy (lib/mask_policy.cuh) on every GPU,
 // head_dim in kFlashFp16HeadDims: chapter 3 and the decode do not take those yet. A (Q tile, K/V
 // tile) pair with no visible score is skipped, forward and backward: a window of w keys costs O(N
-// w). Bad options throw std::invalid_argument naming the field, before anything is launched.
+// w). A packed batch runs chapter 2's kernels, each sequence with the bits it would get alone
+// there. Bad options throw std::invalid_argument naming the field, before anything is launched.
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
                         const AttentionShape& shape, const AttentionOptions& options,
                         cudaStream_t stream = 0);
@@ -174,8 +192,9 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
                          __nv_bfloat16* dQ, __nv_bfloat16* dK, __nv_bfloat16* dV,
                          const AttentionShape& shape, const AttentionOptions& options,
                          cudaStream_t stream = 0);
-// True iff every field is its default, the layout contiguous. (The calls also take a window bound
-// no row reaches and the default scale written out for none: the rule above, lib/dispatch.cpp.)
+// True iff every field is its default, the layout contiguous, nothing packed. (The calls also take
+// a window bound no row reaches and the default scale written out for none: the rule above,
+// lib/dispatch.cpp.)
 bool flash_options_plain(const AttentionOptions& options);
 
 // ---------------------------------------------------------------------------------------------

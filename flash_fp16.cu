@@ -139,8 +139,9 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const int BH = gridDim.x / Tr, head0 = blockIdx.x / (HG * Tr) * HG, heads = min(HG, BH - head0);
     const int i = Tr - 1 - int(blockIdx.x % (HG * Tr)) / heads;
     const size_t bh = head0 + blockIdx.x % (HG * Tr) % heads;  // which (batch, head)
-    const Policy pol = policy.for_head(bh);
+    const Policy pol = policy.for_head(bh);            // (packed: its sequence's lengths)
     const int q_len = pol.q_len, kv_len = pol.kv_len;
+    if (i * Br >= q_len) return;                       // a shorter sequence's: past its rows
     const int query = i * Br + 16 * M * warp + threadIdx.x % 32 / 4;  // its rows: query + 8r
     // This head's rows start at these offsets (lay: chapter 5's strides, or the contiguous ones
     // as constants); its K and V are its K/V head's, bh / group (GQA: group query heads share one
@@ -222,7 +223,7 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     commit_and_wait<0>();                              // no copy may land after the block exits
     for (int r = 0; r < 2 * M; r++) {                  // lines 12-15 for query + 8r, written once
         const float l_row = quad_reduce(l[r], add);    // the sum over the row's 4 threads
-        const size_t at = bh * q_len + query + 8 * r;  // this row's place in L
+        const size_t at = lay.L.at(bh, q_len) + query + 8 * r;  // this row's place in L
         // A row that saw a key has l >= 1 (its max's own term is e^0); one that saw none has
         // l = 0 and O_i = 0: it gets O = 0 / 1 = 0 and L = -inf.
         for (int n = 0; n < D / 8 && query + 8 * r < q_len; n++)  // columns 2n, 2n + 1
@@ -368,10 +369,13 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const int j = from_left ? slot / heads : Tc - 1 - slot / heads;
     const size_t kv_bh = head0 + slot % heads;         // batch * kv_heads + K/V head
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    const int q_len = policy.q_len, kv_len = policy.kv_len, Tr = (q_len + Br - 1) / Br;
+    // The block's sequence (packed: its own lengths); Tr, the turns' Q tiles a head: the longest.
+    const Policy seq = policy.for_head(kv_bh * group);
+    const int q_len = seq.q_len, kv_len = seq.kv_len, Tr = (policy.q_len + Br - 1) / Br;
+    if (j * Bc >= kv_len) return;                      // a shorter sequence's: past its keys
     // The Q tiles that see a key of tile j, i_first .. i_last (the mask's: all without one);
     // causal (from the left), the last first.
-    const Span rows = policy.queries(j * Bc, min((j + 1) * Bc, kv_len));
+    const Span rows = seq.queries(j * Bc, min((j + 1) * Bc, kv_len));
     const int i_first = rows.first / Br, i_last = rows.last < rows.first ? -1 : rows.last / Br;
     const int i0 = from_left ? i_last : i_first, di = from_left ? -1 : 1;
     // Line 8's loop, step n: the group's query heads one after another (GQA: group query heads
@@ -387,8 +391,8 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                                        q_len);
         load_rows_async<Br, D, 32 * W>(dO_i + stage * ld, dO + lay.dO.at(bh, q_len), lay.dO.row, q0,
                                        q_len);
-        load_floats_async<Br>(L_i + stage, L + bh * q_len, q0, q_len);
-        load_floats_async<Br>(D_i + stage, Dsum + bh * q_len, q0, q_len);
+        load_floats_async<Br>(L_i + stage, L + lay.L.at(bh, q_len), q0, q_len);  // D as L
+        load_floats_async<Br>(D_i + stage, Dsum + lay.L.at(bh, q_len), q0, q_len);
     };
     load_rows_async<Bc, D, 32 * W>(K_j, K + lay.K.at(kv_bh, kv_len), lay.K.row, j * Bc,
                                    kv_len);  // line 6
@@ -460,8 +464,9 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         const KeySpan keys = pol.keys(q0, Br);         // Q_i's K/V tiles: keys.begin / Bc ..
         const int mine = from_left ? j - keys.begin / Bc : (keys.end - 1) / Bc - j;
         wait_turn(added, mine);
-        add_tile<TQ::M, TQ::cols, D>(dQacc + (bh * q_len + q0 + dq_q + g) * D + dq_d + 2 * t,
-                                     dQ_i, q_len - q0 - dq_q - g, mine == 0);
+        const size_t row = lay.L.at(bh, q_len) + q0 + dq_q + g;  // dQacc's rows are L's
+        add_tile<TQ::M, TQ::cols, D>(dQacc + row * D + dq_d + 2 * t, dQ_i, q_len - q0 - dq_q - g,
+                                     mine == 0);
     }
     commit_and_wait<0>();                              // no copy may land after the block exits
     __syncthreads();                                   // every warp's last adds were issued
@@ -528,7 +533,8 @@ FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
 // the SMs' loads), and the few heads' K and V that the running blocks read stay in L2.
 static constexpr int kFwdHeadGroup = 16;
 
-// Without options the plain policy (scale 1/sqrt(D)); with them chapter 5's.
+// Without options, or with options that change no score (a packed batch, strides), the plain
+// policy (scale 1/sqrt(D)); with any other chapter 5's.
 template <typename T, int D, int Bc>
 static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float* L,
                                 const AttentionShape& s, const Layout& lay,
@@ -544,8 +550,9 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
             Q, K, V, O, L, policy, layout, Tr, kFwdHeadGroup, flash_kv_group(s), scale_log2);
         FLASH_CUDA_CHECK(cudaGetLastError());
     };
-    const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
-    if (options) launch(model_policy(s, *options), lay, options_scale_log2(s, *options));
+    const PlainPolicy plain{s.q_len, s.kv_len, s.causal, sequences_of(s, options)};
+    if (options && !scores_plain(*options, s))
+        launch(model_policy(s, *options), lay, options_scale_log2(s, *options));
     else if (dense(lay, s, false)) launch(plain, DenseLayout<D>{}, scale_log2_for(D));
     else launch(plain, lay, scale_log2_for(D));
 }
@@ -685,7 +692,7 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
     // 32, so that a wave holds few tiles of a head, all starting at its last Q tile (NOTES.md
     // section 14).
     const int group = policy.from_left() ? 32 : 4;
-    flash_backward_passes(O, dO, dQ, s, lay, stream, [&](const BackwardScratch& m) {
+    flash_backward_passes(O, dO, L, dQ, s, lay, stream, [&](const BackwardScratch& m) {
         kernel<<<blocks, tile.threads, tile.shared_bytes, stream>>>(
             Q, K, V, dO, L, m.D, m.dQacc, m.turns, m.next_ticket, dK, dV, policy, kernel_lay,
             Tc, s.batch * flash_kv_heads(s), group, kv_group, options_scale_log2(s, o),
@@ -695,7 +702,8 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
 }
 
 
-// Without options the plain policy (scale 1/sqrt(D)); with them chapter 5's. The layout: the
+// Without options, or with options that change no score (a packed batch, strides), the plain
+// policy (scale 1/sqrt(D)); with any other chapter 5's. The layout: the
 // contiguous one's constants (DenseLayout) for plain calls on contiguous tensors, else the
 // strides (Layout).
 template <typename T, int D, int Bc, int Br>
@@ -703,17 +711,19 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
                                  const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
                                  const Layout& lay, const AttentionOptions* options,
                                  const FlashTile& tile, cudaStream_t stream) {
-    if (options)
+    if (options && !scores_plain(*options, s))
         return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay,
                                                   *options, model_policy(s, *options), tile,
                                                   stream);
-    const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
+    const PlainPolicy plain{s.q_len, s.kv_len, s.causal, sequences_of(s, options)};
+    AttentionOptions packed_only;                      // the scale 1/sqrt(D), the batch packed
+    if (options) packed_only.packed = options->packed;
     if (dense(lay, s, true))
         return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay,
-                                                  DenseLayout<D>{}, AttentionOptions{}, plain,
-                                                  tile, stream);
-    launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay,
-                                       AttentionOptions{}, plain, tile, stream);
+                                                  DenseLayout<D>{}, packed_only, plain, tile,
+                                                  stream);
+    launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay, packed_only,
+                                       plain, tile, stream);
 }
 
 template <typename T>

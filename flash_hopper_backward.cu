@@ -610,7 +610,7 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
         const int HG = !s.causal ? 4 : D == 256 ? 32 : std::clamp(2 * sms / Tc, 1, 32);
         // The kernel's turns: one a (query head, Q tile of 64), within the passes' B*H*ceil(q_len
         // / 32). dQacc (fp32) is written by the TMA: boxes of Br rows x 32 columns.
-        flash_backward_passes(O, dO, dQ, s, lay, stream, [&](const BackwardScratch& m) {
+        flash_backward_passes(O, dO, L, dQ, s, lay, stream, [&](const BackwardScratch& m) {
             const Rows dq_acc = rows_of({}, s.batch, s.heads, s.q_len, D);  // contiguous, fp32
             const CUtensorMap dQm = tensor_map(m.dQacc, dq_acc, s.batch, s.q_len, D, Br);
             kernel<<<blocks, kBwdThreads, bytes, stream>>>(

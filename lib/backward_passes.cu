@@ -7,7 +7,7 @@
 #include "checks.h"
 #include "flash.h"
 #include "fragments.cuh"
-#include "mask_policy.cuh"  // WindowMask, options_scale
+#include "mask_policy.cuh"  // options_scale
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -54,19 +54,20 @@ __global__ void flash_backward_dot_fp16_kernel(const T* __restrict__ O, const T*
 }
 
 // After the kernel: dQ = dQacc scale in T (S was unscaled; scale 1/sqrt(d), or the options'), 4
-// elements a thread a step (dQacc is contiguous, dQ where its layout says). A row that sees no
-// key (causal with q_len > kv_len, a window) was never added to: it gets 0.
+// elements a thread a step (dQacc is contiguous, dQ where its layout says). A row that saw no key
+// (causal with q_len > kv_len, a window, an empty sequence's keys), whose L the forward set to
+// -inf, was never added to: it gets 0.
 template <typename T, int D>
-__global__ void flash_backward_dq_fp16_kernel(const float* __restrict__ dQacc, T* __restrict__ dQ,
-                                              int BH, WindowMask mask, float scale,
-                                              const Rows dq_rows) {
-    const size_t head = size_t(mask.q_len) * D;        // elements a head
+__global__ void flash_backward_dq_fp16_kernel(const float* __restrict__ dQacc,
+                                              const float* __restrict__ L, T* __restrict__ dQ,
+                                              int BH, int q_len, float scale, const Rows dq_rows) {
+    const size_t head = size_t(q_len) * D;             // elements a head
     for (int bh = blockIdx.y; bh < BH; bh += gridDim.y)
         for (size_t x = 4 * (blockIdx.x * size_t(blockDim.x) + threadIdx.x); x < head;
              x += 4 * size_t(gridDim.x) * blockDim.x) {
             const int row = int(x / D);
             T* to = dQ + dq_rows.at(bh) + row * dq_rows.row + x % D;
-            const bool seen = mask.first_key(row) <= mask.last_key(row);
+            const bool seen = L[size_t(bh) * q_len + row] != -INFINITY;
             const float* from = dQacc + bh * head + x;
             const float4 a = seen ? *reinterpret_cast<const float4*>(from) : float4{};
             reinterpret_cast<Pair<T>*>(to)[0] = pair_of<T>(a.x * scale, a.y * scale);
@@ -77,35 +78,37 @@ __global__ void flash_backward_dq_fp16_kernel(const float* __restrict__ dQacc, T
 // ---------------------------------------------------------------------------------------------
 // The backward's scratch, in this order: dQacc (B*H*q_len*d floats), the turns (one per head and
 // Q tile, counted for the smallest Br, kBackwardMinBr, so that the size does not depend on the
-// device or the chapter: B*H*ceil(q_len / 32) ints), the ticket, D (B*H*q_len floats).
+// device or the chapter: B*H*ceil(q_len / 32) ints), the ticket, D (B*H*q_len floats). The rows
+// (dQacc's, D's) are the tensors' extents: a packed batch's one batch of total_q (packed_shape).
 struct BwdScratch {
     size_t dq, turns, rows;                            // element counts
-    explicit BwdScratch(const AttentionShape& s)
-        : dq(q_elems(s)),
-          turns(l_elems(s) / s.q_len * ((s.q_len + kBackwardMinBr - 1) / kBackwardMinBr)),
-          rows(l_elems(s)) {}
+    BwdScratch(const AttentionShape& s, const AttentionShape& extents)
+        : dq(q_elems(extents)),
+          turns(size_t(s.batch) * s.heads * ((s.q_len + kBackwardMinBr - 1) / kBackwardMinBr)),
+          rows(l_elems(extents)) {}
     size_t bytes() const { return sizeof(float) * (dq + rows) + sizeof(int) * (turns + 1); }
 };
 
 size_t flash_backward_fp16_scratch_bytes(const AttentionShape& s) {
     validate_shape(s, kFlashFp16HeadDims, sizeof(__half));
     require(q_elems(s) < SIZE_MAX / 8, "shape: the fp16 backward's fp32 dQ would overflow size_t");
-    return BwdScratch(s).bytes();
+    return BwdScratch(s, s).bytes();
 }
 
 // The passes around a backward kernel (lib/chapters.h): the scratch as BwdScratch lays it out, its
-// turns and ticket zeroed, line 4 (D) before the kernel, dQ = dQacc scale after it.
+// turns and ticket zeroed, line 4 (D) before the kernel, dQ = dQacc scale after it. Both passes
+// walk the tensors' extents (x): a packed batch's one batch of total_q rows, whose sequences' rows
+// are its rows (its layout's starts[0] is cu_seqlens[0], 0).
 template <typename T>
-static void backward_passes(const T* O, const T* dO, T* dQ, const AttentionShape& s,
-                            const Layout& lay, cudaStream_t stream, const BackwardKernel& kernel,
-                            const AttentionOptions& o) {
-    const WindowMask mask = WindowMask::of(s.q_len, s.kv_len, s.causal, o.window_left,
-                                           o.window_right);
-    const BwdScratch scratch(s);
-    const size_t rows = scratch.rows, turns = scratch.turns;
+static void backward_passes(const T* O, const T* dO, const float* L, T* dQ,
+                            const AttentionShape& s, const Layout& lay, cudaStream_t stream,
+                            const BackwardKernel& kernel, const AttentionOptions& o) {
+    const AttentionShape x = o.packed.cu_seqlens_q ? packed_shape(s, o.packed) : s;
+    const BwdScratch scratch(s, x);
+    const size_t turns = scratch.turns;
     // Element-wise passes: 256 threads a block, a head's work of n threads along x, the heads
     // along y, at most 64 blocks an SM's worth in all (grid-stride both ways).
-    const int sms = flash_device_props().multiProcessorCount, BH = int(rows / s.q_len);
+    const int sms = flash_device_props().multiProcessorCount, BH = x.batch * x.heads;
     const auto grid = [&](size_t n) {
         const int y = std::min(BH, 65535);
         return dim3(unsigned(std::clamp<size_t>((n + 255) / 256, 1, std::max(64 * sms / y, 1))),
@@ -124,23 +127,24 @@ static void backward_passes(const T* O, const T* dO, T* dQ, const AttentionShape
             cudaError_t err = cudaMemsetAsync(m.turns, 0, (turns + 1) * sizeof(int), stream);
             if (err != cudaSuccess) return err;
             flash_backward_dot_fp16_kernel<T, D>
-                <<<grid(size_t(s.q_len) * dot_threads(D)), 256, 0, stream>>>(
-                    O, dO, m.D, BH, s.q_len, lay.O, lay.dO);
+                <<<grid(size_t(x.q_len) * dot_threads(D)), 256, 0, stream>>>(
+                    O, dO, m.D, BH, x.q_len, lay.O, lay.dO);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             if ((err = kernel(m)) != cudaSuccess) return err;
-            flash_backward_dq_fp16_kernel<T, D><<<grid(size_t(s.q_len) * D / 4), 256, 0, stream>>>(
-                m.dQacc, dQ, BH, mask, options_scale(s, o), lay.dQ);
+            flash_backward_dq_fp16_kernel<T, D><<<grid(size_t(x.q_len) * D / 4), 256, 0, stream>>>(
+                m.dQacc, L, dQ, BH, x.q_len, options_scale(s, o), lay.dQ);
             return cudaGetLastError();
         });
     });
 }
-void flash_backward_passes(const __half* O, const __half* dO, __half* dQ,
+void flash_backward_passes(const __half* O, const __half* dO, const float* L, __half* dQ,
                            const AttentionShape& s, const Layout& lay, cudaStream_t stream,
                            const BackwardKernel& kernel, const AttentionOptions& options) {
-    backward_passes(O, dO, dQ, s, lay, stream, kernel, options);
+    backward_passes(O, dO, L, dQ, s, lay, stream, kernel, options);
 }
-void flash_backward_passes(const __nv_bfloat16* O, const __nv_bfloat16* dO, __nv_bfloat16* dQ,
-                           const AttentionShape& s, const Layout& lay, cudaStream_t stream,
-                           const BackwardKernel& kernel, const AttentionOptions& options) {
-    backward_passes(O, dO, dQ, s, lay, stream, kernel, options);
+void flash_backward_passes(const __nv_bfloat16* O, const __nv_bfloat16* dO, const float* L,
+                           __nv_bfloat16* dQ, const AttentionShape& s, const Layout& lay,
+                           cudaStream_t stream, const BackwardKernel& kernel,
+                           const AttentionOptions& options) {
+    backward_passes(O, dO, L, dQ, s, lay, stream, kernel, options);
 }

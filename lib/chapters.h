@@ -76,26 +76,28 @@ void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K
 
 // The two passes around both backwards on tensor cores (lib/backward_passes.cu: chapter 2's
 // launcher and chapter 3's run them around their kernels), in one scratch of
-// flash_backward_fp16_scratch_bytes(s) laid out as below: the turns and the ticket zeroed, line 4
-// of Algorithm 2 (D = rowsum(dO o O)) before the kernel, and after it dQ = dQacc scale in T (S is
-// unscaled in both kernels; scale: 1/sqrt(d), or the options'; a row that sees no key gets 0).
-// kernel(scratch) launches the backward kernel, which adds dQ's parts into dQacc in the ordered
-// add's order (lib/ordered_add.cuh), and returns cudaGetLastError(). Throws the first CUDA error,
-// as with_scratch does.
+// flash_backward_fp16_scratch_bytes(s) (a packed batch's: its rows') laid out as below: the turns
+// and the ticket zeroed, line 4 of Algorithm 2 (D = rowsum(dO o O)) before the kernel, and after
+// it dQ = dQacc scale in T (S is unscaled in both kernels; scale: 1/sqrt(d), or the options'; a
+// row whose L is -inf saw no key and gets 0). kernel(scratch) launches the backward kernel, which
+// adds dQ's parts into dQacc in the ordered add's order (lib/ordered_add.cuh), and returns
+// cudaGetLastError(). Throws the first CUDA error, as with_scratch does.
 constexpr int kBackwardMinBr = 32;  // the fewest rows a Q tile of either backward takes
 struct BackwardScratch {
-    float* dQacc;      // B*H*q_len*d floats: dQ before its 1/sqrt(d), the first add stores
+    float* dQacc;      // dQ before its scale, fp32, rows as L's (B*H*q_len*d floats; packed
+                       // H*total_q*d): the first add stores
     int* turns;        // B*H*ceil(q_len / kBackwardMinBr) turn counters (one a query head and
-                       // Q tile of kBackwardMinBr rows or more), zeroed
+                       // Q tile of kBackwardMinBr rows or more; packed: q_len the longest), zeroed
     int* next_ticket;  // the ticket counter, zeroed
-    float* D;          // B*H*q_len floats: D_i of line 4
+    float* D;          // D_i of line 4, as L (B*H*q_len floats; packed H*total_q)
 };
 using BackwardKernel = std::function<cudaError_t(const BackwardScratch&)>;
-// options: chapter 5's (the dQ pass takes its scale and the rows its window leaves unseen).
-// lay: where O, dO and dQ's rows are (chapter 5's strides; dQacc is contiguous).
-void flash_backward_passes(const __half* O, const __half* dO, __half* dQ, const AttentionShape& s,
-                           const Layout& lay, cudaStream_t stream, const BackwardKernel& kernel,
-                           const AttentionOptions& options = {});
-void flash_backward_passes(const __nv_bfloat16* O, const __nv_bfloat16* dO, __nv_bfloat16* dQ,
+// options: chapter 5's (the dQ pass takes its scale; a packed batch's extents). lay: where O, dO
+// and dQ's rows are (chapter 5's strides; dQacc is contiguous).
+void flash_backward_passes(const __half* O, const __half* dO, const float* L, __half* dQ,
                            const AttentionShape& s, const Layout& lay, cudaStream_t stream,
                            const BackwardKernel& kernel, const AttentionOptions& options = {});
+void flash_backward_passes(const __nv_bfloat16* O, const __nv_bfloat16* dO, const float* L,
+                           __nv_bfloat16* dQ, const AttentionShape& s, const Layout& lay,
+                           cudaStream_t stream, const BackwardKernel& kernel,
+                           const AttentionOptions& options = {});

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 void require(bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument(what);
@@ -229,7 +230,64 @@ Arg alibi_arg(const AttentionOptions& o, const AttentionShape& s) {
 bool flash_options_plain(const AttentionOptions& o) {
     return o.softmax_scale == 0 && o.window_left == -1 && o.window_right == -1 &&
            o.softcap == 0 && o.alibi_slopes == nullptr && !o.alibi_per_batch &&
-           !layout_given(o.layout);
+           !layout_given(o.layout) && !o.packed.cu_seqlens_q && !o.packed.cu_seqlens_k &&
+           o.packed.total_q == 0 && o.packed.total_k == 0;
+}
+
+void validate_packed(const char* fn, const PackedBatch& p, const AttentionShape&) {
+    const std::string call = std::string(fn) + ": options.packed.";
+    require(!p.cu_seqlens_q == !p.cu_seqlens_k,
+            call + (p.cu_seqlens_q ? "cu_seqlens_k" : "cu_seqlens_q") + " is null but " +
+                (p.cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k") + " is not; allowed: both " +
+                "(a packed batch) or neither");
+    if (!p.cu_seqlens_q) {
+        require(p.total_q == 0 && p.total_k == 0,
+                call + "total_q = " + std::to_string(p.total_q) + ", total_k = " +
+                    std::to_string(p.total_k) + " without cu_seqlens; allowed: 0 (not packed)");
+        return;
+    }
+    require(p.total_q >= 1, call + "total_q = " + std::to_string(p.total_q) +
+                                " is invalid; allowed values: >= 1 (the packed Q's rows)");
+    require(p.total_k >= 1, call + "total_k = " + std::to_string(p.total_k) +
+                                " is invalid; allowed values: >= 1 (the packed K's rows)");
+}
+
+void validate_packed_lengths(const char* fn, const PackedBatch& p, const AttentionShape& s,
+                             cudaStream_t stream) {
+    if (!p.cu_seqlens_q) return;
+    const std::string call = std::string(fn) + ": options.packed.";
+    const struct {
+        const char *name, *total_name, *max;
+        const int* cu;
+        int total, longest;
+    } seqs[] = {{"cu_seqlens_q", "total_q", "shape.q_len", p.cu_seqlens_q, p.total_q, s.q_len},
+                {"cu_seqlens_k", "total_k", "shape.kv_len", p.cu_seqlens_k, p.total_k, s.kv_len}};
+    std::vector<int> cu(size_t(s.batch) + 1);
+    for (const auto& q : seqs) {
+        require(reinterpret_cast<uintptr_t>(q.cu) % alignof(int) == 0,
+                call + q.name + " must be 4-byte aligned");
+        cudaPointerAttributes attr;
+        FLASH_CUDA_CHECK(cudaPointerGetAttributes(&attr, q.cu));
+        require(attr.type != cudaMemoryTypeUnregistered,
+                call + q.name + " is host memory; pass a device pointer");
+        FLASH_CUDA_CHECK(cudaMemcpyAsync(cu.data(), q.cu, cu.size() * sizeof(int),
+                                         cudaMemcpyDefault, stream));
+        FLASH_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const auto entry = [&](int b) {
+            return call + q.name + "[" + std::to_string(b) + "] = " + std::to_string(cu[b]);
+        };
+        require(cu[0] == 0, entry(0) + " is invalid; allowed value: 0");
+        for (int b = 0; b < s.batch; b++) {
+            require(cu[b + 1] >= cu[b], entry(b + 1) + " is below " + q.name + "[" +
+                                            std::to_string(b) + "]; allowed: non-decreasing");
+            require(cu[b + 1] - cu[b] <= q.longest,
+                    call + q.name + ": sequence " + std::to_string(b) + " has " +
+                        std::to_string(cu[b + 1] - cu[b]) + " rows, more than " + q.max + " = " +
+                        std::to_string(q.longest) + "; allowed: at most the longest given");
+        }
+        require(cu[s.batch] == q.total, entry(s.batch) + " is invalid; allowed value: " +
+                                            q.total_name + " = " + std::to_string(q.total));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

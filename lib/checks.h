@@ -158,8 +158,9 @@ void validate_backward_pointers(const char* fn, const T* Q, const T* K, const T*
 // Chapter 5's strides (flash.h's AttentionLayout rule), of the tensors the call reads and writes
 // (backward: all eight; the forward: Q, K, V, O): each given one's strides multiples of 8, 8 or
 // more (no broadcasting; rows head_dim or more apart) and below 2^39, but for a dimension of one
-// index, whose stride is never used; an output's (O, dQ, dK, dV) such that no two of its elements share a place:
-// taken from the smallest stride up, each stride past the reach of those below it. Throws
+// index, whose stride is never used; an output's (O, dQ, dK, dV) such that no two of its elements
+// share a place: taken from the smallest stride up, each stride past the reach of those below it.
+// Throws
 // std::invalid_argument naming the tensor and the stride. Call validate_shape first.
 void validate_layout(const char* fn, const AttentionLayout& layout, const AttentionShape& s,
                      bool backward);
@@ -171,6 +172,14 @@ void validate_layout(const char* fn, const AttentionLayout& layout, const Attent
 // alibi_per_batch).
 void validate_options(const char* fn, const AttentionOptions& options);
 Arg alibi_arg(const AttentionOptions& options, const AttentionShape& s);
+// A packed batch (flash.h's PackedBatch), in two steps. validate_packed, with the options: both
+// cu_seqlens or neither (totals 0 without them), totals >= 1 with them. validate_packed_lengths,
+// the call's last check (nothing where not packed): each cu_seqlens in device memory, 4-byte
+// aligned, copied to the host on `stream` (a wait for the stream's earlier work) and checked:
+// 0 first, non-decreasing, its last the total, no length above shape.q_len (kv_len).
+void validate_packed(const char* fn, const PackedBatch& packed, const AttentionShape& s);
+void validate_packed_lengths(const char* fn, const PackedBatch& packed, const AttentionShape& s,
+                             cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // Launch helpers.

@@ -123,30 +123,44 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
 
 // Chapter 5: the calls with options. Options that change no score are the calls without, with
 // the layout's strides (a bound of the window no row reaches, WindowMask::of's rule, and the
-// default scale written out, are none); any other runs chapter 2's kernels with the options as
-// their policy, the one chapter that has it so far.
+// default scale written out, are none: scores_plain); any other, and a packed batch, runs chapter
+// 2's kernels with the options as their policy, the one chapter that has it so far.
 static bool changes_nothing(const AttentionOptions& o, const AttentionShape& s) {
-    AttentionOptions plain = o;
-    const WindowMask m = WindowMask::of(s.q_len, s.kv_len, false, o.window_left, o.window_right);
-    plain.window_left = m.left;
-    plain.window_right = s.causal ? -1 : m.right;  // causal bounds the right side itself
-    if (o.softmax_scale == options_scale(s, AttentionOptions{})) plain.softmax_scale = 0;
-    plain.layout = {};
-    return flash_options_plain(plain);
+    return !o.packed.cu_seqlens_q && scores_plain(o, s);
+}
+// The checks every call with options starts with: the shape, the options, the layout (a packed
+// batch's as packed_strides fills it in, of its extents). Returns the tensors' extents: the
+// shape, or a packed batch's one batch of total_q and total_k rows (packed_shape).
+static AttentionShape validate_with_options(const char* fn, const AttentionShape& s,
+                                            const AttentionOptions& o, int elem_bytes,
+                                            bool backward) {
+    validate_shape(s, kFlashFp16HeadDims, elem_bytes);
+    validate_options(fn, o);
+    validate_packed(fn, o.packed, s);
+    if (!o.packed.cu_seqlens_q) {
+        validate_layout(fn, o.layout, s, backward);
+        return s;
+    }
+    const AttentionShape extent = packed_shape(s, o.packed);
+    validate_shape(extent, kFlashFp16HeadDims, elem_bytes);
+    validate_layout(fn, packed_strides(o.layout, s), extent, backward);
+    return extent;
+}
+static Layout layout_with_options(const AttentionOptions& o, const AttentionShape& s) {
+    return o.packed.cu_seqlens_q ? packed_layout(o.layout, s, o.packed) : layout_of(o.layout, s);
 }
 template <typename T>
 static void forward_options_dispatch(const char* fn, const T* Q, const T* K, const T* V, T* O,
                                      float* L, const AttentionShape& s, const AttentionOptions& o,
                                      cudaStream_t stream) {
-    validate_shape(s, kFlashFp16HeadDims, sizeof(T));
-    validate_options(fn, o);
-    validate_layout(fn, o.layout, s, false);
-    const Layout lay = layout_of(o.layout, s);
-    validate_forward_pointers(fn, Q, K, V, O, L, s, lay);
+    const AttentionShape x = validate_with_options(fn, s, o, sizeof(T), false);  // the extents
+    const Layout lay = layout_with_options(o, s);
+    validate_forward_pointers(fn, Q, K, V, O, L, x, lay);
     if (changes_nothing(o, s)) return forward_run(fn, Q, K, V, O, L, s, lay, stream);
     if (o.alibi_slopes)  // the slopes against the outputs, which they must not overlap
-        validate_pointers(fn, {alibi_arg(o, s), output_arg("O", O, span_elems(lay.O, s, s.q_len)),
-                               output_arg("L", L, l_elems(s))});
+        validate_pointers(fn, {alibi_arg(o, s), output_arg("O", O, span_elems(lay.O, x, x.q_len)),
+                               output_arg("L", L, l_elems(x))});
+    validate_packed_lengths(fn, o.packed, s, stream);  // (the last check: it waits for the stream)
     flash_forward_ampere_launch(fn, flash_device_props(), Q, K, V, O, L, s, lay, stream, &o);
 }
 template <typename T>
@@ -154,18 +168,17 @@ static void backward_options_dispatch(const char* fn, const T* Q, const T* K, co
                                       const T* O, const T* dO, const float* L, T* dQ, T* dK,
                                       T* dV, const AttentionShape& s, const AttentionOptions& o,
                                       cudaStream_t stream) {
-    validate_shape(s, kFlashFp16HeadDims, sizeof(T));
-    validate_options(fn, o);
-    validate_layout(fn, o.layout, s, true);
-    const Layout lay = layout_of(o.layout, s);
-    validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, s, lay);
+    const AttentionShape x = validate_with_options(fn, s, o, sizeof(T), true);
+    const Layout lay = layout_with_options(o, s);
+    validate_backward_pointers(fn, Q, K, V, O, dO, L, dQ, dK, dV, x, lay);
     if (changes_nothing(o, s))
         return backward_run(fn, Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream);
     if (o.alibi_slopes)
         validate_pointers(fn, {alibi_arg(o, s),
-                               output_arg("dQ", dQ, span_elems(lay.dQ, s, s.q_len)),
-                               output_arg("dK", dK, span_elems(lay.dK, s, s.kv_len)),
-                               output_arg("dV", dV, span_elems(lay.dV, s, s.kv_len))});
+                               output_arg("dQ", dQ, span_elems(lay.dQ, x, x.q_len)),
+                               output_arg("dK", dK, span_elems(lay.dK, x, x.kv_len)),
+                               output_arg("dV", dV, span_elems(lay.dV, x, x.kv_len))});
+    validate_packed_lengths(fn, o.packed, s, stream);
     flash_backward_ampere_launch(fn, flash_device_props(), Q, K, V, O, dO, L, dQ, dK, dV, s, lay,
                                  stream, &o);
 }

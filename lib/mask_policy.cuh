@@ -155,12 +155,32 @@ struct Span {  // first .. last, none when last < first
     int first, last;
 };
 
+// A packed batch (flash.h's PackedBatch): the lengths of head bh's sequence, bh / heads, from
+// cu_seqlens (device pointers); not packed (nullptr), every sequence's are the shape's. The
+// policies below take each block's from it, in for_head: the masks' rules then hold per sequence.
+struct Sequences {
+    const int* cu_q = nullptr;
+    const int* cu_k = nullptr;
+    int heads = 1;  // query heads
+
+    POLICY_FN void lengths(size_t bh, int& q_len, int& kv_len) const {
+        if (!cu_q) return;
+        const size_t b = bh / heads;
+        q_len = cu_q[b + 1] - cu_q[b], kv_len = cu_k[b + 1] - cu_k[b];
+    }
+};
+
 // Chapter 2 as it was: causal (bottom-right) or no mask, the score unchanged.
 struct PlainPolicy {
-    int q_len, kv_len;
+    int q_len, kv_len;  // the shape's (packed: the longest sequence's, until for_head)
     bool causal;
+    Sequences seqs;
 
-    POLICY_FN PlainPolicy for_head(size_t) const { return *this; }
+    POLICY_FN PlainPolicy for_head(size_t bh) const {
+        PlainPolicy p = *this;
+        seqs.lengths(bh, p.q_len, p.kv_len);
+        return p;
+    }
     POLICY_FN bool from_left() const { return causal; }
     POLICY_FN KeySpan keys(int q0, int rows) const {
         const int end = flash_kv_end(q0, rows, q_len, kv_len, causal);
@@ -194,10 +214,12 @@ struct ModelPolicy : WindowMask {
     int heads;
     bool per_batch;
     float inv_scale;
+    Sequences seqs;
 
     POLICY_FN ModelPolicy for_head(size_t bh) const {
         ModelPolicy p = *this;
         if (slopes) p.mod.slope_u = slopes[per_batch ? bh : bh % heads] * inv_scale;
+        seqs.lengths(bh, p.q_len, p.kv_len);
         return p;
     }
     POLICY_FN bool from_left() const { return right >= 0; }
@@ -232,6 +254,21 @@ inline float options_scale(const AttentionShape& s, const AttentionOptions& o) {
 inline float options_scale_log2(const AttentionShape& s, const AttentionOptions& o) {
     return o.softmax_scale > 0 ? o.softmax_scale * kLog2e : scale_log2_for(s.head_dim);
 }
+// The sequences of a call (a packed batch, or none).
+inline Sequences sequences_of(const AttentionShape& s, const AttentionOptions* o) {
+    if (!o || !o->packed.cu_seqlens_q) return {};
+    return {o->packed.cu_seqlens_q, o->packed.cu_seqlens_k, s.heads};
+}
+// Whether options change no score and no mask beyond the plain call's (PlainPolicy's): every
+// field of the scores and the window its default, or a window bound no row reaches (WindowMask::of:
+// one the longest sequence does not reach, no shorter one does), the default scale written out.
+// The layout and a packed batch change where rows are, not what is computed: not asked here.
+inline bool scores_plain(const AttentionOptions& o, const AttentionShape& s) {
+    const WindowMask m = WindowMask::of(s.q_len, s.kv_len, false, o.window_left, o.window_right);
+    const bool scale = o.softmax_scale == 0 || o.softmax_scale == options_scale(s, {});
+    return scale && m.left == -1 && (s.causal || m.right == -1) && o.softcap == 0 &&
+           !o.alibi_slopes;
+}
 // The policy of a call with options (checked: lib/checks.h's validate_options).
 inline ModelPolicy model_policy(const AttentionShape& s, const AttentionOptions& o) {
     const float scale = options_scale(s, o);
@@ -241,6 +278,7 @@ inline ModelPolicy model_policy(const AttentionShape& s, const AttentionOptions&
     p.mod = ScoreMod::of(scale, o.softcap, 0.f);
     p.slopes = o.alibi_slopes, p.heads = s.heads, p.per_batch = o.alibi_per_batch;
     p.inv_scale = 1.0f / scale;
+    p.seqs = sequences_of(s, &o);
     return p;
 }
 
