@@ -139,9 +139,10 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const int BH = gridDim.x / Tr, head0 = blockIdx.x / (HG * Tr) * HG, heads = min(HG, BH - head0);
     const int i = Tr - 1 - int(blockIdx.x % (HG * Tr)) / heads;
     const size_t bh = head0 + blockIdx.x % (HG * Tr) % heads;  // which (batch, head)
-    const Policy pol = policy.for_head(bh);            // (packed: its sequence's lengths)
+    // Its sequence's policy (a packed batch's lengths, the layout's; else the shape's) and head's.
+    const Policy pol = policy.for_sequence(lay.Q.len(bh, policy.q_len),
+                                           lay.K.len(bh / group, policy.kv_len)).for_head(bh);
     const int q_len = pol.q_len, kv_len = pol.kv_len;
-    if (i * Br >= q_len) return;                       // a shorter sequence's: past its rows
     const int query = i * Br + 16 * M * warp + threadIdx.x % 32 / 4;  // its rows: query + 8r
     // This head's rows start at these offsets (lay: chapter 5's strides, or the contiguous ones
     // as constants); its K and V are its K/V head's, bh / group (GQA: group query heads share one
@@ -370,7 +371,8 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const size_t kv_bh = head0 + slot % heads;         // batch * kv_heads + K/V head
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     // The block's sequence (packed: its own lengths); Tr, the turns' Q tiles a head: the longest.
-    const Policy seq = policy.for_head(kv_bh * group);
+    const Policy seq = policy.for_sequence(lay.Q.len(kv_bh * group, policy.q_len),
+                                           lay.K.len(kv_bh, policy.kv_len));
     const int q_len = seq.q_len, kv_len = seq.kv_len, Tr = (policy.q_len + Br - 1) / Br;
     if (j * Bc >= kv_len) return;                      // a shorter sequence's: past its keys
     // The Q tiles that see a key of tile j, i_first .. i_last (the mask's: all without one);
@@ -403,7 +405,7 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     int* added = nullptr;                              // the turn of the dQ_i added to last
     for (int n = 0; n < steps; n++) {                  // line 8: for each (query head, Q_i)
         const size_t bh = head_of(n);                  // batch * heads + query head
-        const Policy pol = policy.for_head(bh);
+        const Policy pol = seq.for_head(bh);
         const int i = tile_of(n);
         const int q0 = i * Br, fstage = n % 2 * Br, stage = fstage * ld;
         // Q_i has landed; the other stage, P^T and dS^T are free.
@@ -550,7 +552,7 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
             Q, K, V, O, L, policy, layout, Tr, kFwdHeadGroup, flash_kv_group(s), scale_log2);
         FLASH_CUDA_CHECK(cudaGetLastError());
     };
-    const PlainPolicy plain{s.q_len, s.kv_len, s.causal, sequences_of(s, options)};
+    const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
     if (options && !scores_plain(*options, s))
         launch(model_policy(s, *options), lay, options_scale_log2(s, *options));
     else if (dense(lay, s, false)) launch(plain, DenseLayout<D>{}, scale_log2_for(D));
@@ -715,7 +717,7 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
         return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay,
                                                   *options, model_policy(s, *options), tile,
                                                   stream);
-    const PlainPolicy plain{s.q_len, s.kv_len, s.causal, sequences_of(s, options)};
+    const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
     AttentionOptions packed_only;                      // the scale 1/sqrt(D), the batch packed
     if (options) packed_only.packed = options->packed;
     if (dense(lay, s, true))

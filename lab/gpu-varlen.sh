@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # lab/gpu-varlen.sh OUT [BASE]: one GPU run for chapter 5's packed batches (lab/chapter5.md): the
-# build, the [varlen] tests, the default suite, lab/varlen-bench.cu, then, with BASE (a tree
+# build (CLEAN=1: make clean first, to time make test from nothing), the [varlen] tests, the
+# default suite, lab/varlen-bench.cu, then, with BASE (a tree
 # before packed batches, e.g. from `git archive`), the plain contiguous kernels of both trees in
 # turns (flash_bench: chapter 3's public call and chapter 2's, forward and backward), to show
-# what packing costs the calls that do not pack. With TORCH=1 `pytest pytorch` and
-# lab/varlen-bench.py after. Logs under OUT; a short table last. Catch2 from CPPFLAGS (e.g.
+# what packing costs the calls that do not pack. With TORCH=1 `pytest pytorch` after. Logs under OUT; a short table last. Catch2 from CPPFLAGS (e.g.
 # CPPFLAGS=-I.deps/include).
 set -uo pipefail
 out=${1:?usage: lab/gpu-varlen.sh OUT [BASE]} base=${2:-}
@@ -13,6 +13,7 @@ export PATH="$PATH:/usr/local/cuda/bin"
 mkdir -p "$out"
 rows=()
 [ -n "$base" ] && (cd "$base" && make -j8 flash_bench >"$out/base-build.log" 2>&1) &
+[ "${CLEAN:-0}" = 1 ] && make clean >/dev/null
 t0=$SECONDS; make -j8 test_flash flash_bench >"$out/build.log" 2>&1; rc=$?
 rows+=("build|$((SECONDS - t0)) s|exit $rc")
 t0=$SECONDS; ./test_flash "[varlen]" --durations yes >"$out/varlen.log" 2>&1; rc=$?
@@ -43,8 +44,6 @@ fi
 if [ "${TORCH:-0}" = 1 ]; then
     t0=$SECONDS; timeout 400 python3 -m pytest -q pytorch >"$out/torch.log" 2>&1; rc=$?
     rows+=("pytest pytorch|$((SECONDS - t0)) s|exit $rc, $(tail -n 1 "$out/torch.log")")
-    t0=$SECONDS; python3 lab/varlen-bench.py >"$out/varlen-torch.txt" 2>&1; rc=$?
-    rows+=("varlen torch bench|$((SECONDS - t0)) s|exit $rc")
 fi
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)"
 if [ -n "$base" ]; then  # ms: tree, call, d, direction, round 1, round 2
@@ -54,6 +53,5 @@ if [ -n "$base" ]; then  # ms: tree, call, d, direction, round 1, round 2
 fi
 grep -h -A12 "^-\{20\}" "$out/varlen.log" | grep -E "FAILED|with expansion|REQUIRE|CHECK|failed" | head -20
 tail -n 3 "$out/varlen.log"
-column -t -s, "$out/varlen-bench.csv" 2>/dev/null || cat "$out/varlen-bench.csv"
-[ -f "$out/varlen-torch.txt" ] && tail -n 20 "$out/varlen-torch.txt"
-printf '%s\n' "${rows[@]}" | column -t -s'|'
+cat "$out/varlen-bench.csv"
+printf '%s\n' "${rows[@]}"

@@ -283,7 +283,8 @@ void validate_packed_lengths(const char* fn, const PackedBatch& p, const Attenti
             require(cu[b + 1] - cu[b] <= q.longest,
                     call + q.name + ": sequence " + std::to_string(b) + " has " +
                         std::to_string(cu[b + 1] - cu[b]) + " rows, more than " + q.max + " = " +
-                        std::to_string(q.longest) + "; allowed: at most the longest given");
+                        std::to_string(q.longest) + " (max_seqlen" + (q.name + 10) +
+                        "); allowed: at most the longest given");
         }
         require(cu[s.batch] == q.total, entry(s.batch) + " is invalid; allowed value: " +
                                             q.total_name + " = " + std::to_string(q.total));

@@ -23,6 +23,12 @@ struct Rows {
         const long long first = starts ? starts[b] * row : (long long)b * batch;
         return first + (long long)(h % heads) * head;
     }
+    // The rows of head bh: a packed batch's sequence's (device code), else len, the shape's.
+    __host__ __device__ int len(size_t bh, int len) const {
+        if (!starts) return len;
+        const int b = int(bh) / heads;
+        return starts[b + 1] - starts[b];
+    }
     bool operator==(const Rows& o) const {
         return batch == o.batch && head == o.head && row == o.row && heads == o.heads &&
                starts == o.starts;
@@ -95,6 +101,7 @@ template <int D>
 struct DenseRows {
     static constexpr long long row = D;
     __host__ __device__ size_t at(size_t bh, int len) const { return bh * len * D; }
+    __host__ __device__ int len(size_t, int len) const { return len; }
 };
 template <int D>
 struct DenseLayout {

@@ -139,6 +139,9 @@ struct ScoreMod {
 // ---------------------------------------------------------------------------------------------
 // The kernels' policies. What chapter 2's forward and backward ask of one:
 //   q_len, kv_len                      the shape
+//   for_sequence(q_len, kv_len)        the policy of one sequence of those lengths (a packed
+//                                      batch's: lib/layout.h's len; the masks' rules are per
+//                                      sequence)
 //   for_head(bh)                       the policy of one (batch * heads + head): its ALiBi slope
 //   keys(q0, rows)                     Q tile rows q0 .. q0 + rows - 1: the keys to load, [begin,
 //                                      end), and those every row sees, [all_begin, all_end)
@@ -155,34 +158,16 @@ struct Span {  // first .. last, none when last < first
     int first, last;
 };
 
-// A packed batch (flash.h's PackedBatch): the lengths of head bh's sequence, bh / heads, from
-// cu_seqlens (device pointers); not packed (nullptr), every sequence's are the shape's. The
-// policies below take each block's from it, in for_head: the masks' rules then hold per sequence.
-struct Sequences {
-    const int* cu_q = nullptr;
-    const int* cu_k = nullptr;
-    int heads = 1;  // query heads
-
-    POLICY_FN void lengths(size_t bh, int& q_len, int& kv_len) const {
-        if (!cu_q) return;
-        const size_t b = bh / heads;
-        q_len = cu_q[b + 1] - cu_q[b], kv_len = cu_k[b + 1] - cu_k[b];
-    }
-};
-
 // Chapter 2 as it was: causal (bottom-right) or no mask, the score unchanged.
 struct PlainPolicy {
-    int q_len, kv_len;  // the shape's (packed: the longest sequence's, until for_head)
+    int q_len, kv_len;  // the shape's (packed: the longest sequence's, until for_sequence)
     bool causal;
-    Sequences seqs;
 
-    POLICY_FN PlainPolicy for_head(size_t bh) const {
-        PlainPolicy p = *this;
-        seqs.lengths(bh, p.q_len, p.kv_len);
-        return p;
-    }
+    POLICY_FN PlainPolicy for_sequence(int q, int kv) const { return {q, kv, causal}; }
+    POLICY_FN PlainPolicy for_head(size_t) const { return *this; }
     POLICY_FN bool from_left() const { return causal; }
     POLICY_FN KeySpan keys(int q0, int rows) const {
+        if (q0 >= q_len) return {0, 0, 0, 0};          // past a (packed) sequence's rows
         const int end = flash_kv_end(q0, rows, q_len, kv_len, causal);
         const int all = flash_last_key(q0, q_len, kv_len) + 1;
         return {0, end, 0, causal ? (all < end ? all : end) : kv_len};
@@ -214,19 +199,22 @@ struct ModelPolicy : WindowMask {
     int heads;
     bool per_batch;
     float inv_scale;
-    Sequences seqs;
 
+    POLICY_FN ModelPolicy for_sequence(int q, int kv) const {
+        ModelPolicy p = *this;
+        p.q_len = q, p.kv_len = kv;
+        return p;
+    }
     POLICY_FN ModelPolicy for_head(size_t bh) const {
         ModelPolicy p = *this;
         if (slopes) p.mod.slope_u = slopes[per_batch ? bh : bh % heads] * inv_scale;
-        seqs.lengths(bh, p.q_len, p.kv_len);
         return p;
     }
     POLICY_FN bool from_left() const { return right >= 0; }
     POLICY_FN KeySpan keys(int q0, int rows) const {
         const int q1 = q0 + rows < q_len ? q0 + rows : q_len;
         const int begin = int(first_key(q0)), end = int(last_key(q1 - 1)) + 1;
-        if (end <= begin) return {0, 0, 0, 0};
+        if (end <= begin || q0 >= q_len) return {0, 0, 0, 0};  // (q0 past the sequence's rows)
         return {begin, end, int(first_key(q1 - 1)), int(last_key(q0)) + 1};
     }
     POLICY_FN Span row_keys(int i) const { return {int(first_key(i)), int(last_key(i))}; }
@@ -254,11 +242,6 @@ inline float options_scale(const AttentionShape& s, const AttentionOptions& o) {
 inline float options_scale_log2(const AttentionShape& s, const AttentionOptions& o) {
     return o.softmax_scale > 0 ? o.softmax_scale * kLog2e : scale_log2_for(s.head_dim);
 }
-// The sequences of a call (a packed batch, or none).
-inline Sequences sequences_of(const AttentionShape& s, const AttentionOptions* o) {
-    if (!o || !o->packed.cu_seqlens_q) return {};
-    return {o->packed.cu_seqlens_q, o->packed.cu_seqlens_k, s.heads};
-}
 // Whether options change no score and no mask beyond the plain call's (PlainPolicy's): every
 // field of the scores and the window its default, or a window bound no row reaches (WindowMask::of:
 // one the longest sequence does not reach, no shorter one does), the default scale written out.
@@ -278,7 +261,6 @@ inline ModelPolicy model_policy(const AttentionShape& s, const AttentionOptions&
     p.mod = ScoreMod::of(scale, o.softcap, 0.f);
     p.slopes = o.alibi_slopes, p.heads = s.heads, p.per_batch = o.alibi_per_batch;
     p.inv_scale = 1.0f / scale;
-    p.seqs = sequences_of(s, &o);
     return p;
 }
 

@@ -1,7 +1,8 @@
 // flash_torch.cpp: the PyTorch binding of flash.h, for flash_torch.py (which builds and loads it
 // on first use, with torch.utils.cpp_extension; or: make torch). Two functions, forward and
 // backward, over (batch, heads, seq, head_dim) CUDA tensors in fp32, fp16 or bf16, on PyTorch's
-// current stream, with chapter 5's options (flash.h's AttentionOptions: fp16 and bf16 only).
+// current stream, with chapter 5's options (flash.h's AttentionOptions: fp16 and bf16 only), and
+// the same two over packed sequences (varlen_forward, varlen_backward).
 // Every check of flash.h's launchers runs as it does from C++; this file adds the ones only a
 // tensor can fail (device, dtype, rank, layout, matching sizes). Bad input raises ValueError
 // (pybind11's translation of std::invalid_argument) with the message; a CUDA failure raises
@@ -237,6 +238,97 @@ static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
     return {dq, dk, dv};
 }
 
+// Chapter 5's packed batches (flash.h's PackedBatch; FlashAttention-2's flash_attn_varlen_func):
+// q (total_q, H, d), k and v (total_k, H_kv, d), seen by flash_torch.py as the (1, H, total, d)
+// views they are (unsqueeze(0).transpose(1, 2): rows H d apart, heads d), so that shape_of and
+// strides_of read them as they read any batch of one; cu_seqlens_q and _k int32 CUDA tensors of
+// batch + 1 offsets, max_seqlen_q and _k the longest lengths. L is (H, total_q).
+static AttentionShape packed_shape_of(const char* fn, const AttentionShape& one,
+                                      const torch::Tensor& q, const torch::Tensor& cu_q,
+                                      const torch::Tensor& cu_k, int64_t max_q, int64_t max_k) {
+    for (const torch::Tensor* cu : {&cu_q, &cu_k})
+        if (!cu->is_cuda() || cu->device() != q.device() || cu->scalar_type() != torch::kInt32 ||
+            cu->dim() != 1 || !cu->is_contiguous() || cu->size(0) < 2 ||
+            cu->size(0) != cu_q.size(0))
+            fail(std::string(fn) + ": " + (cu == &cu_q ? "cu_seqlens_q" : "cu_seqlens_k") +
+                 " is " + dims(*cu) + " " + name(cu->scalar_type()) + " on " +
+                 cu->device().str() + "; allowed: a contiguous int32 tensor on q's device of " +
+                 "batch + 1 offsets, the same size as the other");
+    if (q.scalar_type() == torch::kFloat32)
+        fail(std::string(fn) + ": packed sequences need float16 or bfloat16 (chapter 2's "
+             "kernels; float32 is chapter 1's)");
+    if (max_q < 1 || max_q > INT_MAX || max_k < 1 || max_k > INT_MAX || cu_q.size(0) > INT_MAX)
+        fail(std::string(fn) + ": max_seqlen_q = " + std::to_string(max_q) + ", max_seqlen_k = " +
+             std::to_string(max_k) + "; allowed: 1 to INT_MAX each");
+    AttentionShape s = one;
+    s.batch = int(cu_q.size(0) - 1), s.q_len = int(max_q), s.kv_len = int(max_k);
+    return s;
+}
+static PackedBatch packed_of(const AttentionShape& one, const torch::Tensor& cu_q,
+                             const torch::Tensor& cu_k) {
+    return {cu_q.data_ptr<int>(), cu_k.data_ptr<int>(), one.q_len, one.kv_len};
+}
+
+static std::tuple<torch::Tensor, torch::Tensor> varlen_forward(
+    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_q, torch::Tensor cu_k,
+    int64_t max_q, int64_t max_k, bool causal, double scale, int64_t left, int64_t right,
+    double softcap, c10::optional<torch::Tensor> alibi) {
+    const char* fn = "flash_attention_varlen";
+    const AttentionShape one = shape_of(fn, {q, k, v}, {"q", "k", "v"}, causal);
+    const AttentionShape s = packed_shape_of(fn, one, q, cu_q, cu_k, max_q, max_k);
+    AttentionOptions opt = options_of(fn, s, q, scale, left, right, softcap, alibi);
+    const c10::cuda::CUDAGuard guard(q.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    torch::Tensor o = empty_laid_out_as(q);
+    torch::Tensor L = torch::empty({q.size(1), q.size(2)}, q.options().dtype(torch::kFloat32));
+    opt.packed = packed_of(one, cu_q, cu_k);
+    opt.layout.Q = strides_of(q), opt.layout.K = strides_of(k), opt.layout.V = strides_of(v);
+    opt.layout.O = strides_of(o);
+    with_dtype(fn, q, [&](auto zero) {
+        using T = decltype(zero);
+        if constexpr (std::is_same_v<T, __half>)
+            flash_forward_fp16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s, opt,
+                               stream);
+        else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+            flash_forward_bf16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<float>(L), s, opt,
+                               stream);
+    });
+    return {o, L};
+}
+
+static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> varlen_backward(
+    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor o, torch::Tensor dO,
+    torch::Tensor L, torch::Tensor cu_q, torch::Tensor cu_k, int64_t max_q, int64_t max_k,
+    bool causal, double scale, int64_t left, int64_t right, double softcap,
+    c10::optional<torch::Tensor> alibi) {
+    const char* fn = "flash_attention_varlen backward";
+    const AttentionShape one =
+        shape_of(fn, {q, k, v, o, dO}, {"q", "k", "v", "o", "do"}, causal);
+    const AttentionShape s = packed_shape_of(fn, one, q, cu_q, cu_k, max_q, max_k);
+    AttentionOptions opt = options_of(fn, s, q, scale, left, right, softcap, alibi);
+    if (!L.is_cuda() || L.device() != q.device() || !L.is_contiguous() ||
+        L.scalar_type() != torch::kFloat32 ||
+        L.sizes() != torch::IntArrayRef({q.size(1), q.size(2)}))
+        fail(std::string(fn) + ": L must be a contiguous float32 CUDA tensor of shape (H, "
+             "total_q) on q's device");
+    const c10::cuda::CUDAGuard guard(q.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    torch::Tensor dq = empty_laid_out_as(q), dk = empty_laid_out_as(k), dv = empty_laid_out_as(v);
+    opt.packed = packed_of(one, cu_q, cu_k);
+    opt.layout = {strides_of(q),  strides_of(k),  strides_of(v),  strides_of(o),
+                  strides_of(dO), strides_of(dq), strides_of(dk), strides_of(dv)};
+    with_dtype(fn, q, [&](auto zero) {
+        using T = decltype(zero);
+        if constexpr (std::is_same_v<T, __half>)
+            flash_backward_fp16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<T>(dO),
+                                ptr<float>(L), ptr<T>(dq), ptr<T>(dk), ptr<T>(dv), s, opt, stream);
+        else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+            flash_backward_bf16(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(o), ptr<T>(dO),
+                                ptr<float>(L), ptr<T>(dq), ptr<T>(dk), ptr<T>(dv), s, opt, stream);
+    });
+    return {dq, dk, dv};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flash.h for PyTorch tensors: see flash_torch.py";
     namespace py = pybind11;  // the options' defaults: none (ring_attention.py calls without)
@@ -251,4 +343,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("do"), py::arg("L"),
           py::arg("causal"), py::arg("scale") = 0.0, py::arg("window_left") = -1,
           py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi") = py::none());
+    m.def("varlen_forward", &varlen_forward,
+          "O, L = varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, "
+          "window_right, softcap, alibi): q, k, v as (1, H, total, d) views");
+    m.def("varlen_backward", &varlen_backward,
+          "dq, dk, dv = varlen_backward(q, k, v, o, do, L, cu_q, cu_k, max_q, max_k, causal, "
+          "scale, window_left, window_right, softcap, alibi)");
 }

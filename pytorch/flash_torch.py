@@ -217,6 +217,36 @@ class FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+class FlashAttentionVarlen(torch.autograd.Function):
+    """FlashAttention over packed sequences (FlashAttention-2's flash_attn_varlen_func): q
+    (total_q, H, d), k and v (total_k, H_kv, d), sequence b's rows cu_seqlens[b] ..
+    cu_seqlens[b + 1] - 1. The kernels see each as the (1, H, total, d) view it is, so the rules of
+    _readable hold (a view is read in place, else copied)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, options):
+        q, k, v = (_readable(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v))
+        scale, left, right, softcap, alibi = options
+        alibi = None if alibi is None else _readable(alibi)
+        ctx.options = (bool(causal), scale, left, right, softcap, alibi)
+        ctx.packed = (cu_q, cu_k, int(max_q), int(max_k))
+        o, lse = build().varlen_forward(q, k, v, *ctx.packed, *ctx.options)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return o.squeeze(0).transpose(0, 1), lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, _dlse):
+        if do is None:
+            return (None,) * 9
+        q, k, v, o, lse = ctx.saved_tensors
+        do = _readable(do.unsqueeze(0).transpose(1, 2))
+        dq, dk, dv = build().varlen_backward(q, k, v, o, do, lse, *ctx.packed, *ctx.options)
+        return (*(t.squeeze(0).transpose(0, 1) for t in (dq, dk, dv)),) + (None,) * 6
+
+
 def _options(softmax_scale, window_size, softcap, alibi_slopes):
     """(scale, left, right, softcap, alibi) as the binding takes them (scale 0: 1/sqrt(d))."""
     left, right = window_size
@@ -240,6 +270,28 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
     in q, k and v (not in alibi_slopes)."""
     return flash_attention_with_lse(q, k, v, causal, softmax_scale, window_size, softcap,
                                     alibi_slopes)[0]
+
+
+def flash_attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal=False, softmax_scale=None,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """(o, lse) of packed sequences: o (total_q, H, d), lse (H, total_q)."""
+    return FlashAttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, causal,
+                                      _options(softmax_scale, window_size, softcap, alibi_slopes))
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None):
+    """flash_attention over sequences of their own lengths packed one after another, with
+    FlashAttention-2's flash_attn_varlen_func's arguments: q (total_q, H, d), k and v (total_k,
+    H_kv, d), cu_seqlens_q and _k int32 CUDA tensors of batch + 1 offsets from 0, max_seqlen_q
+    and _k the longest lengths (at least each; checked). Each sequence attends within itself
+    (causal bottom-right at its own lengths); differentiable in q, k and v."""
+    return flash_attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, causal, softmax_scale, window_size,
+                                           softcap, alibi_slopes)[0]
 
 
 def _main():

@@ -33,7 +33,8 @@ flash_torch.build()  # once, here: a compile error fails the module (the compile
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from flash_torch import flash_attention, flash_attention_with_lse  # noqa: E402
+from flash_torch import (flash_attention, flash_attention_varlen,  # noqa: E402
+                         flash_attention_varlen_with_lse, flash_attention_with_lse)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [16, 32, 64, 96, 128, 256]
@@ -676,3 +677,62 @@ def test_bad_options_raise_value_error_naming_them():
     with pytest.raises(ValueError) as e:
         flash_attention(q.float(), q.float(), q.float(), softcap=5.0)
     assert "float16" in str(e.value)
+
+
+VARLEN_CASES = [  # (query lengths, key lengths, heads, kv_heads, d, causal)
+    ([100, 1, 257, 64], [100, 1, 257, 64], 4, 2, 64, True),
+    ([30, 200, 5], [90, 60, 300], 2, 2, 128, False),
+    ([77, 130], [200, 130], 2, 1, 256, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=["gqa-causal", "cross", "mqa-d256"])
+def test_packed_sequences_match_each_sequence_in_float64(dtype, case):
+    """flash_attention_varlen (FlashAttention-2's flash_attn_varlen_func): each sequence of the
+    packed batch, forward and backward, against the float64 reference of that sequence alone."""
+    q_lens, k_lens, h, kh, d, causal = case
+    g = torch.Generator(device="cuda").manual_seed(700 + VARLEN_CASES.index(case))
+    nq, nk = sum(q_lens), sum(k_lens)
+    q = torch.randn(nq, h, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(nk, kh, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(nk, kh, d, device="cuda", generator=g).to(dtype)
+    do = torch.randn(nq, h, d, device="cuda", generator=g).to(dtype)
+    cq = [0] + list(torch.tensor(q_lens).cumsum(0).tolist())
+    ck = [0] + list(torch.tensor(k_lens).cumsum(0).tolist())
+    cu_q = torch.tensor(cq, device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor(ck, device="cuda", dtype=torch.int32)
+    q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+    o, lse = flash_attention_varlen_with_lse(q_, k_, v_, cu_q, cu_k, max(q_lens), max(k_lens),
+                                             causal=causal)
+    o.backward(do)
+    assert o.shape == q.shape and lse.shape == (h, nq)
+    group = h // kh
+    for b in range(len(q_lens)):
+        label = f"{str(dtype).split('.')[-1]} {case}, sequence {b}"
+        rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        as_dense = lambda t: t.transpose(0, 1).unsqueeze(0)  # (n, H, d) -> (1, H, n, d)
+        qb, dob = as_dense(q[rows]), as_dense(do[rows])
+        kb, vb = (as_dense(t[keys]).repeat_interleave(group, dim=1) for t in (k, v))
+        want_o, want_lse, (q64, k64, v64) = reference(qb, kb, vb, causal)
+        want_o.backward(dob.double())
+        per_kv = lambda t: t.view(1, kh, group, *t.shape[2:]).sum(2)  # GQA: sum the group
+        check_against_reference(label, dtype, qb, kb, vb, dob, as_dense(o[rows]),
+                                lse[:, rows].unsqueeze(0), want_o, want_lse,
+                                [("dq", as_dense(q_.grad[rows]), q64.grad),
+                                 ("dk", as_dense(k_.grad[keys]), per_kv(k64.grad)),
+                                 ("dv", as_dense(v_.grad[keys]), per_kv(v64.grad))])
+
+
+def test_bad_packed_sequences_raise_value_error_naming_them():
+    q = torch.randn(12, 2, 64, device="cuda", dtype=torch.float16)
+    good = torch.tensor([0, 4, 8, 12], device="cuda", dtype=torch.int32)
+    for cu, longest, word in [([0, 6, 4, 12], 6, "cu_seqlens_q[2]"), ([1, 4, 8, 12], 6, "[0]"),
+                              ([0, 2, 3, 12], 6, "max_seqlen_q"), ([0, 4, 8, 11], 6, "total_q")]:
+        bad = torch.tensor(cu, device="cuda", dtype=torch.int32)
+        with pytest.raises(ValueError) as e:
+            flash_attention_varlen(q, q, q, bad, good, longest, 6)
+        assert word in str(e.value), f"{cu}: {str(e.value)!r} does not name {word!r}"
+    with pytest.raises(ValueError) as e:
+        flash_attention_varlen(q, q, q, good.long(), good, 6, 6)
+    assert "int32" in str(e.value)

@@ -205,7 +205,7 @@ TEST_CASE("Chapter 2's kernel policies load, mask and walk exactly the tiles wit
             for (int Br : {2, 4, 5})
                 for (int Bc : {1, 3, 4}) {
                     for (bool causal : {false, true}) {
-                        const PlainPolicy plain{q_len, kv_len, causal, {}};
+                        const PlainPolicy plain{q_len, kv_len, causal};
                         const auto rule = [&](int i, int j) {
                             return sees(q_len, kv_len, causal, -1, -1, i, j);
                         };
@@ -235,21 +235,25 @@ TEST_CASE("Chapter 2's kernel policies load, mask and walk exactly the tiles wit
     CHECK(shapes == 13 * 13 * 9 * 2 * 12);
 }
 
-TEST_CASE("A packed batch's policy takes each head's lengths from its sequence's cu_seqlens",
-          "[cpu][policy][varlen]") {
-    // Three sequences, 2 query heads: heads bh = 2b and 2b + 1 are sequence b's.
+TEST_CASE("A packed batch's layout finds each head's rows and lengths from cu_seqlens",
+          "[cpu][layout][varlen]") {
+    // Three sequences of 5, 0 and 7 queries over 3, 6 and 0 keys; 2 query heads, 1 K/V head, d 8,
+    // packed contiguous: rows heads * d apart, so head bh = 2b + h of sequence b starts at
+    // cu_q[b] * 16 + 8 h.
     const int cu_q[] = {0, 5, 5, 12}, cu_k[] = {0, 3, 9, 9};
-    const Sequences seqs{cu_q, cu_k, 2};
-    const PlainPolicy plain{7, 6, true, seqs};  // the longest sequence's lengths
-    ModelPolicy model = model_policy({3, 2, 7, 6, 64, true}, AttentionOptions{});
-    model.seqs = seqs;
-    const int want[3][2] = {{5, 3}, {0, 6}, {7, 0}};
+    const PackedBatch p{cu_q, cu_k, 12, 9};
+    const AttentionShape s{3, 2, 7, 6, 8, true, 1};
+    const Layout lay = packed_layout({}, s, p);
+    const int q_want[] = {5, 0, 7}, k_want[] = {3, 6, 0};
     for (size_t bh = 0; bh < 6; ++bh) {
         INFO("head bh = " << bh);
-        CHECK(plain.for_head(bh).q_len == want[bh / 2][0]);
-        CHECK(plain.for_head(bh).kv_len == want[bh / 2][1]);
-        CHECK(model.for_head(bh).q_len == want[bh / 2][0]);
-        CHECK(model.for_head(bh).kv_len == want[bh / 2][1]);
+        const size_t b = bh / 2, h = bh % 2;
+        CHECK(lay.Q.len(bh, 7) == q_want[b]);
+        CHECK(lay.K.len(b, 6) == k_want[b]);  // the K/V head of sequence b
+        CHECK(lay.Q.at(bh) == (long long)(cu_q[b] * 16 + 8 * h));
+        CHECK(lay.O.at(bh) == lay.Q.at(bh));
+        CHECK(lay.K.at(b) == (long long)(cu_k[b] * 8));
+        CHECK(lay.L.at(bh) == (long long)(h * 12 + cu_q[b]));  // L: [heads][total_q]
     }
-    CHECK(PlainPolicy{7, 6, true, {}}.for_head(3).q_len == 7);  // not packed: the shape's
+    CHECK(contiguous_layout(s).Q.len(3, 7) == 7);  // not packed: the shape's
 }
