@@ -4,7 +4,8 @@
 # default suite, lab/varlen-bench.cu, then, with BASE (a tree
 # before packed batches, e.g. from `git archive`), the plain contiguous kernels of both trees in
 # turns (flash_bench: chapter 3's public call and chapter 2's, forward and backward), to show
-# what packing costs the calls that do not pack. With TORCH=1 `pytest pytorch` after. Logs under OUT; a short table last. Catch2 from CPPFLAGS (e.g.
+# what packing costs the calls that do not pack. With OPTIONS=1 lab/options-bench.cu too; with
+# TORCH=1 `pytest pytorch` and lab/mask-bench.py after. Logs under OUT; a short table last. Catch2 from CPPFLAGS (e.g.
 # CPPFLAGS=-I.deps/include).
 set -uo pipefail
 out=${1:?usage: lab/gpu-varlen.sh OUT [BASE]} base=${2:-}
@@ -26,6 +27,12 @@ t0=$SECONDS
 nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/varlen-bench.cu $objs -o varlen_bench \
     >"$out/varlen-bench.csv" 2>&1 && ./varlen_bench >"$out/varlen-bench.csv" 2>&1; rc=$?
 rows+=("varlen bench|$((SECONDS - t0)) s|exit $rc")
+if [ "${OPTIONS:-0}" = 1 ]; then  # chapter 5's options, timed (lab/options-bench.cu)
+    t0=$SECONDS
+    nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/options-bench.cu $objs -o options_bench \
+        >"$out/options-bench.csv" 2>&1 && ./options_bench >"$out/options-bench.csv" 2>&1; rc=$?
+    rows+=("options bench|$((SECONDS - t0)) s|exit $rc")
+fi
 wait
 if [ -n "$base" ]; then
     for round in 1 2; do
@@ -44,6 +51,9 @@ fi
 if [ "${TORCH:-0}" = 1 ]; then
     t0=$SECONDS; timeout 400 python3 -m pytest -q pytorch >"$out/torch.log" 2>&1; rc=$?
     rows+=("pytest pytorch|$((SECONDS - t0)) s|exit $rc, $(tail -n 1 "$out/torch.log")")
+    t0=$SECONDS; timeout 300 python3 lab/mask-bench.py --csv "$out/mask-bench.csv" \
+        >"$out/mask-bench.txt" 2>&1; rc=$?
+    rows+=("mask bench|$((SECONDS - t0)) s|exit $rc")
 fi
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)"
 if [ -n "$base" ]; then  # ms: tree, call, d, direction, round 1, round 2
@@ -54,4 +64,5 @@ fi
 grep -h -A12 "^-\{20\}" "$out/varlen.log" | grep -E "FAILED|with expansion|REQUIRE|CHECK|failed" | head -20
 tail -n 3 "$out/varlen.log"
 cat "$out/varlen-bench.csv"
+[ -f "$out/options-bench.csv" ] && cat "$out/options-bench.csv"
 printf '%s\n' "${rows[@]}"
