@@ -204,6 +204,7 @@ double scale_of(const ReferenceProblem& p) {
 }
 // Sequence b's first row and length, of the queries (keys = false) or the keys.
 std::pair<long long, int> sequence_of(const ReferenceProblem& p, int b, bool keys) {
+    if (keys && p.cache_seqlens) return {0, p.cache_seqlens[b]};
     const int* cu = keys ? p.cu_seqlens_k : p.cu_seqlens_q;
     if (!cu) return {0, keys ? p.kv_len : p.q_len};
     return {cu[b], cu[b + 1] - cu[b]};
@@ -212,6 +213,13 @@ std::pair<long long, int> sequence_of(const ReferenceProblem& p, int b, bool key
 long long at(const ReferenceProblem& p, const ReferenceStrides& st, int b, int h, long long row) {
     const long long first = p.cu_seqlens_q || p.cu_seqlens_k ? 0 : b * st.batch;
     return first + h * st.head + row * st.row;
+}
+// The same for a key row (K, V, dK, dV): through the block table where the cache is paged.
+long long key_at(const ReferenceProblem& p, const ReferenceStrides& st, int b, int h,
+                 long long row) {
+    if (!p.block_table) return at(p, st, b, h, row);
+    const long long page = p.block_table[size_t(b) * p.pages_per_seq + row / p.page_size];
+    return page * st.batch + h * st.head + (row % p.page_size) * st.row;
 }
 
 void check_problem(const ReferenceProblem& p) {
@@ -232,6 +240,33 @@ void check_problem(const ReferenceProblem& p) {
                 "; allowed values: 0 (1/sqrt(head_dim)) or > 0");
     require(!p.cu_seqlens_q == !p.cu_seqlens_k,
             "cu_seqlens_q and cu_seqlens_k: give both (packed sequences) or neither");
+    require(!p.cache_seqlens || !p.cu_seqlens_q,
+            "cache_seqlens: a K/V cache takes no cu_seqlens; give one or the other");
+    require(!p.block_table || p.cache_seqlens,
+            "block_table: a paged cache needs cache_seqlens (each sequence's keys)");
+    if (p.cache_seqlens) {
+        require(p.kv_len >= 1, "kv_len = " + std::to_string(p.kv_len) + "; allowed values: >= 1");
+        for (int b = 0; b < p.batch; ++b) {
+            const int n = p.cache_seqlens[b];
+            require(n >= 0 && n <= p.kv_len, "cache_seqlens[" + std::to_string(b) + "] = " +
+                                                 std::to_string(n) + "; allowed values: 0 to " +
+                                                 "kv_len = " + std::to_string(p.kv_len));
+        }
+    }
+    if (p.block_table) {
+        require(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) +
+                                      "; allowed values: >= 1");
+        require(p.pages_per_seq >= (p.kv_len + p.page_size - 1) / p.page_size,
+                "pages_per_seq = " + std::to_string(p.pages_per_seq) + "; allowed values: at " +
+                    "least ceil(kv_len / page_size) = " +
+                    std::to_string((p.kv_len + p.page_size - 1) / p.page_size));
+        for (int b = 0; b < p.batch; ++b)
+            for (int j = 0; j < p.pages_per_seq && j * p.page_size < p.cache_seqlens[b]; ++j)
+                require(p.block_table[size_t(b) * p.pages_per_seq + j] >= 0,
+                        "block_table[" + std::to_string(b) + "][" + std::to_string(j) + "] = " +
+                            std::to_string(p.block_table[size_t(b) * p.pages_per_seq + j]) +
+                            "; allowed values: >= 0 (a page)");
+    }
     if (p.cu_seqlens_q) {
         for (const int* cu : {p.cu_seqlens_q, p.cu_seqlens_k}) {
             const std::string name = cu == p.cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k";
@@ -266,7 +301,7 @@ GeneralRow scores_of(const ReferenceProblem& p, int b, int h, int i) {
     const double scale = scale_of(p);
     const double* Qi = p.Q + at(p, p.q, b, h, q0 + i);
     for (long long j = r.first; j <= r.last; ++j) {
-        const double* Kj = p.K + at(p, p.k, b, h / group, k0 + j);
+        const double* Kj = p.K + key_at(p, p.k, b, h / group, k0 + j);
         double dot = 0.0;
         for (int x = 0; x < p.head_dim; ++x) dot += Qi[x] * Kj[x];
         double s = scale * dot, cap = 1.0;
@@ -318,7 +353,7 @@ void attention_reference_general(const ReferenceProblem& p) {
             std::vector<double> o(d, 0.0);
             for (long long j = r.first; j <= r.last; ++j) {
                 const double P = std::exp(r.s[j - r.first] - L);
-                const double* Vj = p.V + at(p, p.v, b, h / group, k0 + j);
+                const double* Vj = p.V + key_at(p, p.v, b, h / group, k0 + j);
                 for (int x = 0; x < d; ++x) o[x] += P * Vj[x];
             }
             double* Oi = p.O + at(p, p.o, b, h, q0 + i);
@@ -334,6 +369,7 @@ void attention_reference_general(const ReferenceProblem& p) {
 // sum runs in one fixed order.
 void attention_reference_general_backward(const ReferenceProblem& p) {
     check_problem(p);
+    require(!p.cache_seqlens, "cache_seqlens: a K/V cache has no backward here (inference)");
     const int d = p.head_dim, kv_heads = kv_heads_of(p);
     const int group = p.heads / kv_heads;
     const double scale = scale_of(p);

@@ -21,9 +21,11 @@ void attention_reference_backward(const double* Q, const double* K, const double
 void attention_reference_threads(unsigned threads);
 
 // ---------------------------------------------------------------------------------------------
-// The reference for attention as models call it (chapter 5), in double: FlashAttention-2's score changes and masks (flash_attn_func's softmax_scale,
-// window_size, softcap and alibi_slopes), grouped K/V heads, any strides, and packed sequences of
-// their own lengths (flash_attn_varlen_func's cu_seqlens). For query row i of a sequence with
+// The reference for attention as models call it (chapter 5), in double: FlashAttention-2's score
+// changes and masks (flash_attn_func's softmax_scale, window_size, softcap and alibi_slopes),
+// grouped K/V heads, any strides, packed sequences of their own lengths (flash_attn_varlen_func's
+// cu_seqlens), and a K/V cache of ragged lengths, paged or not (flash_attn_with_kvcache's
+// cache_seqlens and block_table; forward only). For query row i of a sequence with
 // q_len rows and kv_len keys, i' = i + kv_len - q_len (the bottom-right alignment), key j:
 //   s_ij = scale Q_i . K_j                          scale = softmax_scale, or 1/sqrt(d) when 0
 //   s_ij = softcap tanh(s_ij / softcap)             where softcap > 0
@@ -44,6 +46,15 @@ struct ReferenceProblem {
     // batch strides are then unused, and L is [heads][total_q] (FlashAttention-2's softmax_lse).
     const int* cu_seqlens_q = nullptr;
     const int* cu_seqlens_k = nullptr;
+    // A K/V cache (FlashAttention-2's flash_attn_with_kvcache; forward only, not with cu_seqlens):
+    // cache_seqlens[b] (batch of them): sequence b's keys are rows 0 .. cache_seqlens[b] - 1 of its
+    // cache (kv_len, the cache's rows, is then their bound). Paged (vLLM's block table), where
+    // block_table is given: key j of sequence b is row j % page_size of page
+    // block_table[b * pages_per_seq + j / page_size], page p's rows starting p * k.batch elements
+    // on (V's: p * v.batch); the batch strides are then the pages'.
+    const int* cache_seqlens = nullptr;
+    const int* block_table = nullptr;
+    int page_size = 0, pages_per_seq = 0;
     bool causal = false;
     double softmax_scale = 0.0;
     int window_left = -1, window_right = -1;

@@ -321,3 +321,75 @@ TEST_CASE("The general reference refuses bad fields, naming them, before writing
         CHECK(all_nan(t.dQ));
     }
 }
+
+TEST_CASE("The general reference reads a paged K/V cache with ragged lengths as each sequence's "
+          "own dense cache", "[cpu][reference][general][paged]") {
+    // Three sequences of 2 query rows over 13, 1 and 0 cached keys; pages of 4 keys scattered in
+    // one pool of 10 pages (vLLM's layout: [pages][page_size][kv_heads][d]), kv_heads 1 of 2.
+    const int B = 3, H = 2, d = 4, q = 2, page = 4, pages_per_seq = 4, kv_len = 16;
+    const std::vector<int> lens = {13, 1, 0};
+    const std::vector<int> table = {7, 2, 9, 0, /**/ 5, -1, -1, -1, /**/ -1, -1, -1, -1};
+    Dense paged(B, H, 1, q, kv_len, d, 5700);
+    std::vector<double> pool(size_t(10) * page * d, std::nan(""));  // unused pages: NaN
+    for (int b = 0; b < B; ++b)
+        for (int j = 0; j < lens[b]; ++j)
+            for (int x = 0; x < d; ++x)
+                pool[(size_t(table[b * pages_per_seq + j / page]) * page + j % page) * d + x] =
+                    paged.K[(size_t(b) * kv_len + j) * d + x];
+    std::vector<double> vpool(pool.size(), std::nan(""));
+    for (int b = 0; b < B; ++b)
+        for (int j = 0; j < lens[b]; ++j)
+            for (int x = 0; x < d; ++x)
+                vpool[(size_t(table[b * pages_per_seq + j / page]) * page + j % page) * d + x] =
+                    paged.V[(size_t(b) * kv_len + j) * d + x];
+    paged.point();
+    paged.p.K = pool.data(), paged.p.V = vpool.data();
+    paged.p.k = paged.p.v = {page * d, d, d};  // a page's rows, then the next page
+    paged.p.cache_seqlens = lens.data(), paged.p.block_table = table.data();
+    paged.p.page_size = page, paged.p.pages_per_seq = pages_per_seq;
+    paged.p.causal = true;
+    attention_reference_general(paged.p);
+    for (int b = 0; b < B; ++b) {
+        CAPTURE(b, lens[b]);
+        if (lens[b] == 0) {  // no keys: O = 0, L = -inf
+            for (int e = 0; e < H * q; ++e) CHECK(std::isinf(paged.L[b * H * q + e]));
+            continue;
+        }
+        Dense one(1, H, 1, q, lens[b], d, 1);
+        std::copy_n(paged.Q.begin() + size_t(b) * H * q * d, H * q * d, one.Q.begin());
+        std::copy_n(paged.K.begin() + size_t(b) * kv_len * d, lens[b] * d, one.K.begin());
+        std::copy_n(paged.V.begin() + size_t(b) * kv_len * d, lens[b] * d, one.V.begin());
+        one.p.causal = true;
+        one.point();
+        attention_reference_general(one.p);
+        for (int e = 0; e < H * q; ++e) CHECK(paged.L[b * H * q + e] == one.L[e]);
+        for (int e = 0; e < H * q * d; ++e) CHECK(paged.O[size_t(b) * H * q * d + e] == one.O[e]);
+    }
+    // Refused: a table without lengths, a page size of 0, a table too short, a missing page in
+    // use, and a backward (a cache is for inference).
+    struct Bad {
+        const char* field;
+        void (*spoil)(ReferenceProblem&);
+    };
+    const Bad bad[] = {
+        {"block_table", [](ReferenceProblem& p) { p.cache_seqlens = nullptr; }},
+        {"page_size", [](ReferenceProblem& p) { p.page_size = 0; }},
+        {"pages_per_seq", [](ReferenceProblem& p) { p.pages_per_seq = 3; }},
+        {"cache_seqlens[1]", [](ReferenceProblem& p) {
+             static const int too_long[] = {13, 17, 0};
+             p.cache_seqlens = too_long;
+         }},
+        {"block_table[0][3]", [](ReferenceProblem& p) {
+             static const int holes[] = {7, 2, 9, -1, 5, -1, -1, -1, -1, -1, -1, -1};
+             p.block_table = holes;
+         }},
+    };
+    for (const Bad& b : bad) {
+        ReferenceProblem p = paged.p;
+        b.spoil(p);
+        CAPTURE(b.field);
+        CHECK_THAT(refusal([&] { attention_reference_general(p); }), Contains(b.field));
+    }
+    CHECK_THAT(refusal([&] { attention_reference_general_backward(paged.p); }),
+               Contains("cache_seqlens"));
+}
