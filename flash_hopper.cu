@@ -19,6 +19,7 @@
 #include "flash.h"
 #include "hopper.cuh"  // the helpers chapter 3's forward and backward share
 #include "log2_units.h"
+#include "mask_policy.cuh"  // the mask and score: PlainPolicy, or chapter 5's ModelPolicy
 
 #include <cuda.h>          // CUtensorMap and its enums (types only: nothing links libcuda)
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000
@@ -95,30 +96,44 @@ struct FwdShared {
 // above), each with two mbarriers: full (the copy engine's bytes are in) and empty (all 4
 // Consumers consumer warps have read it); Q_i has a pair too, a ring of one stage whose phase
 // also picks the slot of the tile numbers. A consumer thread's accumulators are read through
-// acc_at, as in chapter 2.
-template <typename T, int D, int Bc, int Consumers>
+// acc_at, as in chapter 2. Policy: the mask and the score, chapter 2's (lib/mask_policy.cuh):
+// which K/V tiles a Q tile loads, which scores are tested, each score's change. lay: where the
+// rows are (chapter 5's strides, a packed batch's sequences); the maps Q, K, V hold them too.
+template <typename T, int D, int Bc, int Consumers, typename Policy>
 __global__ void __launch_bounds__(kWarpgroup * (Consumers + 1), 1)
 flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                             const __grid_constant__ CUtensorMap K,
                             const __grid_constant__ CUtensorMap V, T* __restrict__ O,
-                            const Rows out, float* __restrict__ L, int q_len, int kv_len,
-                            bool causal, int Tr, int tiles, int head_group, int group,
+                            float* __restrict__ L, const __grid_constant__ Layout lay,
+                            const Policy policy, int Tr, int tiles, int head_group, int group,
                             float scale_log2, int* next) {
     constexpr int Br = 64 * Consumers, Stages = hopper_stages(D);
     auto& sh = shared_storage<FwdShared<T, D, Bc, Consumers>>();
     T* Q_i = sh.Q_i;
     uint64_t *full = sh.full, *empty = sh.empty;
     int* work = sh.work;
+    // Head bh's policy: its sequence's (a packed batch's lengths, the layout's; else the
+    // shape's) and its head's (ALiBi's slope).
+    const auto policy_of = [&](int bh) {
+        const int q_len = lay.Q.len(bh, policy.q_len);
+        const int kv_len = lay.K.len(bh / group, policy.kv_len);
+        return policy.for_sequence(q_len, kv_len).for_head(bh);
+    };
     const auto K_at = [&](int stage) { return sh.KV[stage].K_j; };  // the stage's K_j
     const auto V_at = [&](int stage) { return sh.KV[stage].V_j; };  // and V_j
-    // Line 3: tile -> (Q tile i, head bh) and its K/V tiles Tc, as chapter 2: heads in groups of
-    // head_group, each group's Q tiles longest (causal) first, its heads taking turns.
-    const auto decode = [&](int tile) {                // -> {i, bh, Tc}
+    // Line 3: tile -> (Q tile i, head bh) and its K/V tiles j0 .. j0 + Tc - 1 (the policy's: all
+    // to the last row's last key under causal), as chapter 2: heads in groups of head_group, each
+    // group's Q tiles longest (causal) first, its heads taking turns.
+    struct Work {
+        int i, bh, j0, Tc;
+    };
+    const auto decode = [&](int tile) {
         const int head0 = tile / (head_group * Tr) * head_group;
         const int heads = min(head_group, tiles / Tr - head0), place = tile % (head_group * Tr);
-        const int i = Tr - 1 - place / heads;
-        return int3{i, head0 + place % heads,
-                    (flash_kv_end(i * Br, Br, q_len, kv_len, causal) + Bc - 1) / Bc};
+        const int i = Tr - 1 - place / heads, bh = head0 + place % heads;
+        const KeySpan keys = policy_of(bh).keys(i * Br, Br);
+        const int j0 = keys.begin / Bc;
+        return Work{i, bh, j0, keys.end > keys.begin ? (keys.end - 1) / Bc - j0 + 1 : 0};
     };
     if (threadIdx.x == 0) init_barriers(full, empty, Stages + 1, 4 * Consumers);
     __syncthreads();
@@ -131,20 +146,21 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         for (PipelineState<1> q;; q.advance()) {       // Q_i's ring, of one stage
             if (issuer) work[q.phase()] = tile;        // the next tile (past the end: none left)
             if (tile >= tiles) break;
-            const auto [i, bh, Tc] = decode(tile);
+            const auto [i, bh, j0, Tc] = decode(tile);
             if (q.n > 0) mbar_wait(&empty[Stages], q.phase_before());  // the last Q_i is read
             if (issuer) mbar_expect_bytes(&full[Stages], Br * D * sizeof(T));  // line 4: load Q_i
-            // (batch b, head h); its K/V head h / group: the group query heads of a K/V head
-            // (GQA) share it.
-            const int b = bh / out.heads, h = bh % out.heads;
-            if (issuer) load_tile<Br, D>(Q_i, Q, i * Br, h, b, &full[Stages]);
+            // Where the maps have head bh's row 0 (row, head, batch), and its K/V head's, bh /
+            // group: the group query heads of a K/V head (GQA) share it.
+            const int3 q0 = lay.Q.box_at(bh, i * Br), k0 = lay.K.box_at(bh / group, j0 * Bc);
+            if (issuer) load_tile<Br, D>(Q_i, Q, q0.x, q0.y, q0.z, &full[Stages]);
             for (int j = 0; j < Tc; j++, kv.advance()) {  // line 7: K_j, V_j, in a free stage
                 if (j == Stages) handout<Consumers>();  // the consumers start this tile
                 if (kv.n >= Stages) mbar_wait(&empty[kv.stage()], kv.phase_before());
                 if (!issuer) continue;
                 mbar_expect_bytes(&full[kv.stage()], 2 * Bc * D * sizeof(T));
-                load_tile<Bc, D>(K_at(kv.stage()), K, j * Bc, h / group, b, &full[kv.stage()]);
-                load_tile<Bc, D>(V_at(kv.stage()), V, j * Bc, h / group, b, &full[kv.stage()]);
+                const int row = k0.x + j * Bc;         // tile j0 + j
+                load_tile<Bc, D>(K_at(kv.stage()), K, row, k0.y, k0.z, &full[kv.stage()]);
+                load_tile<Bc, D>(V_at(kv.stage()), V, row, k0.y, k0.z, &full[kv.stage()]);
             }
             if (Tc <= Stages) handout<Consumers>();    // (all of its tiles issued)
             tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
@@ -167,7 +183,9 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         handout<Consumers>();                          // the producer has written work[q.phase()]
         const int tile = work[q.phase()];
         if (tile >= tiles) break;
-        const auto [i, bh, Tc] = decode(tile);
+        const auto [i, bh, j0, Tc] = decode(tile);
+        const Policy pol = policy_of(bh);
+        const int q_len = pol.q_len;
         mbar_wait(&full[Stages], q.phase());           // Q_i is in
         const int query = i * Br + 64 * wg + 16 * warp + g;  // this thread's rows: query + 8r
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
@@ -184,7 +202,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             wgmma_commit();
         };
         PipelineState<Stages> read = kv;               // the K/V tile it reads next
-        for (int j = 0; j < Tc; j++, read.advance()) {  // line 6: for each K_j, V_j
+        for (int j = j0; j < j0 + Tc; j++, read.advance()) {  // line 6: for each K_j, V_j
             mbar_wait(&full[read.stage()], read.phase());  // K_j and V_j are in
             const char* K_j = reinterpret_cast<const char*>(K_at(read.stage()));
             float S_ij[Bc / 2] = {}, alpha[2];         // line 8: S_ij = Q_i K_j^T, 16 of d a step
@@ -195,20 +213,27 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                                 smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
             wgmma_commit();
             // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
-            if (j > 0) add_PV(read.previous().stage());
-            j > 0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);  // S_ij done (P~ V_{j-1} may not be)
+            if (j > j0) add_PV(read.previous().stage());
+            j > j0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);  // S_ij done (P~ V_{j-1}: not yet)
 #pragma unroll
             for (int r = 0; r < 2; r++) {              // line 9 for row query + 8r
-                const int last = causal ? flash_last_key(query + 8 * r, q_len, kv_len) : kv_len - 1;
-                // acc_at(S_ij, r, c) is key j Bc + 2t + 8 (c / 2) + c % 2: masked past
-                // min(last, kv_len - 1), only in a tile that reaches past it (a branch, not a
-                // select on every element: NOTES.md section 17). Bc - 7 = 8 (Bc / 8 - 1) + 1 is
-                // this thread's last key offset in the tile.
-                const int lim = min(last, kv_len - 1) - j * Bc - 2 * t;
-                if (lim < Bc - 7)
+                float du;                              // (a derivative only the backward needs)
+#pragma unroll
+                for (int c = 0; c < Bc / 4; c++) {     // the score changed, if the policy does
+                    float& s = acc_at(S_ij, r, c);
+                    s = pol.score(s, query + 8 * r, j * Bc + 2 * t + 8 * (c / 2) + c % 2, du);
+                }
+                // acc_at(S_ij, r, c) is key j Bc + 2t + 8 (c / 2) + c % 2: masked outside the
+                // row's keys, only in a tile that reaches past them (a branch, not a select on
+                // every element: NOTES.md section 17). Bc - 7 = 8 (Bc / 8 - 1) + 1 is this
+                // thread's last key offset in the tile.
+                const Span seen = pol.row_keys(query + 8 * r);
+                const int lo = seen.first - j * Bc - 2 * t, hi = seen.last - j * Bc - 2 * t;
+                if (lo > 0 || hi < Bc - 7)
 #pragma unroll
                     for (int c = 0; c < Bc / 4; c++)
-                        if (8 * (c / 2) + c % 2 > lim) acc_at(S_ij, r, c) = -INFINITY;
+                        if (8 * (c / 2) + c % 2 > hi || 8 * (c / 2) + c % 2 < lo)
+                            acc_at(S_ij, r, c) = -INFINITY;
                 float m_new = m[r];
 #pragma unroll
                 for (int c = 0; c < Bc / 4; c++)       // the row's max, over its keys here
@@ -227,7 +252,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                 l[r] = l[r] * alpha[r] + sum;
             }
             wgmma_wait<0>(O_i);                        // O_i += P~ V_{j-1} is done
-            if (j > 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
+            if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
 #pragma unroll
             for (int n = 0; n < D / 2; n++) O_i[n] *= alpha[n % 4 / 2];  // element n: row n % 4 / 2
 #pragma unroll
@@ -252,10 +277,10 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             const float inv = l_row > 0.f ? 1.f / l_row : 0.f;  // a row that sees no key: O = 0
 #pragma unroll
             for (int n = 0; n < D / 8; n++)
-                *reinterpret_cast<uint32_t*>(O + (out.at(bh) + row * out.row) + 8 * n + 2 * t) =
+                *reinterpret_cast<uint32_t*>(O + (lay.O.at(bh) + row * lay.O.row) + 8 * n + 2 * t) =
                     pair_bits<T>(acc_at(O_i, r, 2 * n) * inv, acc_at(O_i, r, 2 * n + 1) * inv);
             const float L_row = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
-            if (t == 0) L[size_t(bh) * q_len + row] = L_row;
+            if (t == 0) L[lay.L.at(bh, q_len) + row] = L_row;
         }
     }
 }
@@ -293,42 +318,53 @@ static_assert(every_head_dim([](int d) { return registers_fit(hopper_consumers(d
 
 
 // The launch alone (checks.h: flash_forward_hopper_launch), for callers that have run every check.
+// Without options, or with options that change no score (strides, a packed batch), the plain
+// policy; with any other, chapter 5's.
 template <typename T>
 static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, float* L,
-                                  const AttentionShape& s, const Layout& lay,
-                                  cudaStream_t stream) {
+                                  const AttentionShape& s, const Layout& lay, cudaStream_t stream,
+                                  const AttentionOptions* options = nullptr) {
+    // The maps' extents: the shape, or a packed batch's one batch of total rows (packed_shape).
+    const bool packed = options && options->packed.cu_seqlens_q;
+    const AttentionShape x = packed ? packed_shape(s, options->packed) : s;
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value, Br = hopper_Br(D), Bc = hopper_Bc(D);
         constexpr size_t bytes = flash_hopper_shared_bytes<D>();
         const int tiles = grid_blocks(s, s.q_len, Br, "q_len");  // Q tiles of all heads
-        const auto kernel = flash_forward_hopper_kernel<T, D, Bc, hopper_consumers(D)>;
-        allow_shared(kernel, bytes);
-        const CUtensorMap Qm = tensor_map(Q, lay.Q, s.batch, s.q_len, D, Br),
-                          Km = tensor_map(K, lay.K, s.batch, s.kv_len, D, Bc),  // GQA: fewer heads
-                          Vm = tensor_map(V, lay.V, s.batch, s.kv_len, D, Bc);
+        const CUtensorMap Qm = tensor_map(Q, lay.Q, x.batch, x.q_len, D, Br),
+                          Km = tensor_map(K, lay.K, x.batch, x.kv_len, D, Bc),  // GQA: fewer heads
+                          Vm = tensor_map(V, lay.V, x.batch, x.kv_len, D, Bc);
         const int blocks = kPersistent ? std::min(tiles, flash_device_props().multiProcessorCount)
                                        : tiles;
-        with_scratch(sizeof(int), stream, [&](void* next) {  // the next tile to hand out
-            cudaError_t err = cudaMemsetAsync(next, 0, sizeof(int), stream);  // the int 0
-            if (err != cudaSuccess) return err;
-            kernel<<<blocks, kWarpgroup * (hopper_consumers(D) + 1), bytes, stream>>>(
-                Qm, Km, Vm, O, lay.O, L, s.q_len, s.kv_len, s.causal, (s.q_len + Br - 1) / Br,
-                tiles, kHopperHeadGroup, flash_kv_group(s), scale_log2_for(D),
-                static_cast<int*>(next));
-            return cudaGetLastError();
-        });
+        const auto run = [&](auto policy, float scale_log2) {
+            const auto kernel =
+                flash_forward_hopper_kernel<T, D, Bc, hopper_consumers(D), decltype(policy)>;
+            allow_shared(kernel, bytes);
+            with_scratch(sizeof(int), stream, [&](void* next) {  // the next tile to hand out
+                cudaError_t err = cudaMemsetAsync(next, 0, sizeof(int), stream);  // the int 0
+                if (err != cudaSuccess) return err;
+                kernel<<<blocks, kWarpgroup * (hopper_consumers(D) + 1), bytes, stream>>>(
+                    Qm, Km, Vm, O, L, lay, policy, (s.q_len + Br - 1) / Br, tiles,
+                    kHopperHeadGroup, flash_kv_group(s), scale_log2, static_cast<int*>(next));
+                return cudaGetLastError();
+            });
+        };
+        if (options && !scores_plain(*options, s))
+            run(model_policy(s, *options), options_scale_log2(s, *options));
+        else run(PlainPolicy{s.q_len, s.kv_len, s.causal}, scale_log2_for(D));
     });
 }
 
 void flash_forward_hopper_launch(const __half* Q, const __half* K, const __half* V, __half* O,
                                  float* L, const AttentionShape& s, const Layout& lay,
-                                 cudaStream_t stream) {
-    launch_forward_hopper(Q, K, V, O, L, s, lay, stream);
+                                 cudaStream_t stream, const AttentionOptions* options) {
+    launch_forward_hopper(Q, K, V, O, L, s, lay, stream, options);
 }
 void flash_forward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                  const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
-                                 const AttentionShape& s, const Layout& lay, cudaStream_t stream) {
-    launch_forward_hopper(Q, K, V, O, L, s, lay, stream);
+                                 const AttentionShape& s, const Layout& lay, cudaStream_t stream,
+                                 const AttentionOptions* options) {
+    launch_forward_hopper(Q, K, V, O, L, s, lay, stream, options);
 }
 
 template <typename T>

@@ -40,13 +40,15 @@ void flash_decode_launch(const cudaDeviceProp& prop, const __half* Q, const __ha
 void flash_decode_launch(const cudaDeviceProp& prop, const __nv_bfloat16* Q,
                          const __nv_bfloat16* K, const __nv_bfloat16* V, __nv_bfloat16* O,
                          float* L, const AttentionShape& s, int splits, cudaStream_t stream);
-// Chapter 3 (flash_hopper.cu), for a device where flash_forward_runs_hopper is true.
+// Chapter 3 (flash_hopper.cu), for a device where flash_forward_runs_hopper is true; options:
+// chapter 5's (checked), or none.
 void flash_forward_hopper_launch(const __half* Q, const __half* K, const __half* V, __half* O,
                                  float* L, const AttentionShape& s, const Layout& lay,
-                                 cudaStream_t stream);
+                                 cudaStream_t stream, const AttentionOptions* options = nullptr);
 void flash_forward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                  const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
-                                 const AttentionShape& s, const Layout& lay, cudaStream_t stream);
+                                 const AttentionShape& s, const Layout& lay, cudaStream_t stream,
+                                 const AttentionOptions* options = nullptr);
 
 // The backwards, the same way: chapter 2's (flash_fp16.cu; fn names the public call in its
 // refusals) and chapter 3's (flash_hopper_backward.cu, where flash_backward_runs_hopper is true:

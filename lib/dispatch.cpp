@@ -123,8 +123,9 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
 
 // Chapter 5: the calls with options. Options that change no score are the calls without, with
 // the layout's strides (a bound of the window no row reaches, WindowMask::of's rule, and the
-// default scale written out, are none: scores_plain); any other, and a packed batch, runs chapter
-// 2's kernels with the options as their policy, the one chapter that has it so far.
+// default scale written out, are none: scores_plain); any other, and a packed batch, runs the
+// forward of chapter 3 (where it runs the plain calls) or 2 and the backward of chapter 2, with
+// the options as their policy.
 static bool changes_nothing(const AttentionOptions& o, const AttentionShape& s) {
     return !o.packed.cu_seqlens_q && scores_plain(o, s);
 }
@@ -161,7 +162,12 @@ static void forward_options_dispatch(const char* fn, const T* Q, const T* K, con
         validate_pointers(fn, {alibi_arg(o, s), output_arg("O", O, span_elems(lay.O, x, x.q_len)),
                                output_arg("L", L, l_elems(x))});
     validate_packed_lengths(fn, o.packed, s, stream);  // (the last check: it waits for the stream)
-    flash_forward_ampere_launch(fn, flash_device_props(), Q, K, V, O, L, s, lay, stream, &o);
+    const cudaDeviceProp prop = flash_device_props();
+#ifndef FLASH_NO_HOPPER
+    if (flash_forward_runs_hopper(prop, s.head_dim))  // chapter 3 takes the policy too
+        return flash_forward_hopper_launch(Q, K, V, O, L, s, lay, stream, &o);
+#endif
+    flash_forward_ampere_launch(fn, prop, Q, K, V, O, L, s, lay, stream, &o);
 }
 template <typename T>
 static void backward_options_dispatch(const char* fn, const T* Q, const T* K, const T* V,

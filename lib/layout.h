@@ -29,6 +29,12 @@ struct Rows {
         const int b = int(bh) / heads;
         return starts[b + 1] - starts[b];
     }
+    // Head bh's row r where chapter 3's TMA maps (lib/hopper.cuh's tensor_map) count it: (row,
+    // head, batch); a packed tensor's map is one batch of its total rows. Device code.
+    __host__ __device__ int3 box_at(size_t bh, int r) const {
+        const int h = int(bh), b = h / heads;
+        return starts ? int3{starts[b] + r, h % heads, 0} : int3{r, h % heads, b};
+    }
     bool operator==(const Rows& o) const {
         return batch == o.batch && head == o.head && row == o.row && heads == o.heads &&
                starts == o.starts;

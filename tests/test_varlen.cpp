@@ -1,8 +1,9 @@
 // test_varlen.cpp: chapter 5's packed batches (flash.h's PackedBatch, FlashAttention-2's
 // flash_attn_varlen_func): sequences of their own lengths packed one after another, Q (total_q,
 // heads, d), K and V (total_k, kv_heads, d). Each sequence of a packed batch gets the bits that
-// sequence gets alone (in chapter 2, where a packed batch runs: its plain kernels, or its policy's
-// with a score-changing option), forward and backward; a sequence with no keys gets O = 0, L =
+// sequence gets alone (on the kernels a packed batch runs: chapter 3's forward where the public
+// call runs it, else chapter 2's, and chapter 2's backward; the plain policy, or chapter 5's with
+// a score-changing option), forward and backward; a sequence with no keys gets O = 0, L =
 // -inf, dQ = 0, one with no queries dK = dV = 0; padded rows are neither read nor written; the
 // plain sequences without GQA agree with the CPU reference; and bad cu_seqlens are refused,
 // naming the entry.
@@ -81,14 +82,25 @@ std::vector<float> unpack(const std::vector<float>& buffer, const Packed& p, int
     return dense;
 }
 
+// The calls: the packed batch's, and each sequence alone on the kernels the packed batch runs:
+// the forward of chapter 3 where the public call runs it (public_forward_runs_hopper), else 2;
+// the backward of chapter 2. A plain sequence alone takes the chapter's own call (the public one
+// could run the decode); one with options the options' call, which takes the packed batch's path.
 template <typename T>
 void forward_call(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape& s,
                   const AttentionOptions& o, bool plain) {
-    const GpuCall call = gpu_call<T>("forward", Kernel::chapter2(), s);
+    const bool hopper = public_forward_runs_hopper(s.head_dim);
+    const GpuCall call =
+        gpu_call<T>("forward", hopper ? Kernel::chapter3() : Kernel::chapter2(), s);
     const DeadlineGuard guard(call);
-    if (plain && !o.packed.cu_seqlens_q) {  // alone, without options: chapter 2's own call
-        if constexpr (std::is_same<T, __half>::value) flash_forward_fp16_ampere(Q, K, V, O, L, s);
-        else flash_forward_bf16_ampere(Q, K, V, O, L, s);
+    if (plain && !o.packed.cu_seqlens_q) {  // alone, without options: the chapter's own call
+        if constexpr (std::is_same<T, __half>::value) {
+            if (hopper) flash_forward_fp16_hopper(Q, K, V, O, L, s);
+            else flash_forward_fp16_ampere(Q, K, V, O, L, s);
+        } else {
+            if (hopper) flash_forward_bf16_hopper(Q, K, V, O, L, s);
+            else flash_forward_bf16_ampere(Q, K, V, O, L, s);
+        }
     } else if constexpr (std::is_same<T, __half>::value) {
         flash_forward_fp16(Q, K, V, O, L, s, o);
     } else {
