@@ -25,6 +25,7 @@
 #include "flash.h"
 #include "hopper.cuh"
 #include "log2_units.h"
+#include "mask_policy.cuh"  // the mask and score: PlainPolicy, or chapter 5's ModelPolicy
 #include "ordered_add.cuh"  // block_ticket, wait_turn, pass_turn: chapter 2's
 
 #include <cuda_bf16.h>
@@ -120,43 +121,52 @@ static_assert(bwd_hopper_shared_bytes<64>() <= 227 * 1024 &&
               "a block past 227 KiB");
 
 // A block's work (lines 5 and 8): K/V tile j of K/V head kvh (of batch * kv_heads), and the Q tiles
-// that see it, `tiles` of them in a fixed order, the n-th being tile_at(n).
+// that see it, `tiles` of them in a fixed order, the n-th being tile_at(n). pol: the mask and the
+// score (lib/mask_policy.cuh: PlainPolicy, or chapter 5's ModelPolicy), as in chapter 2.
+template <typename Policy, int Bc, int Br>
 struct BwdBlock {
+    Policy pol;
+    bool from_left;                // the order: keys bounded on the right (causal) from the left
     int q_len, kv_len;
-    bool causal;
     int group, Tr;                 // query heads a K/V head, Q tiles a query head
     int kvh, j;                    // line 5
     int kv_heads;                  // K/V heads a batch (kv_heads * group query heads)
-    int i_first, per_head, tiles;  // the first Q tile that sees tile j; how many do, a query head
-    int mine;                      // the block's place in each dQ_i's order of adds
+    int i_first, i_last, tiles;    // the Q tiles that see tile j; how many, all query heads
     // The n-th Q tile {query head, i}: at each i the group's heads in turn, so that every block
     // reaches (head, i) at the same step n and none waits long for its dQ turn there (head after
     // head, as chapter 2 walks, a block under the mask would reach each next head before the
-    // longer blocks ahead of it in the turns, and wait for them). Under the mask from the last Q
+    // longer blocks ahead of it in the turns, and wait for them). From the left, from the last Q
     // tile (chapter 2's order, so dQ_i's adds follow j up).
     __device__ int2 tile_at(int n) const {
         const int r = n / group;
-        return int2{kvh * group + n % group, causal ? Tr - 1 - r : i_first + r};
+        return int2{kvh * group + n % group, from_left ? i_last - r : i_first + r};
+    }
+    // The block's place in dQ_i's order of adds: the K/V tiles that see Q tile i before j (from
+    // the left: those left of it; else those right of it).
+    __device__ int mine(int i) const {
+        const KeySpan keys = pol.keys(i * Br, Br);
+        return from_left ? j - keys.begin / Bc : (keys.end - 1) / Bc - j;
     }
 };
 // Ticket -> the block's work, chapter 2's order: heads in groups of HG, each group's tiles from the
 // right (causal: from the left, longest first), its heads taking turns. Line 8: the Q tiles i
-// that see key tile j.
-template <int Bc, int Br>
-__device__ __forceinline__ BwdBlock bwd_block(int ticket, int q_len, int kv_len, bool causal,
-                                              int Tc, int BH, int group, int HG,
-                                              int kv_heads) {
-    BwdBlock b;
-    b.q_len = q_len, b.kv_len = kv_len, b.causal = causal, b.group = group;
+// that see key tile j (the policy's).
+template <int Bc, int Br, typename Policy>
+__device__ __forceinline__ BwdBlock<Policy, Bc, Br> bwd_block(int ticket, const Policy& pol,
+                                                             int Tc, int BH, int group, int HG,
+                                                             int kv_heads) {
+    BwdBlock<Policy, Bc, Br> b;
+    b.pol = pol, b.from_left = pol.from_left();
+    b.q_len = pol.q_len, b.kv_len = pol.kv_len, b.group = group;
     b.kv_heads = kv_heads;
     const int head0 = ticket / (HG * Tc) * HG, heads = min(HG, BH - head0);
     const int slot = ticket % (HG * Tc);
     b.kvh = head0 + slot % heads;
-    b.j = causal ? slot / heads : Tc - 1 - slot / heads;
-    b.Tr = (q_len + Br - 1) / Br;
-    b.i_first = causal ? max(0, flash_first_query(b.j * Bc, q_len, kv_len)) / Br : 0;
-    b.per_head = max(b.Tr - b.i_first, 0), b.tiles = group * b.per_head;
-    b.mine = causal ? b.j : Tc - 1 - b.j;
+    b.j = b.from_left ? slot / heads : Tc - 1 - slot / heads;
+    b.Tr = (b.q_len + Br - 1) / Br;
+    const Span rows = pol.queries(b.j * Bc, min((b.j + 1) * Bc, b.kv_len));
+    b.i_first = rows.first / Br, b.i_last = rows.last < rows.first ? -1 : rows.last / Br;
+    b.tiles = group * max(b.i_last - b.i_first + 1, 0);
     return b;
 }
 
@@ -187,9 +197,9 @@ __device__ __forceinline__ void keep(const uint32_t (&a)[K][4]) {
 // L_i and D_i of the n-th Q tile (line 9), rows lane + 32h of its Br; 0 past q_len (masked) and
 // past the last tile (`exists` false). The producer's lanes load them a tile ahead of their stage
 // (produce's loop).
-template <int Br>
+template <int Br, typename Blk>
 __device__ __forceinline__ void load_LD(float (&v)[Br / 32][2], const float* L, const float* Dsum,
-                                        int n, bool exists, const BwdBlock blk) {
+                                        int n, bool exists, const Blk& blk) {
     const auto [bh, i] = blk.tile_at(n);
     for (int h = 0; h < Br / 32; h++) {
         const int x = threadIdx.x % 32 + 32 * h;
@@ -203,11 +213,11 @@ __device__ __forceinline__ void load_LD(float (&v)[Br / 32][2], const float* L, 
 // (line 9); all 32 lanes store the stage's L_i and D_i and arrive on its full barrier (lane 0's
 // arrival with the bytes to come). L_i, D_i are loaded a tile ahead, so that no stage's copies
 // wait for a round trip to memory.
-template <typename T, int D>
+template <typename T, int D, typename Blk>
 __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& Q,
                                         const CUtensorMap& K, const CUtensorMap& V,
                                         const CUtensorMap& dO, const float* L, const float* Dsum,
-                                        const BwdBlock blk) {
+                                        const Blk& blk) {
     constexpr int Br = kBwdBr, Bc = bwd_Bc(D), Stages = bwd_stages(D);
     if (threadIdx.x == 0) {                            // line 6: K_j, V_j, once
         mbar_expect_bytes(&sh.kv_full, 2 * Bc * D * sizeof(T));
@@ -250,9 +260,9 @@ __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& 
 // complete (both writers', where the tile has chunks in both buffers; at d = 64 a tile is one
 // chunk, in buffer n % 2) the turn passes on, before any wait for the next tile (NOTES section
 // 14). The consumers never wait for a turn, and never issue an atomic.
-template <typename T, int D>
+template <typename T, int D, typename Blk>
 __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap& dQacc,
-                                         int* turns, const BwdBlock blk) {
+                                         int* turns, const Blk& blk) {
     constexpr int Chunks = bwd_dq_chunks(D), Bufs = kBwdDqBuffers, Cols = bwd_dq_cols(D);
     constexpr int Br = kBwdBr;
     const int w = threadIdx.x / 32 - 1;                // writer w, buffer w
@@ -261,15 +271,16 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
         const auto [bh, i] = blk.tile_at(n);
         const int heads = blk.kv_heads * blk.group;    // query heads a batch
         int* turn = turns + size_t(bh) * blk.Tr + i;
+        const int mine = blk.mine(i);                  // its place in dQ_i's order
         bool adding = false;                           // it has chunks of tile n
         for (int c = 0; c < Chunks; c++, q++) {
             if (q % Bufs != w) continue;               // the other writer's chunk
             mbar_wait(&sh.dq_full[w], q / Bufs % 2);   // the chunk is in its buffer
-            if (!adding) wait_turn(turn, blk.mine), fence_proxy_async_global(), adding = true;
+            if (!adding) wait_turn(turn, mine), fence_proxy_async_global(), adding = true;
             if (lane0) {
                 for (int h = 0; h < Cols / 32; h++)    // its boxes of 32 columns
                     tma_store(dQacc, sh.dQ_s[w] + 32 * h * Br, Cols * c + 32 * h, i * Br,
-                              bh % heads, bh / heads, blk.mine > 0);
+                              bh % heads, bh / heads, mine > 0);
                 bulk_commit(), bulk_wait_read<0>();
                 mbar_arrive(&sh.dq_empty[w]);
             }
@@ -322,26 +333,27 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
     wgmma_wait<1>(S);                                  // S^T is done (dP^T may not be)
 }
 
-// Line 11: P^T = exp(S^T - L_i) in S's registers, masked where the tile is an edge one (edge: it
-// reaches past a key's first query, kv_len or q_len). acc_at(S, r, c): key kw + 16 warp + g + 8r,
-// query 8(c/2)+2t+c%2 of the Q tile at row q0.
-template <int D>
-__device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], const float* L_i, int q0,
-                                              bool edge, const BwdBlock blk,
-                                              const ConsumerThread<D> me, float scale_log2) {
+// Line 11: P^T = exp(S^T - L_i) of the changed scores (pol: the tile's head's policy) in S's
+// registers, masked where the tile is an edge one (edge: it reaches past a key's queries, kv_len
+// or q_len); du: each score's derivative (1 without a softcap: the compiler then keeps none).
+// acc_at(S, r, c): key kw + 16 warp + g + 8r, query 8(c/2)+2t+c%2 of the Q tile at row q0.
+template <int D, typename Policy>
+__device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du)[kBwdBr / 2],
+                                              const float* L_i, int q0, bool edge, int j,
+                                              const Policy& pol, const ConsumerThread<D> me,
+                                              float scale_log2) {
     constexpr int Br = kBwdBr, Bc = bwd_Bc(D);
-    const int q_len = blk.q_len, kv_len = blk.kv_len;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const int key = blk.j * Bc + me.kw + 16 * me.warp + me.g + 8 * r;
-        const int first =                              // the key's first query
-            key >= kv_len ? q_len : blk.causal ? flash_first_query(key, q_len, kv_len) : 0;
+        const int key = j * Bc + me.kw + 16 * me.warp + me.g + 8 * r;
+        const Span seen = pol.key_queries(key);        // the key's queries (none past kv_len)
 #pragma unroll
         for (int c = 0; c < Br / 4; c++) {
             const int qi = 8 * (c / 2) + 2 * me.t + c % 2;
             float& p = acc_at(S, r, c);
-            p = exp2_ftz(p * scale_log2 - L_i[qi] * kLog2e);
-            if (edge && (q0 + qi < first || q0 + qi >= q_len)) p = 0.f;
+            p = exp2_ftz(pol.score(p, q0 + qi, key, acc_at(du, r, c)) * scale_log2 -
+                         L_i[qi] * kLog2e);
+            if (edge && (q0 + qi < seen.first || q0 + qi > seen.last)) p = 0.f;
         }
     }
 }
@@ -352,14 +364,16 @@ template <typename T>
 __device__ __forceinline__ void ds_fragments(uint32_t (&P)[kBwdBr / 16][4],
                                              uint32_t (&dS)[kBwdBr / 16][4],
                                              float (&S)[kBwdBr / 2], float (&dP)[kBwdBr / 2],
-                                             const float* D_i, int t) {
+                                             float (&du)[kBwdBr / 2], const float* D_i,
+                                             int t) {
     constexpr int Br = kBwdBr;
 #pragma unroll
     for (int c = 0; c < Br / 4; c++)
 #pragma unroll
         for (int r = 0; r < 2; r++)
-            acc_at(dP, r, c) =
-                acc_at(S, r, c) * (acc_at(dP, r, c) - D_i[8 * (c / 2) + 2 * t + c % 2]);
+            acc_at(dP, r, c) = acc_at(S, r, c) *
+                               (acc_at(dP, r, c) - D_i[8 * (c / 2) + 2 * t + c % 2]) *
+                               acc_at(du, r, c);
 #pragma unroll
     for (int k = 0; k < Br / 16; k++)
 #pragma unroll
@@ -469,13 +483,14 @@ __device__ __forceinline__ void send_dq(BwdShared<T, D>& sh, float (&dQ_i)[32], 
     }
 }
 
-// Line 18: dK_j / sqrt(d) (S was unscaled), dV_j, rows past kv_len left out; dk, dv: where their
-// rows are (chapter 5's strides).
-template <typename T, int D>
+// Line 18: dK_j scale (S was unscaled: 1/sqrt(d), or the options'), dV_j, rows past kv_len left
+// out; dk, dv: where their rows are (chapter 5's strides).
+template <typename T, int D, typename Blk>
 __device__ __forceinline__ void store_dK_dV(T* dK, T* dV, const Rows dk, const Rows dv,
                                             float (&dK_j)[D / bwd_split(D) / 2],
                                             float (&dV_j)[D / bwd_split(D) / 2],
-                                            const BwdBlock blk, const ConsumerThread<D> me) {
+                                            const Blk& blk, const ConsumerThread<D> me,
+                                            float scale) {
     constexpr int Bc = bwd_Bc(D), Dw = D / bwd_split(D);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -485,7 +500,7 @@ __device__ __forceinline__ void store_dK_dV(T* dK, T* dV, const Rows dk, const R
 #pragma unroll
         for (int b = 0; b < Dw / 8 && key < blk.kv_len; b++) {
             *reinterpret_cast<uint32_t*>(dK_at + 8 * b) = pair_bits<T>(
-                acc_at(dK_j, r, 2 * b) * rsqrtf(D), acc_at(dK_j, r, 2 * b + 1) * rsqrtf(D));
+                acc_at(dK_j, r, 2 * b) * scale, acc_at(dK_j, r, 2 * b + 1) * scale);
             *reinterpret_cast<uint32_t*>(dV_at + 8 * b) =
                 pair_bits<T>(acc_at(dV_j, r, 2 * b), acc_at(dV_j, r, 2 * b + 1));
         }
@@ -494,9 +509,10 @@ __device__ __forceinline__ void store_dK_dV(T* dK, T* dV, const Rows dk, const R
 
 // A consumer warpgroup: its keys' dK_j, dV_j in registers (line 7), then for each Q tile in the
 // block's order (line 8) the five products and the steps between them, in a stage of the ring.
-template <typename T, int D>
-__device__ __forceinline__ void consume(BwdShared<T, D>& sh, const BwdBlock blk, T* dK, T* dV,
-                                        const Rows dk, const Rows dv, float scale_log2) {
+template <typename T, int D, typename Blk>
+__device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* dK, T* dV,
+                                        const Rows dk, const Rows dv, float scale_log2,
+                                        float scale) {
     constexpr int C = kBwdConsumers, Br = kBwdBr, Stages = bwd_stages(D), Bc = bwd_Bc(D);
     constexpr int Split = bwd_split(D);
     const ConsumerThread<D> me;
@@ -504,18 +520,20 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const BwdBlock blk,
     mbar_wait(&sh.kv_full, 0);                         // K_j and V_j are in
     PipelineState<Stages> st;
     for (int n = 0; n < blk.tiles; n++, st.advance()) {  // line 8: for each Q_i
-        const int s = st.stage(), q0 = blk.tile_at(n).y * Br;
+        const auto [bh, i] = blk.tile_at(n);
+        const int s = st.stage(), q0 = i * Br;
         mbar_wait(&sh.full[s], st.phase());            // Q_i, dO_i, L_i, D_i are in
-        float S[Br / 2] = {}, dP[Br / 2] = {};
+        float S[Br / 2] = {}, dP[Br / 2] = {}, du[Br / 2];
         products_S_dP(S, dP, sh, s, me.kw);            // lines 10, 13
-        // Line 11 masks only where the tile reaches past a key's first query, kv_len or q_len.
-        const bool edge = (blk.j + 1) * Bc > blk.kv_len || q0 + Br > blk.q_len ||
-                          (blk.causal && q0 < flash_first_query((blk.j + 1) * Bc - 1, blk.q_len,
-                                                                blk.kv_len));
-        probabilities(S, sh.LD[s].L_i, q0, edge, blk, me, scale_log2);  // line 11
+        // Line 11 masks only where the tile reaches past a key's queries, kv_len or q_len.
+        const int j = blk.j;
+        const bool edge = (j + 1) * Bc > blk.kv_len || q0 + Br > blk.q_len ||
+                          !blk.pol.full(q0, q0 + Br, j * Bc, (j + 1) * Bc);
+        probabilities(S, du, sh.LD[s].L_i, q0, edge, j, blk.pol.for_head(bh), me,
+                      scale_log2);                     // line 11
         wgmma_wait<0>(dP);                             // dP^T is done
         uint32_t P[Br / 16][4], dS[Br / 16][4];        // P^T and dS^T in T, as A fragments
-        ds_fragments<T>(P, dS, S, dP, sh.LD[s].D_i, me.t);  // line 14
+        ds_fragments<T>(P, dS, S, dP, du, sh.LD[s].D_i, me.t);  // line 14
         // dS^T for line 15. At Split = 2 both warpgroups hold it; the one that computes dQ_i
         // (kBwdDqBuffers' comment) stores it, into its own buffer: n % 2 = wg.
         const bool adds = D == 128 || me.wg == n % C;  // it computes dQ_i, or its part
@@ -540,7 +558,7 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const BwdBlock blk,
         keep(P), keep(dS);
         mbar_arrive(&sh.empty[s]);
     }
-    store_dK_dV(dK, dV, dk, dv, dK_j, dV_j, blk, me);  // line 18
+    store_dK_dV(dK, dV, dk, dv, dK_j, dV_j, blk, me, scale);  // line 18
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -548,7 +566,7 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const BwdBlock blk,
 // 0's first warp is the producer (lane 0 issues the TMA copies, all 32 lanes copy L_i and D_i), its
 // second and third the dQ writers, its fourth idle; warpgroups 1 and 2 the consumers. Shared
 // memory: BwdShared.
-template <typename T, int D, int Split>
+template <typename T, int D, int Split, typename Policy>
 __global__ void __launch_bounds__(kBwdThreads, 1)
 flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                              const __grid_constant__ CUtensorMap K,
@@ -557,9 +575,9 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                              const float* __restrict__ Dsum,
                              const __grid_constant__ CUtensorMap dQacc,
                              int* __restrict__ turns, int* next_ticket, T* __restrict__ dK,
-                             T* __restrict__ dV, const Rows dk, const Rows dv, int q_len,
-                             int kv_len, bool causal, int Tc, int BH, int group, int HG,
-                             float scale_log2) {
+                             T* __restrict__ dV, const Rows dk, const Rows dv,
+                             const Policy policy, int Tc, int BH, int group, int HG,
+                             float scale_log2, float scale) {
     static_assert(Split == bwd_split(D), "the launcher's Split is bwd_split(D)");
     BwdShared<T, D>& sh = shared_storage<BwdShared<T, D>>();
     if (threadIdx.x == 0) {                            // the mbarriers, before any use
@@ -569,8 +587,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         init_barriers(sh.full, sh.empty, bwd_stages(D), 128 * kBwdConsumers, 32);
     }
     const int ticket = block_ticket(next_ticket);      // its barrier publishes the mbarriers too
-    const BwdBlock blk = bwd_block<bwd_Bc(D), kBwdBr>(ticket, q_len, kv_len, causal, Tc, BH,
-                                                       group, HG, dk.heads);
+    const auto blk = bwd_block<bwd_Bc(D), kBwdBr>(ticket, policy, Tc, BH, group, HG, dk.heads);
     if (threadIdx.x < kWarpgroup) {                    // warpgroup 0: few registers
         setmaxnreg<false, kBwdProducerRegs>();
         if (threadIdx.x >= 32 * (1 + kBwdDqBuffers)) return;
@@ -578,22 +595,24 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         return produce(sh, Q, K, V, dO, L, Dsum, blk);  // the producer
     }
     setmaxnreg<true, kBwdConsumerRegs>();              // the consumers: many
-    consume(sh, blk, dK, dV, dk, dv, scale_log2);
+    consume(sh, blk, dK, dV, dk, dv, scale_log2, scale);
 }
 
 #undef HOPPER_ONLY
 
 // ---------------------------------------------------------------------------------------------
 // The launcher: chapter 2's passes around the kernel (flash_backward_passes, lib/chapters.h: its
-// scratch, its D pass before, its dQ = dQacc / sqrt(d) after), the kernel between them.
-template <typename T>
-static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
-                                   const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
-                                   const Layout& lay, cudaStream_t stream) {
+// scratch, its D pass before, its dQ = dQacc scale after), the kernel between them; policy:
+// PlainPolicy or ModelPolicy, o its options (the scale).
+template <typename T, typename Policy>
+static void run_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
+                                const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
+                                const Layout& lay, cudaStream_t stream, const AttentionOptions& o,
+                                const Policy& policy) {
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value, Bc = bwd_Bc(D), Br = kBwdBr;
         constexpr size_t bytes = bwd_hopper_shared_bytes<D>();
-        const auto kernel = flash_backward_hopper_kernel<T, D, bwd_split(D)>;
+        const auto kernel = flash_backward_hopper_kernel<T, D, bwd_split(D), Policy>;
         allow_shared(kernel, bytes);
         AttentionShape kv_shape = s;                   // a block per (batch, kv head, K/V tile)
         kv_shape.heads = flash_kv_heads(s);
@@ -607,7 +626,7 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
         // heads' tickets at a time, K/V tile by K/V tile. Under the mask about two waves of blocks
         // a group (HG Tc = 2 SMs, at most 32 heads), but 32 heads at d = 256; without it 4.
         const int sms = flash_device_props().multiProcessorCount;
-        const int HG = !s.causal ? 4 : D == 256 ? 32 : std::clamp(2 * sms / Tc, 1, 32);
+        const int HG = !policy.from_left() ? 4 : D == 256 ? 32 : std::clamp(2 * sms / Tc, 1, 32);
         // The kernel's turns: one a (query head, Q tile of 64), within the passes' B*H*ceil(q_len
         // / 32). dQacc (fp32) is written by the TMA: boxes of Br rows x 32 columns.
         flash_backward_passes(O, dO, L, dQ, s, lay, stream, [&](const BackwardScratch& m) {
@@ -615,24 +634,40 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
             const CUtensorMap dQm = tensor_map(m.dQacc, dq_acc, s.batch, s.q_len, D, Br);
             kernel<<<blocks, kBwdThreads, bytes, stream>>>(
                 Qm, Km, Vm, dOm, L, m.D, dQm, m.turns, m.next_ticket, dK, dV, lay.dK, lay.dV,
-                s.q_len, s.kv_len, s.causal, Tc, BH, flash_kv_group(s), HG, scale_log2_for(D));
+                policy, Tc, BH, flash_kv_group(s), HG, options_scale_log2(s, o),
+                options_scale(s, o));
             return cudaGetLastError();
-        });
+        }, o);
     });
+}
+// Without options, or with options that change no score (strides), the plain policy; with any
+// other, chapter 5's (a packed batch runs chapter 2's backward: lib/dispatch.cpp).
+template <typename T>
+static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
+                                   const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
+                                   const Layout& lay, cudaStream_t stream,
+                                   const AttentionOptions* options = nullptr) {
+    if (options && !scores_plain(*options, s))
+        return run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, *options,
+                                   model_policy(s, *options));
+    run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, AttentionOptions{},
+                        PlainPolicy{s.q_len, s.kv_len, s.causal});
 }
 
 void flash_backward_hopper_launch(const __half* Q, const __half* K, const __half* V,
                                   const __half* O, const __half* dO, const float* L, __half* dQ,
                                   __half* dK, __half* dV, const AttentionShape& s,
-                                  const Layout& lay, cudaStream_t stream) {
-    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream);
+                                  const Layout& lay, cudaStream_t stream,
+                                  const AttentionOptions* options) {
+    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, options);
 }
 void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                   const __nv_bfloat16* V, const __nv_bfloat16* O,
                                   const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
                                   __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
-                                  const Layout& lay, cudaStream_t stream) {
-    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream);
+                                  const Layout& lay, cudaStream_t stream,
+                                  const AttentionOptions* options) {
+    launch_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, options);
 }
 
 template <typename T>

@@ -69,12 +69,14 @@ void flash_backward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
 void flash_backward_hopper_launch(const __half* Q, const __half* K, const __half* V,
                                   const __half* O, const __half* dO, const float* L, __half* dQ,
                                   __half* dK, __half* dV, const AttentionShape& s,
-                                  const Layout& lay, cudaStream_t stream);
+                                  const Layout& lay, cudaStream_t stream,
+                                  const AttentionOptions* options = nullptr);
 void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                   const __nv_bfloat16* V, const __nv_bfloat16* O,
                                   const __nv_bfloat16* dO, const float* L, __nv_bfloat16* dQ,
                                   __nv_bfloat16* dK, __nv_bfloat16* dV, const AttentionShape& s,
-                                  const Layout& lay, cudaStream_t stream);
+                                  const Layout& lay, cudaStream_t stream,
+                                  const AttentionOptions* options = nullptr);
 
 // The two passes around both backwards on tensor cores (lib/backward_passes.cu: chapter 2's
 // launcher and chapter 3's run them around their kernels), in one scratch of

@@ -185,8 +185,12 @@ static void backward_options_dispatch(const char* fn, const T* Q, const T* K, co
                                output_arg("dK", dK, span_elems(lay.dK, x, x.kv_len)),
                                output_arg("dV", dV, span_elems(lay.dV, x, x.kv_len))});
     validate_packed_lengths(fn, o.packed, s, stream);
-    flash_backward_ampere_launch(fn, flash_device_props(), Q, K, V, O, dO, L, dQ, dK, dV, s, lay,
-                                 stream, &o);
+    const cudaDeviceProp prop = flash_device_props();
+#ifndef FLASH_NO_HOPPER
+    if (flash_backward_runs_hopper(prop, s.head_dim) && !o.packed.cu_seqlens_q)  // (not packed)
+        return flash_backward_hopper_launch(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, &o);
+#endif
+    flash_backward_ampere_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, &o);
 }
 
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
