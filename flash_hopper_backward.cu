@@ -150,23 +150,25 @@ struct BwdBlock {
 };
 // Ticket -> the block's work, chapter 2's order: heads in groups of HG, each group's tiles from the
 // right (causal: from the left, longest first), its heads taking turns. Line 8: the Q tiles i
-// that see key tile j (the policy's).
+// that see key tile j (the policy's, for the block's sequence: a packed batch's lengths, the
+// layout's; a tile past its keys sees none). Tr, the turns' Q tiles a head: the longest's.
 template <int Bc, int Br, typename Policy>
-__device__ __forceinline__ BwdBlock<Policy, Bc, Br> bwd_block(int ticket, const Policy& pol,
-                                                             int Tc, int BH, int group, int HG,
-                                                             int kv_heads) {
+__device__ __forceinline__ BwdBlock<Policy, Bc, Br> bwd_block(int ticket, const Policy& policy,
+                                                             const Layout& lay, int Tc, int BH,
+                                                             int group, int HG) {
     BwdBlock<Policy, Bc, Br> b;
-    b.pol = pol, b.from_left = pol.from_left();
-    b.q_len = pol.q_len, b.kv_len = pol.kv_len, b.group = group;
-    b.kv_heads = kv_heads;
+    b.kv_heads = lay.K.heads, b.group = group, b.from_left = policy.from_left();
     const int head0 = ticket / (HG * Tc) * HG, heads = min(HG, BH - head0);
     const int slot = ticket % (HG * Tc);
     b.kvh = head0 + slot % heads;
     b.j = b.from_left ? slot / heads : Tc - 1 - slot / heads;
-    b.Tr = (b.q_len + Br - 1) / Br;
-    const Span rows = pol.queries(b.j * Bc, min((b.j + 1) * Bc, b.kv_len));
+    b.Tr = (policy.q_len + Br - 1) / Br;
+    b.pol = policy.for_sequence(lay.Q.len(size_t(b.kvh) * group, policy.q_len),
+                                lay.K.len(b.kvh, policy.kv_len));
+    b.q_len = b.pol.q_len, b.kv_len = b.pol.kv_len;
+    const Span rows = b.pol.queries(b.j * Bc, min((b.j + 1) * Bc, b.kv_len));
     b.i_first = rows.first / Br, b.i_last = rows.last < rows.first ? -1 : rows.last / Br;
-    b.tiles = group * max(b.i_last - b.i_first + 1, 0);
+    b.tiles = b.j * Bc < b.kv_len ? group * max(b.i_last - b.i_first + 1, 0) : 0;
     return b;
 }
 
@@ -199,12 +201,15 @@ __device__ __forceinline__ void keep(const uint32_t (&a)[K][4]) {
 // (produce's loop).
 template <int Br, typename Blk>
 __device__ __forceinline__ void load_LD(float (&v)[Br / 32][2], const float* L, const float* Dsum,
-                                        int n, bool exists, const Blk& blk) {
+                                        int n, bool exists, const Blk& blk, const Rows& l_rows) {
     const auto [bh, i] = blk.tile_at(n);
     for (int h = 0; h < Br / 32; h++) {
         const int x = threadIdx.x % 32 + 32 * h;
         const bool in = exists && i * Br + x < blk.q_len;
-        const size_t at = size_t(bh) * blk.q_len + i * Br + x;
+        // (D's rows are L's; the dense case written out: Rows::at's division costs the
+        // producer's 24 registers a spill)
+        const size_t at = (l_rows.starts ? l_rows.at(bh, blk.q_len) : size_t(bh) * blk.q_len) +
+                          i * Br + x;
         v[h][0] = in ? L[at] : 0.f, v[h][1] = in ? Dsum[at] : 0.f;
     }
 }
@@ -217,17 +222,17 @@ template <typename T, int D, typename Blk>
 __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& Q,
                                         const CUtensorMap& K, const CUtensorMap& V,
                                         const CUtensorMap& dO, const float* L, const float* Dsum,
-                                        const Blk& blk) {
+                                        const Blk& blk, const Layout& lay) {
     constexpr int Br = kBwdBr, Bc = bwd_Bc(D), Stages = bwd_stages(D);
     if (threadIdx.x == 0) {                            // line 6: K_j, V_j, once
         mbar_expect_bytes(&sh.kv_full, 2 * Bc * D * sizeof(T));
-        const int h = blk.kvh % blk.kv_heads, b = blk.kvh / blk.kv_heads;
-        load_tile<Bc, D>(sh.K_j, K, blk.j * Bc, h, b, &sh.kv_full);
-        load_tile<Bc, D>(sh.V_j, V, blk.j * Bc, h, b, &sh.kv_full);
+        const int3 k0 = lay.K.box_at(blk.kvh, blk.j * Bc);  // (row, head, batch) in K's map
+        load_tile<Bc, D>(sh.K_j, K, k0.x, k0.y, k0.z, &sh.kv_full);
+        load_tile<Bc, D>(sh.V_j, V, k0.x, k0.y, k0.z, &sh.kv_full);
     }
     PipelineState<Stages> st;
     float next[Br / 32][2];                            // L_i, D_i of tile n, then of n + 1
-    load_LD<Br>(next, L, Dsum, 0, 0 < blk.tiles, blk);
+    load_LD<Br>(next, L, Dsum, 0, 0 < blk.tiles, blk, lay.L);
     for (int n = 0; n < blk.tiles; n++, st.advance()) {  // line 9: Q_i, dO_i, L_i, D_i
         const auto [bh, i] = blk.tile_at(n);
         const int s = st.stage();
@@ -235,13 +240,13 @@ __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& 
         for (int h = 0; h < Br / 32; h++)
             sh.LD[s].L_i[threadIdx.x + 32 * h] = next[h][0],
             sh.LD[s].D_i[threadIdx.x + 32 * h] = next[h][1];
-        load_LD<Br>(next, L, Dsum, n + 1, n + 1 < blk.tiles, blk);
+        load_LD<Br>(next, L, Dsum, n + 1, n + 1 < blk.tiles, blk, lay.L);
         if (threadIdx.x > 0) mbar_arrive(&sh.full[s]);  // its L_i, D_i written: an arrival each
         else {                                         // lane 0's arrival, with the bytes to come
             mbar_expect_bytes(&sh.full[s], 2 * Br * D * sizeof(T));
-            const int heads = blk.kv_heads * blk.group;  // query heads a batch
-            load_tile<Br, D>(sh.Q_s[s], Q, i * Br, bh % heads, bh / heads, &sh.full[s]);
-            load_tile<Br, D>(sh.dO_s[s], dO, i * Br, bh % heads, bh / heads, &sh.full[s]);
+            const int3 q0 = lay.Q.box_at(bh, i * Br);  // (row, head, batch) in Q's, dO's map
+            load_tile<Br, D>(sh.Q_s[s], Q, q0.x, q0.y, q0.z, &sh.full[s]);
+            load_tile<Br, D>(sh.dO_s[s], dO, q0.x, q0.y, q0.z, &sh.full[s]);
         }
     }
     // It leaves once the last stages it filled are read (as the forward's producer).
@@ -575,7 +580,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                              const float* __restrict__ Dsum,
                              const __grid_constant__ CUtensorMap dQacc,
                              int* __restrict__ turns, int* next_ticket, T* __restrict__ dK,
-                             T* __restrict__ dV, const Rows dk, const Rows dv,
+                             T* __restrict__ dV, const __grid_constant__ Layout lay,
                              const Policy policy, int Tc, int BH, int group, int HG,
                              float scale_log2, float scale) {
     static_assert(Split == bwd_split(D), "the launcher's Split is bwd_split(D)");
@@ -587,15 +592,15 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         init_barriers(sh.full, sh.empty, bwd_stages(D), 128 * kBwdConsumers, 32);
     }
     const int ticket = block_ticket(next_ticket);      // its barrier publishes the mbarriers too
-    const auto blk = bwd_block<bwd_Bc(D), kBwdBr>(ticket, policy, Tc, BH, group, HG, dk.heads);
+    const auto blk = bwd_block<bwd_Bc(D), kBwdBr>(ticket, policy, lay, Tc, BH, group, HG);
     if (threadIdx.x < kWarpgroup) {                    // warpgroup 0: few registers
         setmaxnreg<false, kBwdProducerRegs>();
         if (threadIdx.x >= 32 * (1 + kBwdDqBuffers)) return;
         if (threadIdx.x >= 32) return write_dq(sh, dQacc, turns, blk);  // the dQ writers
-        return produce(sh, Q, K, V, dO, L, Dsum, blk);  // the producer
+        return produce(sh, Q, K, V, dO, L, Dsum, blk, lay);  // the producer
     }
     setmaxnreg<true, kBwdConsumerRegs>();              // the consumers: many
-    consume(sh, blk, dK, dV, dk, dv, scale_log2, scale);
+    consume(sh, blk, dK, dV, lay.dK, lay.dV, scale_log2, scale);
 }
 
 #undef HOPPER_ONLY
@@ -618,30 +623,34 @@ static void run_backward_hopper(const T* Q, const T* K, const T* V, const T* O, 
         kv_shape.heads = flash_kv_heads(s);
         const int blocks = grid_blocks(kv_shape, s.kv_len, Bc, "kv_len");
         const int Tc = (s.kv_len + Bc - 1) / Bc, BH = s.batch * flash_kv_heads(s);
-        const CUtensorMap Qm = tensor_map(Q, lay.Q, s.batch, s.q_len, D, Br),
-                          dOm = tensor_map(dO, lay.dO, s.batch, s.q_len, D, Br),
-                          Km = tensor_map(K, lay.K, s.batch, s.kv_len, D, Bc),
-                          Vm = tensor_map(V, lay.V, s.batch, s.kv_len, D, Bc);
+        // The maps' extents: the shape, or a packed batch's one batch of total rows.
+        const AttentionShape x = o.packed.cu_seqlens_q ? packed_shape(s, o.packed) : s;
+        const CUtensorMap Qm = tensor_map(Q, lay.Q, x.batch, x.q_len, D, Br),
+                          dOm = tensor_map(dO, lay.dO, x.batch, x.q_len, D, Br),
+                          Km = tensor_map(K, lay.K, x.batch, x.kv_len, D, Bc),
+                          Vm = tensor_map(V, lay.V, x.batch, x.kv_len, D, Bc);
         // Interleaving heads' tiles keeps one head's tiles apart in time (chapter 2's groups): HG
         // heads' tickets at a time, K/V tile by K/V tile. Under the mask about two waves of blocks
         // a group (HG Tc = 2 SMs, at most 32 heads), but 32 heads at d = 256; without it 4.
         const int sms = flash_device_props().multiProcessorCount;
         const int HG = !policy.from_left() ? 4 : D == 256 ? 32 : std::clamp(2 * sms / Tc, 1, 32);
         // The kernel's turns: one a (query head, Q tile of 64), within the passes' B*H*ceil(q_len
-        // / 32). dQacc (fp32) is written by the TMA: boxes of Br rows x 32 columns.
+        // / 32). dQacc (fp32) is written by the TMA: boxes of Br rows x 32 columns, in
+        // [batch][heads][q_len][d] whatever the layout: a packed batch's sequences each q_len
+        // (the longest) rows apart there, so that no box reaches another sequence's rows.
+        const Rows acc_rows = rows_of({}, s.batch, s.heads, s.q_len, 1);  // (rows of d floats)
         flash_backward_passes(O, dO, L, dQ, s, lay, stream, [&](const BackwardScratch& m) {
             const Rows dq_acc = rows_of({}, s.batch, s.heads, s.q_len, D);  // contiguous, fp32
             const CUtensorMap dQm = tensor_map(m.dQacc, dq_acc, s.batch, s.q_len, D, Br);
             kernel<<<blocks, kBwdThreads, bytes, stream>>>(
-                Qm, Km, Vm, dOm, L, m.D, dQm, m.turns, m.next_ticket, dK, dV, lay.dK, lay.dV,
-                policy, Tc, BH, flash_kv_group(s), HG, options_scale_log2(s, o),
-                options_scale(s, o));
+                Qm, Km, Vm, dOm, L, m.D, dQm, m.turns, m.next_ticket, dK, dV, lay, policy, Tc,
+                BH, flash_kv_group(s), HG, options_scale_log2(s, o), options_scale(s, o));
             return cudaGetLastError();
-        }, o);
+        }, o, &acc_rows);
     });
 }
-// Without options, or with options that change no score (strides), the plain policy; with any
-// other, chapter 5's (a packed batch runs chapter 2's backward: lib/dispatch.cpp).
+// Without options, or with options that change no score (strides, a packed batch), the plain
+// policy; with any other, chapter 5's.
 template <typename T>
 static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                    const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
@@ -650,7 +659,9 @@ static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* 
     if (options && !scores_plain(*options, s))
         return run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, *options,
                                    model_policy(s, *options));
-    run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, AttentionOptions{},
+    AttentionOptions packed_only;                      // the scale 1/sqrt(d), the batch packed
+    if (options) packed_only.packed = options->packed;
+    run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, packed_only,
                         PlainPolicy{s.q_len, s.kv_len, s.causal});
 }
 

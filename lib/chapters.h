@@ -88,20 +88,23 @@ void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K
 // cudaGetLastError(). Throws the first CUDA error, as with_scratch does.
 constexpr int kBackwardMinBr = 32;  // the fewest rows a Q tile of either backward takes
 struct BackwardScratch {
-    float* dQacc;      // dQ before its scale, fp32, rows as L's (B*H*q_len*d floats; packed
-                       // H*total_q*d): the first add stores
+    float* dQacc;      // dQ before its scale, fp32, B*H*q_len*d floats (packed: at least
+                       // H*total_q*d), rows as the kernel puts them: the first add stores
     int* turns;        // B*H*ceil(q_len / kBackwardMinBr) turn counters (one a query head and
                        // Q tile of kBackwardMinBr rows or more; packed: q_len the longest), zeroed
     int* next_ticket;  // the ticket counter, zeroed
-    float* D;          // D_i of line 4, as L (B*H*q_len floats; packed H*total_q)
+    float* D;          // D_i of line 4, rows as L's (B*H*q_len floats; packed H*total_q)
 };
 using BackwardKernel = std::function<cudaError_t(const BackwardScratch&)>;
 // options: chapter 5's (the dQ pass takes its scale; a packed batch's extents). lay: where O, dO
-// and dQ's rows are (chapter 5's strides; dQacc is contiguous).
+// and dQ's rows are (chapter 5's strides), and L's, which D's follow. acc: where the kernel puts
+// dQacc's rows (in rows of head_dim floats): L's (nullptr: chapter 2), or another layout within
+// the scratch's dQacc (chapter 3: [batch][heads][q_len], for a packed batch too).
 void flash_backward_passes(const __half* O, const __half* dO, const float* L, __half* dQ,
                            const AttentionShape& s, const Layout& lay, cudaStream_t stream,
-                           const BackwardKernel& kernel, const AttentionOptions& options = {});
+                           const BackwardKernel& kernel, const AttentionOptions& options = {},
+                           const Rows* acc = nullptr);
 void flash_backward_passes(const __nv_bfloat16* O, const __nv_bfloat16* dO, const float* L,
                            __nv_bfloat16* dQ, const AttentionShape& s, const Layout& lay,
                            cudaStream_t stream, const BackwardKernel& kernel,
-                           const AttentionOptions& options = {});
+                           const AttentionOptions& options = {}, const Rows* acc = nullptr);

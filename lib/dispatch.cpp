@@ -123,9 +123,8 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
 
 // Chapter 5: the calls with options. Options that change no score are the calls without, with
 // the layout's strides (a bound of the window no row reaches, WindowMask::of's rule, and the
-// default scale written out, are none: scores_plain); any other, and a packed batch, runs the
-// forward of chapter 3 (where it runs the plain calls) or 2 and the backward of chapter 2, with
-// the options as their policy.
+// default scale written out, are none: scores_plain); any other, and a packed batch, runs
+// chapter 3 where the plain calls run it, else chapter 2, with the options as their policy.
 static bool changes_nothing(const AttentionOptions& o, const AttentionShape& s) {
     return !o.packed.cu_seqlens_q && scores_plain(o, s);
 }
@@ -187,7 +186,7 @@ static void backward_options_dispatch(const char* fn, const T* Q, const T* K, co
     validate_packed_lengths(fn, o.packed, s, stream);
     const cudaDeviceProp prop = flash_device_props();
 #ifndef FLASH_NO_HOPPER
-    if (flash_backward_runs_hopper(prop, s.head_dim) && !o.packed.cu_seqlens_q)  // (not packed)
+    if (flash_backward_runs_hopper(prop, s.head_dim))  // chapter 3 takes the policy too
         return flash_backward_hopper_launch(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, &o);
 #endif
     flash_backward_ampere_launch(fn, prop, Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, &o);

@@ -1,9 +1,9 @@
 // test_varlen.cpp: chapter 5's packed batches (flash.h's PackedBatch, FlashAttention-2's
 // flash_attn_varlen_func): sequences of their own lengths packed one after another, Q (total_q,
 // heads, d), K and V (total_k, kv_heads, d). Each sequence of a packed batch gets the bits that
-// sequence gets alone (on the kernels a packed batch runs: chapter 3's forward where the public
-// call runs it, else chapter 2's, and chapter 2's backward; the plain policy, or chapter 5's with
-// a score-changing option), forward and backward; a sequence with no keys gets O = 0, L =
+// sequence gets alone (on the kernels a packed batch runs: chapter 3's where the public call
+// runs it, else chapter 2's; the plain policy, or chapter 5's with a score-changing option),
+// forward and backward; a sequence with no keys gets O = 0, L =
 // -inf, dQ = 0, one with no queries dK = dV = 0; padded rows are neither read nor written; the
 // plain sequences without GQA agree with the CPU reference; and bad cu_seqlens are refused,
 // naming the entry.
@@ -83,9 +83,10 @@ std::vector<float> unpack(const std::vector<float>& buffer, const Packed& p, int
 }
 
 // The calls: the packed batch's, and each sequence alone on the kernels the packed batch runs:
-// the forward of chapter 3 where the public call runs it (public_forward_runs_hopper), else 2;
-// the backward of chapter 2. A plain sequence alone takes the chapter's own call (the public one
-// could run the decode); one with options the options' call, which takes the packed batch's path.
+// chapter 3's forward and backward where the public call runs chapter 3
+// (public_forward_runs_hopper), else chapter 2's. A plain sequence alone takes the chapter's own
+// call (the public one could run the decode); one with options the options' call, which takes
+// the packed batch's path.
 template <typename T>
 void forward_call(const T* Q, const T* K, const T* V, T* O, float* L, const AttentionShape& s,
                   const AttentionOptions& o, bool plain) {
@@ -112,12 +113,18 @@ template <typename T>
 void backward_call(const T* Q, const T* K, const T* V, const T* O, const T* dO, const float* L,
                    T* dQ, T* dK, T* dV, const AttentionShape& s, const AttentionOptions& o,
                    bool plain) {
-    const GpuCall call = gpu_call<T>("backward", Kernel::chapter2(), s);
+    const bool hopper = public_forward_runs_hopper(s.head_dim);  // (the backward's rule too)
+    const GpuCall call =
+        gpu_call<T>("backward", hopper ? Kernel::chapter3() : Kernel::chapter2(), s);
     const DeadlineGuard guard(call);
     if (plain && !o.packed.cu_seqlens_q) {
-        if constexpr (std::is_same<T, __half>::value)
-            flash_backward_fp16_ampere(Q, K, V, O, dO, L, dQ, dK, dV, s);
-        else flash_backward_bf16_ampere(Q, K, V, O, dO, L, dQ, dK, dV, s);
+        if constexpr (std::is_same<T, __half>::value) {
+            if (hopper) flash_backward_fp16_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s);
+            else flash_backward_fp16_ampere(Q, K, V, O, dO, L, dQ, dK, dV, s);
+        } else {
+            if (hopper) flash_backward_bf16_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s);
+            else flash_backward_bf16_ampere(Q, K, V, O, dO, L, dQ, dK, dV, s);
+        }
     } else if constexpr (std::is_same<T, __half>::value) {
         flash_backward_fp16(Q, K, V, O, dO, L, dQ, dK, dV, s, o);
     } else {
