@@ -29,6 +29,7 @@
 #include "flash.h"
 #include "fragments.cuh"  // SM80_ASM, the pairs of T
 #include "log2_units.h"
+#include "mask_policy.cuh"  // the mask and score: PlainPolicy, or chapter 5's ModelPolicy
 
 #include <algorithm>
 #include <climits>
@@ -193,11 +194,14 @@ struct SplitBlock {
     size_t first_row;   // the row of Q, O_s and L_s that is the block's row 0
     size_t rows_total;  // rows of Q, O and L: batch * heads * q_len
     size_t kv_head;     // the K/V head's first element in K and V
-    int k0, k1;         // the split's keys [k0, k1): whole Bc-key tiles, the last cut at kv_len
+    int k0, k1;         // the split's keys [k0, k1): whole Bc-key tiles, the last cut at key_end
 };
+// The keys split are key0 .. key_end - 1: those the policy lets any row see (a window's, from
+// key0, its first rounded down to a tile), all kv_len without one.
 template <int D>
 __device__ __forceinline__ SplitBlock split_block(int heads, int kv_heads, int q_len, int kv_len,
-                                                  int splits, int chunks, int tiles_per_split) {
+                                                  int key0, int key_end, int splits, int chunks,
+                                                  int tiles_per_split) {
     constexpr int Bc = decode_Bc(D);
     SplitBlock blk;
     int id = blockIdx.x;
@@ -213,9 +217,10 @@ __device__ __forceinline__ SplitBlock split_block(int heads, int kv_heads, int q
     blk.rows_total = size_t(gridDim.x / (splits * chunks)) * group * q_len;
     blk.kv_head = (size_t(b) * kv_heads + kvh) * size_t(kv_len) * D;
     // A split past the last key gets none (tile0 = tiles); no overflow: the launcher bounds it.
-    const int tiles = (kv_len + Bc - 1) / Bc;
+    const int tiles = (key_end - key0 + Bc - 1) / Bc;
     const int tile0 = min(blk.split * tiles_per_split, tiles);
-    blk.k0 = tile0 * Bc, blk.k1 = min(min(tile0 + tiles_per_split, tiles) * Bc, kv_len);
+    blk.k0 = key0 + tile0 * Bc;
+    blk.k1 = min(key0 + min(tile0 + tiles_per_split, tiles) * Bc, key_end);
     return blk;
 }
 
@@ -274,38 +279,45 @@ struct KeyRing {
 };
 
 // Lines 4-5 for the block's rows, a lane's share: q, its slice of Q (8 columns, fp32, times
-// log2(e) / sqrt(d), so that the scores are in log2 units and exp is exp2); O = 0 (o, its slice),
-// m = -inf, l = 0 (its group's running max and sum, log2 units); end[r], row r's key bound (it
-// counts key j iff j < end[r]): the split's end, under the causal mask query i's last key + 1
-// (flash_last_key). Rows past R are zeros, computed and never written.
-template <typename T, int D, int kR>
+// scale log2(e), so that the scores are in log2 units and exp is exp2); O = 0 (o, its slice),
+// m = -inf, l = 0 (its group's running max and sum, log2 units); row r's keys, [begin[r],
+// end[r]): the split's, cut to the row's own (the policy's row_keys: under the causal mask up to
+// query i's last key); its query i[r] and its policy rp[r] (its head's: ALiBi's slope), in the
+// scores' log2 units. Rows past R are zeros, computed and never written.
+template <typename T, int D, int kR, typename Policy>
 __device__ __forceinline__ void load_rows(float (&q)[kR][8], float (&o)[kR][8], float (&m)[kR],
-                                          float (&l)[kR], int (&end)[kR], const KeyLanes<D>& me,
+                                          float (&l)[kR], int (&begin)[kR], int (&end)[kR],
+                                          int (&i)[kR], Policy (&rp)[kR], const KeyLanes<D>& me,
                                           const T* Q, const SplitBlock& blk, int q_len,
-                                          int kv_len, bool causal, float scale_log2) {
+                                          const Policy& pol, float scale_log2) {
 #pragma unroll
     for (int r = 0; r < kR; ++r) {
-        m[r] = -INFINITY, l[r] = 0.f, end[r] = blk.k1;
+        m[r] = -INFINITY, l[r] = 0.f, begin[r] = blk.k0, end[r] = blk.k1, i[r] = 0, rp[r] = pol;
 #pragma unroll
         for (int e = 0; e < 8; ++e) q[r][e] = 0.f, o[r][e] = 0.f;
         if (r < blk.R) {
             eight_floats<T>(load16(Q + (blk.first_row + r) * D + me.c0), q[r]);
 #pragma unroll
             for (int e = 0; e < 8; ++e) q[r][e] *= scale_log2;
-            if (causal)
-                end[r] = min(blk.k1, flash_last_key((blk.row0 + r) % q_len, q_len, kv_len) + 1);
+            i[r] = (blk.row0 + r) % q_len;
+            rp[r] = pol.for_head((blk.first_row + r) / q_len);
+            const Span seen = pol.row_keys(i[r]);
+            begin[r] = max(blk.k0, seen.first), end[r] = min(blk.k1, seen.last + 1);
         }
     }
 }
 
 // Line 8 for a step's keys j = base + u kKeysPerLoad + g: S[u][r] = q_r . k_j, a lane's 8
 // products (K widened into Kf) summed over the key's lanes by a butterfly of shuffles (every lane
-// of the key ends with the same sum, bit for bit), then the mask: -inf where row r does not count
-// key j.
-template <typename T, int D, int kR>
+// of the key ends with the same sum, bit for bit), changed by the row's policy, then the mask:
+// -inf where row r does not count key j (the left side tested only where a row's keys can start
+// past the split's first: Policy::kLeftEdge, a window).
+template <typename T, int D, int kR, typename Policy>
 __device__ __forceinline__ void scores(float (&S)[kUnroll][kR], float (&Kf)[8],
                                        const uint4 (&Kraw)[kUnroll], const float (&q)[kR][8],
-                                       const int (&end)[kR], const KeyLanes<D>& me, int base) {
+                                       const int (&begin)[kR], const int (&end)[kR],
+                                       const int (&i)[kR], const Policy (&rp)[kR],
+                                       const KeyLanes<D>& me, int base) {
     using Lanes = KeyLanes<D>;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -319,7 +331,9 @@ __device__ __forceinline__ void scores(float (&S)[kUnroll][kR], float (&Kf)[8],
 #pragma unroll
             for (int off = Lanes::kLanesPerKey / 2; off > 0; off /= 2)
                 dot += __shfl_xor_sync(0xffffffffu, dot, off);
-            S[u][r] = j < end[r] ? dot : -INFINITY;
+            float du;  // (a derivative only the backward needs)
+            const bool seen = j < end[r] && (!Policy::kLeftEdge || j >= begin[r]);
+            S[u][r] = seen ? rp[r].score(dot, i[r], j, du) : -INFINITY;
         }
     }
 }
@@ -430,24 +444,27 @@ __device__ __forceinline__ void write_split(const float (&o)[kR][8], const float
     }
 }
 
-// The kernel: Algorithm 1 over one split's keys, part by part.
-template <typename T, int D, int kR, bool kEvictFirst>
+// The kernel: Algorithm 1 over one split's keys, part by part. Policy: the mask and the score
+// (lib/mask_policy.cuh: PlainPolicy, or chapter 5's ModelPolicy), in the scores' log2 units
+// (in_units(scale_log2)); the keys split, key0 .. key_end - 1, are those it lets the rows see.
+template <typename T, int D, int kR, bool kEvictFirst, typename Policy>
 __global__ void __launch_bounds__(kSplitThreads, decode_blocks_per_sm(kR))
 flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, float* __restrict__ Os,
                           float* __restrict__ Ls, int heads, int kv_heads, int q_len, int kv_len,
-                          bool causal, int splits, int chunks, int tiles_per_split,
-                          float scale_log2) {
+                          const Policy pol, int key0, int key_end, int splits, int chunks,
+                          int tiles_per_split, float scale_log2) {
     constexpr int kU = kUnroll, kStep = KeyLanes<D>::kStep;
     KeyRing<T, D, kEvictFirst> ring;  // the lane's slots of its warp's ring
     let_next_kernel_launch();
-    const SplitBlock blk =
-        split_block<D>(heads, kv_heads, q_len, kv_len, splits, chunks, tiles_per_split);
+    const SplitBlock blk = split_block<D>(heads, kv_heads, q_len, kv_len, key0, key_end, splits,
+                                          chunks, tiles_per_split);
     const KeyLanes<D> me;                          // the lane's warp, key row g and columns c0
     const int first = ring.start(me, K, V, blk);  // line 7's first steps on their way, then
     float q[kR][8], o[kR][8], m[kR], l[kR];        // lines 4-5: the lane's share of the rows
-    int end[kR];
-    load_rows<T, D>(q, o, m, l, end, me, Q, blk, q_len, kv_len, causal, scale_log2);
+    int begin[kR], end[kR], i[kR];
+    Policy rp[kR];
+    load_rows<T, D>(q, o, m, l, begin, end, i, rp, me, Q, blk, q_len, pol, scale_log2);
     int stage = 0;  // step n's stage, n % kStages: advanced in one place, below
     for (int base = first; base < blk.k1; base += kStep) {  // line 6: the warp's steps
         // This lane's copies of the step have landed (at most kStages - 2 younger groups in
@@ -459,7 +476,7 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         ring.copy(base + (kStages - 1) * kStep, stage == 0 ? kStages - 1 : stage - 1);
         stage = stage == kStages - 1 ? 0 : stage + 1;
         float S[kU][kR], Kf[8], Vf[8];
-        scores<T, D>(S, Kf, Kraw, q, end, me, base);  // line 8
+        scores<T, D>(S, Kf, Kraw, q, begin, end, i, rp, me, base);  // line 8
         online_softmax(S, o, m, l);                   // lines 9-10
         add_PV<T>(o, Vf, S, Vraw);                    // line 10
     }
@@ -580,12 +597,30 @@ int split_blocks(const AttentionShape& s, int splits) {
     return int(units * splits);
 }
 
-template <typename T>
+// The keys a call splits, key0 .. key_end - 1: those the policy lets any row see, from a whole
+// tile (a window's first key rounded down), as a shape of key_end - key0 keys for the split rule.
+struct KeySplit {
+    int key0, key_end;
+    AttentionShape span;
+};
+template <typename Policy>
+KeySplit key_split(const AttentionShape& s, const Policy& pol) {
+    const KeySpan keys = pol.keys(0, s.q_len);
+    const int Bc = bc_for(s.head_dim);
+    KeySplit k{keys.begin / Bc * Bc, std::max(keys.end, keys.begin / Bc * Bc), s};
+    k.span.kv_len = std::max(1, k.key_end - k.key0);  // (no key: one empty tile, for the rule)
+    return k;
+}
+
+template <typename T, typename Policy>
 void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* V, T* O, float* L,
-                   const AttentionShape& s, int splits, cudaStream_t stream) {
+                   const AttentionShape& s, const Policy& pol, float scale_log2, int splits,
+                   cudaStream_t stream) {
+    const KeySplit keys = key_split(s, pol);
+    if (splits == 0) splits = flash_decode_choose_splits(prop, keys.span);
     const int blocks = split_blocks(s, splits);
     const int Bc = bc_for(s.head_dim);
-    const int tiles = (s.kv_len + Bc - 1) / Bc;
+    const int tiles = (keys.key_end - keys.key0 + Bc - 1) / Bc;
     // Every split a whole number of tiles; with more splits than tiles, the last ones get none.
     const int tiles_per_split = (tiles + splits - 1) / splits;
     const size_t rows = l_elems(s);
@@ -603,16 +638,17 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
             auto run_split = [&](auto kernel, size_t shared) {
                 allow_shared(kernel, shared);
                 kernel<<<blocks, kSplitThreads, shared, stream>>>(
-                    Q, K, V, Os, Ls, s.heads, flash_kv_heads(s), s.q_len, s.kv_len, s.causal,
-                    splits, chunks_of(s), tiles_per_split, scale_log2_for(D));
+                    Q, K, V, Os, Ls, s.heads, flash_kv_heads(s), s.q_len, s.kv_len,
+                    pol.in_units(scale_log2), keys.key0, keys.key_end, splits, chunks_of(s),
+                    tiles_per_split, scale_log2);
             };
             auto run_rows = [&](auto rows) {
                 constexpr int kR = decltype(rows)::value;
                 const size_t shared = decode_shared_bytes(D, kR);
                 if (evict_first)
-                    run_split(flash_decode_split_kernel<T, D, kR, true>, shared);
+                    run_split(flash_decode_split_kernel<T, D, kR, true, Policy>, shared);
                 else
-                    run_split(flash_decode_split_kernel<T, D, kR, false>, shared);
+                    run_split(flash_decode_split_kernel<T, D, kR, false, Policy>, shared);
             };
             if (rows_kernel_for(s) == 4)
                 run_rows(std::integral_constant<int, 4>{});
@@ -697,17 +733,28 @@ size_t flash_decode_scratch_bytes(const AttentionShape& s, int splits) {
     return bytes;
 }
 
+// The plain policy where it serves the options (none, or a scale), else chapter 5's.
+template <typename T>
+void decode_with_options(const cudaDeviceProp& prop, const T* Q, const T* K, const T* V, T* O,
+                         float* L, const AttentionShape& s, int splits, cudaStream_t stream,
+                         const AttentionOptions* options) {
+    const AttentionOptions o = options ? *options : AttentionOptions{};
+    const float scale_log2 = options_scale_log2(s, o);  // the options', or 1/sqrt(d)'s
+    if (plain_policy_serves(o, s))
+        decode_launch(prop, Q, K, V, O, L, s, PlainPolicy{s.q_len, s.kv_len, s.causal}, scale_log2,
+                      splits, stream);
+    else decode_launch(prop, Q, K, V, O, L, s, model_policy(s, o), scale_log2, splits, stream);
+}
 void flash_decode_launch(const cudaDeviceProp& prop, const __half* Q, const __half* K,
                          const __half* V, __half* O, float* L, const AttentionShape& s,
-                         int splits, cudaStream_t stream) {
-    decode_launch(prop, Q, K, V, O, L, s, splits > 0 ? splits : flash_decode_choose_splits(prop, s),
-                  stream);
+                         int splits, cudaStream_t stream, const AttentionOptions* options) {
+    decode_with_options(prop, Q, K, V, O, L, s, splits, stream, options);
 }
 void flash_decode_launch(const cudaDeviceProp& prop, const __nv_bfloat16* Q,
                          const __nv_bfloat16* K, const __nv_bfloat16* V, __nv_bfloat16* O,
-                         float* L, const AttentionShape& s, int splits, cudaStream_t stream) {
-    decode_launch(prop, Q, K, V, O, L, s, splits > 0 ? splits : flash_decode_choose_splits(prop, s),
-                  stream);
+                         float* L, const AttentionShape& s, int splits, cudaStream_t stream,
+                         const AttentionOptions* options) {
+    decode_with_options(prop, Q, K, V, O, L, s, splits, stream, options);
 }
 
 bool flash_decode_runs(const cudaDeviceProp& prop, const AttentionShape& s) {

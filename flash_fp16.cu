@@ -225,11 +225,11 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     for (int r = 0; r < 2 * M; r++) {                  // lines 12-15 for query + 8r, written once
         const float l_row = quad_reduce(l[r], add);    // the sum over the row's 4 threads
         const size_t at = lay.L.at(bh, q_len) + query + 8 * r;  // this row's place in L
+        T* O_row = O + lay.O.at(bh, q_len) + (query + 8 * r) * lay.O.row;  // and in O
         // A row that saw a key has l >= 1 (its max's own term is e^0); one that saw none has
         // l = 0 and O_i = 0: it gets O = 0 / 1 = 0 and L = -inf.
         for (int n = 0; n < D / 8 && query + 8 * r < q_len; n++)  // columns 2n, 2n + 1
-            store_pair(O + lay.O.at(bh, q_len) + (query + 8 * r) * lay.O.row + 8 * n + 2 * t,
-                       acc_at(O_i, r, 2 * n) / fmaxf(l_row, 1.f),
+            store_pair(O_row + 8 * n + 2 * t, acc_at(O_i, r, 2 * n) / fmaxf(l_row, 1.f),
                        acc_at(O_i, r, 2 * n + 1) / fmaxf(l_row, 1.f));
         if (t == 0 && query + 8 * r < q_len)
             L[at] = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
@@ -535,8 +535,8 @@ FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
 // the SMs' loads), and the few heads' K and V that the running blocks read stay in L2.
 static constexpr int kFwdHeadGroup = 16;
 
-// Without options, or with options that change no score (a packed batch, strides), the plain
-// policy (scale 1/sqrt(D)); with any other chapter 5's.
+// The plain policy where it serves the options (none, a packed batch, strides, a scale), else
+// chapter 5's.
 template <typename T, int D, int Bc>
 static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float* L,
                                 const AttentionShape& s, const Layout& lay,
@@ -553,10 +553,11 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
         FLASH_CUDA_CHECK(cudaGetLastError());
     };
     const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
-    if (options && !scores_plain(*options, s))
-        launch(model_policy(s, *options), lay, options_scale_log2(s, *options));
-    else if (dense(lay, s, false)) launch(plain, DenseLayout<D>{}, scale_log2_for(D));
-    else launch(plain, lay, scale_log2_for(D));
+    const AttentionOptions o = options ? *options : AttentionOptions{};
+    const float scale_log2 = options_scale_log2(s, o);  // the options', or 1/sqrt(D)'s
+    if (!plain_policy_serves(o, s)) launch(model_policy(s, o), lay, scale_log2);
+    else if (dense(lay, s, false)) launch(plain, DenseLayout<D>{}, scale_log2);
+    else launch(plain, lay, scale_log2);
 }
 
 // The launch once the arguments are checked (shape, pointers): the device's checks, the tile, the
@@ -704,8 +705,8 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
 }
 
 
-// Without options, or with options that change no score (a packed batch, strides), the plain
-// policy (scale 1/sqrt(D)); with any other chapter 5's. The layout: the
+// The plain policy where it serves the options (none, a packed batch, strides, a scale), else
+// chapter 5's. The layout: the
 // contiguous one's constants (DenseLayout) for plain calls on contiguous tensors, else the
 // strides (Layout).
 template <typename T, int D, int Bc, int Br>
@@ -713,19 +714,16 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
                                  const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
                                  const Layout& lay, const AttentionOptions* options,
                                  const FlashTile& tile, cudaStream_t stream) {
-    if (options && !scores_plain(*options, s))
-        return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay,
-                                                  *options, model_policy(s, *options), tile,
-                                                  stream);
+    const AttentionOptions o = options ? *options : AttentionOptions{};
+    if (!plain_policy_serves(o, s))
+        return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay, o,
+                                                  model_policy(s, o), tile, stream);
     const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
-    AttentionOptions packed_only;                      // the scale 1/sqrt(D), the batch packed
-    if (options) packed_only.packed = options->packed;
     if (dense(lay, s, true))
         return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay,
-                                                  DenseLayout<D>{}, packed_only, plain, tile,
-                                                  stream);
-    launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay, packed_only,
-                                       plain, tile, stream);
+                                                  DenseLayout<D>{}, o, plain, tile, stream);
+    launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay, o, plain, tile,
+                                       stream);
 }
 
 template <typename T>

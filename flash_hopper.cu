@@ -226,14 +226,17 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                 // acc_at(S_ij, r, c) is key j Bc + 2t + 8 (c / 2) + c % 2: masked outside the
                 // row's keys, only in a tile that reaches past them (a branch, not a select on
                 // every element: NOTES.md section 17). Bc - 7 = 8 (Bc / 8 - 1) + 1 is this
-                // thread's last key offset in the tile.
+                // thread's last key offset in the tile. The left side is tested only where a
+                // row's keys can start past 0 (Policy::kLeftEdge: a window).
                 const Span seen = pol.row_keys(query + 8 * r);
                 const int lo = seen.first - j * Bc - 2 * t, hi = seen.last - j * Bc - 2 * t;
-                if (lo > 0 || hi < Bc - 7)
+                if ((Policy::kLeftEdge && lo > 0) || hi < Bc - 7)
 #pragma unroll
-                    for (int c = 0; c < Bc / 4; c++)
-                        if (8 * (c / 2) + c % 2 > hi || 8 * (c / 2) + c % 2 < lo)
+                    for (int c = 0; c < Bc / 4; c++) {
+                        const int key = 8 * (c / 2) + c % 2;  // (offset from j Bc + 2t)
+                        if (key > hi || (Policy::kLeftEdge && key < lo))
                             acc_at(S_ij, r, c) = -INFINITY;
+                    }
                 float m_new = m[r];
 #pragma unroll
                 for (int c = 0; c < Bc / 4; c++)       // the row's max, over its keys here
@@ -275,9 +278,10 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             const float l_row = quad_reduce(l[r], add);  // the sum over the row's 4 threads
             if (row >= q_len) continue;
             const float inv = l_row > 0.f ? 1.f / l_row : 0.f;  // a row that sees no key: O = 0
+            T* O_row = O + lay.O.at(bh) + row * lay.O.row;  // (its place, once: O may alias)
 #pragma unroll
             for (int n = 0; n < D / 8; n++)
-                *reinterpret_cast<uint32_t*>(O + (lay.O.at(bh) + row * lay.O.row) + 8 * n + 2 * t) =
+                *reinterpret_cast<uint32_t*>(O_row + 8 * n + 2 * t) =
                     pair_bits<T>(acc_at(O_i, r, 2 * n) * inv, acc_at(O_i, r, 2 * n + 1) * inv);
             const float L_row = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
             if (t == 0) L[lay.L.at(bh, q_len) + row] = L_row;
@@ -318,8 +322,8 @@ static_assert(every_head_dim([](int d) { return registers_fit(hopper_consumers(d
 
 
 // The launch alone (checks.h: flash_forward_hopper_launch), for callers that have run every check.
-// Without options, or with options that change no score (strides, a packed batch), the plain
-// policy; with any other, chapter 5's.
+// The plain policy where it serves the options (none, strides, a packed batch, a scale), else
+// chapter 5's.
 template <typename T>
 static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, float* L,
                                   const AttentionShape& s, const Layout& lay, cudaStream_t stream,
@@ -349,9 +353,10 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
                 return cudaGetLastError();
             });
         };
-        if (options && !scores_plain(*options, s))
-            run(model_policy(s, *options), options_scale_log2(s, *options));
-        else run(PlainPolicy{s.q_len, s.kv_len, s.causal}, scale_log2_for(D));
+        const AttentionOptions o = options ? *options : AttentionOptions{};
+        const float scale_log2 = options_scale_log2(s, o);  // the options', or 1/sqrt(d)'s
+        if (plain_policy_serves(o, s)) run(PlainPolicy{s.q_len, s.kv_len, s.causal}, scale_log2);
+        else run(model_policy(s, o), scale_log2);
     });
 }
 

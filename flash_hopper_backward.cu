@@ -649,20 +649,18 @@ static void run_backward_hopper(const T* Q, const T* K, const T* V, const T* O, 
         }, o, &acc_rows);
     });
 }
-// Without options, or with options that change no score (strides, a packed batch), the plain
-// policy; with any other, chapter 5's.
+// The plain policy where it serves the options (none, strides, a packed batch, a scale), else
+// chapter 5's.
 template <typename T>
 static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                    const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
                                    const Layout& lay, cudaStream_t stream,
                                    const AttentionOptions* options = nullptr) {
-    if (options && !scores_plain(*options, s))
-        return run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, *options,
-                                   model_policy(s, *options));
-    AttentionOptions packed_only;                      // the scale 1/sqrt(d), the batch packed
-    if (options) packed_only.packed = options->packed;
-    run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, packed_only,
-                        PlainPolicy{s.q_len, s.kv_len, s.causal});
+    const AttentionOptions o = options ? *options : AttentionOptions{};
+    if (plain_policy_serves(o, s))
+        return run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, o,
+                                   PlainPolicy{s.q_len, s.kv_len, s.causal});
+    run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, o, model_policy(s, o));
 }
 
 void flash_backward_hopper_launch(const __half* Q, const __half* K, const __half* V,

@@ -1,7 +1,8 @@
 // lab/options-bench.cu: chapter 5's options against the plain calls, timed: a sliding window
 // against the dense causal mask at N = 32k, and softcap, ALiBi and a softmax scale against plain
 // attention at N = 4096 (lab/chapter5.md, lab/data/options-h200.csv). fp16, chapter 2's kernels
-// (which the options run) beside the public call (chapter 3 on an H100 or H200, plain only).
+// (which the options run) beside the public call (chapter 3 on an H100 or H200), and the decode
+// (chapter 4) with each option against none.
 // TFLOP/s counts the visible (query, key) pairs: 4 d per pair forward, 2.5 times that backward
 // (FlashAttention-2's count), so a window's figure is comparable with the dense one.
 // Build and run from the repository root (the library built with make):
@@ -118,6 +119,35 @@ int main() {
         row("softcap 30", "options", s, -1, cap, b);
         row("alibi", "options", s, -1, alibi, b);
         row("scale 0.1", "options", s, -1, scale, b);
+    }
+    {   // The decode (chapter 4): one query row against 32k keys, 32 query heads over 8 K/V heads,
+        // d = 128, batch 8, forward alone. GB/s counts the K and V bytes of the keys the rows see
+        // (a window's 4097, else all), so that a window's figure is comparable with the plain one.
+        const AttentionShape s{8, 32, 1, 32768, 128, true, 8};
+        Buffers b(size_t(s.batch) * 8 * s.kv_len * s.head_dim, s.heads);
+        AttentionOptions none, window, cap, alibi, scale;
+        window.window_left = 4096, window.window_right = 0;
+        cap.softcap = 30.f;
+        alibi.alibi_slopes = b.slopes;
+        scale.softmax_scale = 0.1f;
+        printf("decode case,call,kv_len,window,us,GB/s\n");
+        const auto decode_row = [&](const char* what, const AttentionOptions& o, int left) {
+            const bool plain = &o == &none;
+            const float ms = median_ms([&] {
+                if (plain) flash_forward_fp16(b.Q, b.K, b.V, b.O, b.L, s);
+                else flash_forward_fp16(b.Q, b.K, b.V, b.O, b.L, s, o);
+            });
+            const double keys = left < 0 ? s.kv_len : left + 1;
+            const double bytes = 2.0 * s.batch * 8 * keys * s.head_dim * sizeof(__half);
+            printf("%s,%s,%d,%d,%.1f,%.0f\n", what, plain ? "plain" : "options", s.kv_len, left,
+                   ms * 1e3, bytes / (ms * 1e6));
+            fflush(stdout);
+        };
+        decode_row("decode plain", none, -1);
+        decode_row("decode window 4096", window, 4096);
+        decode_row("decode softcap 30", cap, -1);
+        decode_row("decode alibi", alibi, -1);
+        decode_row("decode scale 0.1", scale, -1);
     }
     return 0;
 }

@@ -32,14 +32,16 @@ void flash_forward_ampere_launch(const char* fn, const cudaDeviceProp& prop,
 // Chapter 4 (flash_decode.cu): whether flash_forward_fp16 / _bf16 run the decode kernel for this
 // shape on this device (q_len <= kFlashDecodeMaxQLen, head_dim in kFlashDecodeHeadDims, compute
 // capability 8.0 and the block's shared memory), and its launch for the API layer, arguments
-// checked: splits 0 for flash_decode_choose_splits' choice.
+// checked: splits 0 for flash_decode_choose_splits' choice (of the keys the options let the rows
+// see); options: chapter 5's (checked; contiguous tensors, no packed batch), or none.
 bool flash_decode_runs(const cudaDeviceProp& prop, const AttentionShape& s);
 void flash_decode_launch(const cudaDeviceProp& prop, const __half* Q, const __half* K,
                          const __half* V, __half* O, float* L, const AttentionShape& s,
-                         int splits, cudaStream_t stream);
+                         int splits, cudaStream_t stream, const AttentionOptions* options = nullptr);
 void flash_decode_launch(const cudaDeviceProp& prop, const __nv_bfloat16* Q,
                          const __nv_bfloat16* K, const __nv_bfloat16* V, __nv_bfloat16* O,
-                         float* L, const AttentionShape& s, int splits, cudaStream_t stream);
+                         float* L, const AttentionShape& s, int splits, cudaStream_t stream,
+                         const AttentionOptions* options = nullptr);
 // Chapter 3 (flash_hopper.cu), for a device where flash_forward_runs_hopper is true; options:
 // chapter 5's (checked), or none.
 void flash_forward_hopper_launch(const __half* Q, const __half* K, const __half* V, __half* O,

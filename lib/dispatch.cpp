@@ -123,8 +123,9 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
 
 // Chapter 5: the calls with options. Options that change no score are the calls without, with
 // the layout's strides (a bound of the window no row reaches, WindowMask::of's rule, and the
-// default scale written out, are none: scores_plain); any other, and a packed batch, runs
-// chapter 3 where the plain calls run it, else chapter 2, with the options as their policy.
+// default scale written out, are none: scores_plain); any other, and a packed batch, runs the
+// chapter the plain calls run (the decode kernel for a short query, chapter 3, or chapter 2),
+// with the options as its policy.
 static bool changes_nothing(const AttentionOptions& o, const AttentionShape& s) {
     return !o.packed.cu_seqlens_q && scores_plain(o, s);
 }
@@ -162,6 +163,9 @@ static void forward_options_dispatch(const char* fn, const T* Q, const T* K, con
                                output_arg("L", L, l_elems(x))});
     validate_packed_lengths(fn, o.packed, s, stream);  // (the last check: it waits for the stream)
     const cudaDeviceProp prop = flash_device_props();
+    // The decode rule, as without options: contiguous tensors of one short query each.
+    if (!o.packed.cu_seqlens_q && flash_decode_runs(prop, s) && dense(lay, s, false))
+        return flash_decode_launch(prop, Q, K, V, O, L, s, 0, stream, &o);
 #ifndef FLASH_NO_HOPPER
     if (flash_forward_runs_hopper(prop, s.head_dim))  // chapter 3 takes the policy too
         return flash_forward_hopper_launch(Q, K, V, O, L, s, lay, stream, &o);

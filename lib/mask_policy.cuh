@@ -151,6 +151,11 @@ struct ScoreMod {
 //   score(dot, i, j, du)               the changed score in units of the scale, and du (above)
 //   from_left()                        the backward's order: keys bounded on the right (causal)
 //                                      start from the left
+//   in_units(c)                        the policy for scores that carry a factor c already (the
+//                                      decode kernel's, scale log2 e in its q): score() returns
+//                                      c u for the dot product c x
+//   kLeftEdge                          whether a row's first key can be past key 0 (a window's
+//                                      left side): where not, chapter 3 tests one side only
 struct KeySpan {
     int begin, end, all_begin, all_end;
 };
@@ -162,9 +167,11 @@ struct Span {  // first .. last, none when last < first
 struct PlainPolicy {
     int q_len, kv_len;  // the shape's (packed: the longest sequence's, until for_sequence)
     bool causal;
+    static constexpr bool kLeftEdge = false;  // every row's keys start at key 0
 
     POLICY_FN PlainPolicy for_sequence(int q, int kv) const { return {q, kv, causal}; }
     POLICY_FN PlainPolicy for_head(size_t) const { return *this; }
+    POLICY_FN PlainPolicy in_units(float) const { return *this; }
     POLICY_FN bool from_left() const { return causal; }
     POLICY_FN KeySpan keys(int q0, int rows) const {
         if (q0 >= q_len) return {0, 0, 0, 0};          // past a (packed) sequence's rows
@@ -194,6 +201,7 @@ struct PlainPolicy {
 // Chapter 5: a sliding window with causal (WindowMask) and the score changes (ScoreMod), with
 // ALiBi's slopes per head (slopes: [heads], or [batch][heads] where per_batch; none: nullptr).
 struct ModelPolicy : WindowMask {
+    static constexpr bool kLeftEdge = true;  // a window's rows start past key 0
     ScoreMod mod;
     const float* slopes;
     int heads;
@@ -208,6 +216,11 @@ struct ModelPolicy : WindowMask {
     POLICY_FN ModelPolicy for_head(size_t bh) const {
         ModelPolicy p = *this;
         if (slopes) p.mod.slope_u = slopes[per_batch ? bh : bh % heads] * inv_scale;
+        return p;
+    }
+    POLICY_FN ModelPolicy in_units(float c) const {  // c u(x) = u'(c x): each term scaled by c
+        ModelPolicy p = *this;
+        p.mod.cap_u *= c, p.mod.inv_cap /= c, p.mod.slope_u *= c, p.inv_scale *= c;
         return p;
     }
     POLICY_FN bool from_left() const { return right >= 0; }
@@ -242,15 +255,19 @@ inline float options_scale(const AttentionShape& s, const AttentionOptions& o) {
 inline float options_scale_log2(const AttentionShape& s, const AttentionOptions& o) {
     return o.softmax_scale > 0 ? o.softmax_scale * kLog2e : scale_log2_for(s.head_dim);
 }
-// Whether options change no score and no mask beyond the plain call's (PlainPolicy's): every
-// field of the scores and the window its default, or a window bound no row reaches (WindowMask::of:
-// one the longest sequence does not reach, no shorter one does), the default scale written out.
-// The layout and a packed batch change where rows are, not what is computed: not asked here.
-inline bool scores_plain(const AttentionOptions& o, const AttentionShape& s) {
+// Whether PlainPolicy computes a call with these options: no window bound a row reaches
+// (WindowMask::of: one the longest sequence does not reach, no shorter one does), no softcap, no
+// ALiBi. The scale is not the policy's (the kernels take it beside it: options_scale_log2), nor
+// are the layout and a packed batch (where rows are, not what is computed).
+inline bool plain_policy_serves(const AttentionOptions& o, const AttentionShape& s) {
     const WindowMask m = WindowMask::of(s.q_len, s.kv_len, false, o.window_left, o.window_right);
+    return m.left == -1 && (s.causal || m.right == -1) && o.softcap == 0 && !o.alibi_slopes;
+}
+// Whether options change no score and no mask beyond the plain call's: PlainPolicy serves them
+// and the scale is the default (0, or 1/sqrt(d) written out).
+inline bool scores_plain(const AttentionOptions& o, const AttentionShape& s) {
     const bool scale = o.softmax_scale == 0 || o.softmax_scale == options_scale(s, {});
-    return scale && m.left == -1 && (s.causal || m.right == -1) && o.softcap == 0 &&
-           !o.alibi_slopes;
+    return scale && plain_policy_serves(o, s);
 }
 // The policy of a call with options (checked: lib/checks.h's validate_options).
 inline ModelPolicy model_policy(const AttentionShape& s, const AttentionOptions& o) {

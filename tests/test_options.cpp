@@ -1,8 +1,9 @@
 // test_options.cpp: chapter 5's options (flash.h's AttentionOptions: sliding windows, softcap,
-// ALiBi, the softmax scale) in chapter 2's forward and backward, fp16 and bf16: against the
-// general CPU reference (reference.h, in double on the very inputs), bitwise against the calls
-// without options where the options change nothing, deterministic, and refused where bad. The
-// policy's tile maps are checked on the CPU, exhaustively, in tests/test_policy.cpp.
+// ALiBi, the softmax scale) in the forward and backward the public calls run (chapter 3 or 2, and
+// the decode kernel for a short query), fp16 and bf16: against the general CPU reference
+// (reference.h, in double on the very inputs), bitwise against the calls without options where
+// the options change nothing, deterministic, and refused where bad. The policy's tile maps are
+// checked on the CPU, exhaustively, in tests/test_policy.cpp.
 
 #include "mask_policy.cuh"
 #include "test_util.h"
@@ -152,6 +153,15 @@ std::vector<OptionsCase> fast_cases() {
         {"everything, causal", {2, 4, 333, 333, 256, true, 1}, 0.1f, 20.f, 90, 0, true},
         {"a window past q_len > kv_len: rows that see nothing", {1, 2, 300, 100, 128, true}, 0, 0,
          20, 0},
+        // A short query: the forward runs the decode kernel (chapter 4), the backward chapter 3
+        // or 2. The window's keys are the only ones split; rows of one block have their own heads
+        // (ALiBi's slopes) and their own windows.
+        {"decode: a window, softcap and ALiBi, GQA", {2, 8, 1, 1000, 128, true, 2}, 0, 30.f, 300,
+         0, true},
+        {"decode: 6 rows a head, MQA, a two-sided window and a scale", {1, 4, 6, 700, 64, false, 1},
+         0.2f, 0, 100, 3},
+        {"decode: q_len > kv_len, a window of one key: rows that see nothing",
+         {1, 2, 5, 3, 256, true}, 0, 0, 0, 0},
     };
 }
 std::vector<OptionsCase> stress_cases() {
@@ -189,7 +199,8 @@ TEMPLATE_TEST_CASE("Options that change nothing give the plain call's bits, and 
     // A window wider than the sequence, and the default scale written out, are no options at all:
     // the plain calls, bit for bit (forward and backward).
     const AttentionShape s = GENERATE(AttentionShape{2, 3, 300, 411, 64, true},
-                                      AttentionShape{1, 4, 257, 200, 128, false, 2});
+                                      AttentionShape{1, 4, 257, 200, 128, false, 2},
+                                      AttentionShape{2, 8, 3, 900, 128, true, 2});  // (decode)
     INFO(describe(s));
     const Problem<TestType> p = rounded_problem<TestType>(s, 503);
     GpuAttention<TestType> plain(p);
