@@ -171,12 +171,13 @@ struct AttentionOptions {
 // The same calls with options. Options that change no score (every field but the layout its
 // default, a window bound no row reaches, the default scale written out) run what the calls above
 // run, bit for bit and in speed, with the layout's strides: chapter 3 or 2 (the decode only with
-// every tensor contiguous; a strided short query runs chapter 3 or 2). Any other runs chapter 2's
-// kernels (flash_fp16.cu) with the options as their tile policy (lib/mask_policy.cuh) on every GPU,
-// head_dim in kFlashFp16HeadDims: chapter 3 and the decode do not take those yet. A (Q tile, K/V
-// tile) pair with no visible score is skipped, forward and backward: a window of w keys costs O(N
-// w). A packed batch runs chapter 2's kernels, each sequence with the bits it would get alone
-// there. Bad options throw std::invalid_argument naming the field, before anything is launched.
+// every tensor contiguous; a strided short query runs chapter 3 or 2). Any other runs the chapter
+// the calls above would run (the decode for a contiguous short query, chapter 3, or chapter 2),
+// with the options as its tile policy (lib/mask_policy.cuh), head_dim in kFlashFp16HeadDims. A (Q
+// tile, K/V tile) pair with no visible score is skipped, forward and backward: a window of w keys
+// costs O(N w); the decode splits only the keys a window lets its rows see. A packed batch runs
+// chapter 3 or 2, each sequence with the bits it would get alone there. Bad options throw
+// std::invalid_argument naming the field, before anything is launched.
 void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __half* O, float* L,
                         const AttentionShape& shape, const AttentionOptions& options,
                         cudaStream_t stream = 0);

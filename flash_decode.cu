@@ -733,17 +733,17 @@ size_t flash_decode_scratch_bytes(const AttentionShape& s, int splits) {
     return bytes;
 }
 
-// The plain policy where it serves the options (none, or a scale), else chapter 5's.
+// The policy: with_policy's (lib/mask_policy.cuh), the plain one where it serves the options
+// (none, or a scale).
 template <typename T>
 void decode_with_options(const cudaDeviceProp& prop, const T* Q, const T* K, const T* V, T* O,
                          float* L, const AttentionShape& s, int splits, cudaStream_t stream,
                          const AttentionOptions* options) {
     const AttentionOptions o = options ? *options : AttentionOptions{};
     const float scale_log2 = options_scale_log2(s, o);  // the options', or 1/sqrt(d)'s
-    if (plain_policy_serves(o, s))
-        decode_launch(prop, Q, K, V, O, L, s, PlainPolicy{s.q_len, s.kv_len, s.causal}, scale_log2,
-                      splits, stream);
-    else decode_launch(prop, Q, K, V, O, L, s, model_policy(s, o), scale_log2, splits, stream);
+    with_policy(s, o, [&](auto policy) {
+        decode_launch(prop, Q, K, V, O, L, s, policy, scale_log2, splits, stream);
+    });
 }
 void flash_decode_launch(const cudaDeviceProp& prop, const __half* Q, const __half* K,
                          const __half* V, __half* O, float* L, const AttentionShape& s,

@@ -535,8 +535,8 @@ FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
 // the SMs' loads), and the few heads' K and V that the running blocks read stay in L2.
 static constexpr int kFwdHeadGroup = 16;
 
-// The plain policy where it serves the options (none, a packed batch, strides, a scale), else
-// chapter 5's.
+// The policy: with_policy's (lib/mask_policy.cuh), the plain one where it serves the options
+// (none, a packed batch, strides, a scale).
 template <typename T, int D, int Bc>
 static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float* L,
                                 const AttentionShape& s, const Layout& lay,
@@ -552,12 +552,11 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
             Q, K, V, O, L, policy, layout, Tr, kFwdHeadGroup, flash_kv_group(s), scale_log2);
         FLASH_CUDA_CHECK(cudaGetLastError());
     };
-    const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
     const AttentionOptions o = options ? *options : AttentionOptions{};
     const float scale_log2 = options_scale_log2(s, o);  // the options', or 1/sqrt(D)'s
-    if (!plain_policy_serves(o, s)) launch(model_policy(s, o), lay, scale_log2);
-    else if (dense(lay, s, false)) launch(plain, DenseLayout<D>{}, scale_log2);
-    else launch(plain, lay, scale_log2);
+    if (plain_policy_serves(o, s) && dense(lay, s, false))
+        launch(PlainPolicy{s.q_len, s.kv_len, s.causal}, DenseLayout<D>{}, scale_log2);
+    else with_policy(s, o, [&](auto policy) { launch(policy, lay, scale_log2); });
 }
 
 // The launch once the arguments are checked (shape, pointers): the device's checks, the tile, the
@@ -705,8 +704,8 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
 }
 
 
-// The plain policy where it serves the options (none, a packed batch, strides, a scale), else
-// chapter 5's. The layout: the
+// The policy: with_policy's (lib/mask_policy.cuh), the plain one where it serves the options
+// (none, a packed batch, strides, a scale). The layout: the
 // contiguous one's constants (DenseLayout) for plain calls on contiguous tensors, else the
 // strides (Layout).
 template <typename T, int D, int Bc, int Br>
@@ -715,15 +714,15 @@ static void launch_backward_fp16(const T* Q, const T* K, const T* V, const T* O,
                                  const Layout& lay, const AttentionOptions* options,
                                  const FlashTile& tile, cudaStream_t stream) {
     const AttentionOptions o = options ? *options : AttentionOptions{};
-    if (!plain_policy_serves(o, s))
-        return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay, o,
-                                                  model_policy(s, o), tile, stream);
-    const PlainPolicy plain{s.q_len, s.kv_len, s.causal};
-    if (dense(lay, s, true))
+    if (plain_policy_serves(o, s) && dense(lay, s, true))
         return launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay,
-                                                  DenseLayout<D>{}, o, plain, tile, stream);
-    launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay, o, plain, tile,
-                                       stream);
+                                                  DenseLayout<D>{}, o,
+                                                  PlainPolicy{s.q_len, s.kv_len, s.causal}, tile,
+                                                  stream);
+    with_policy(s, o, [&](auto policy) {
+        launch_backward_fp16<T, D, Bc, Br>(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, lay, o, policy,
+                                           tile, stream);
+    });
 }
 
 template <typename T>

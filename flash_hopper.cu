@@ -322,8 +322,8 @@ static_assert(every_head_dim([](int d) { return registers_fit(hopper_consumers(d
 
 
 // The launch alone (checks.h: flash_forward_hopper_launch), for callers that have run every check.
-// The plain policy where it serves the options (none, strides, a packed batch, a scale), else
-// chapter 5's.
+// The policy: with_policy's (lib/mask_policy.cuh), the plain one where it serves the options
+// (none, strides, a packed batch, a scale).
 template <typename T>
 static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, float* L,
                                   const AttentionShape& s, const Layout& lay, cudaStream_t stream,
@@ -355,8 +355,7 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
         };
         const AttentionOptions o = options ? *options : AttentionOptions{};
         const float scale_log2 = options_scale_log2(s, o);  // the options', or 1/sqrt(d)'s
-        if (plain_policy_serves(o, s)) run(PlainPolicy{s.q_len, s.kv_len, s.causal}, scale_log2);
-        else run(model_policy(s, o), scale_log2);
+        with_policy(s, o, [&](auto policy) { run(policy, scale_log2); });
     });
 }
 

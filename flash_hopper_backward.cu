@@ -649,18 +649,17 @@ static void run_backward_hopper(const T* Q, const T* K, const T* V, const T* O, 
         }, o, &acc_rows);
     });
 }
-// The plain policy where it serves the options (none, strides, a packed batch, a scale), else
-// chapter 5's.
+// The policy: with_policy's (lib/mask_policy.cuh), the plain one where it serves the options
+// (none, strides, a packed batch, a scale).
 template <typename T>
 static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                    const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
                                    const Layout& lay, cudaStream_t stream,
                                    const AttentionOptions* options = nullptr) {
     const AttentionOptions o = options ? *options : AttentionOptions{};
-    if (plain_policy_serves(o, s))
-        return run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, o,
-                                   PlainPolicy{s.q_len, s.kv_len, s.causal});
-    run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, o, model_policy(s, o));
+    with_policy(s, o, [&](auto policy) {
+        run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, o, policy);
+    });
 }
 
 void flash_backward_hopper_launch(const __half* Q, const __half* K, const __half* V,

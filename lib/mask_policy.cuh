@@ -6,9 +6,9 @@
 // each visible score, and gives the change's derivative for the backward. The rules are
 // FlashAttention-2's (flash_attn_func's window_size, softcap, alibi_slopes, softmax_scale), as
 // reference.h states them; tests/test_policy.cpp checks them against those rules, score by score.
-// Chapter 2's kernels (flash_fp16.cu) take one of the two kernel policies at the end as a
-// template argument: PlainPolicy (causal or no mask, scores unchanged: the chapter as it was) or
-// ModelPolicy (window, softcap, ALiBi, any scale).
+// Every tensor-core kernel and the decode take one of the kernel policies at the end as a
+// template argument, with_policy's choice: PlainPolicy (causal or no mask, scores unchanged: the
+// chapters as they were) or ModelPolicy (a window, ALiBi; softcap as a second instance).
 #pragma once
 
 #include "checks.h"  // flash_kv_end, flash_first_query
@@ -200,6 +200,9 @@ struct PlainPolicy {
 
 // Chapter 5: a sliding window with causal (WindowMask) and the score changes (ScoreMod), with
 // ALiBi's slopes per head (slopes: [heads], or [batch][heads] where per_batch; none: nullptr).
+// kSoftcap: whether a softcap is given. Without one every du is 1, a constant: the backward then
+// keeps no array of derivatives (which would spill registers in chapter 3's backward).
+template <bool kSoftcap>
 struct ModelPolicy : WindowMask {
     static constexpr bool kLeftEdge = true;  // a window's rows start past key 0
     ScoreMod mod;
@@ -242,7 +245,10 @@ struct ModelPolicy : WindowMask {
         return tile(q0, q1, k0, k1) == TileKind::full;
     }
     POLICY_FN float score(float dot, int i, int j, float& du) const {
-        return mod.score(dot, (i - q_len) + (kv_len - j), du);  // i' - j, in int: no overflow
+        const int d = (i - q_len) + (kv_len - j);  // i' - j, in int: no overflow
+        if (kSoftcap) return mod.score(dot, d, du);
+        du = 1.f;
+        return dot - mod.slope_u * fabsf(float(d));  // (ALiBi's term: 0 without slopes)
     }
 };
 
@@ -269,16 +275,26 @@ inline bool scores_plain(const AttentionOptions& o, const AttentionShape& s) {
     const bool scale = o.softmax_scale == 0 || o.softmax_scale == options_scale(s, {});
     return scale && plain_policy_serves(o, s);
 }
-// The policy of a call with options (checked: lib/checks.h's validate_options).
-inline ModelPolicy model_policy(const AttentionShape& s, const AttentionOptions& o) {
+// The policy of a call with options (checked: lib/checks.h's validate_options); kSoftcap: o's
+// softcap > 0.
+template <bool kSoftcap>
+inline ModelPolicy<kSoftcap> model_policy(const AttentionShape& s, const AttentionOptions& o) {
     const float scale = options_scale(s, o);
-    ModelPolicy p;
+    ModelPolicy<kSoftcap> p;
     static_cast<WindowMask&>(p) =
         WindowMask::of(s.q_len, s.kv_len, s.causal, o.window_left, o.window_right);
     p.mod = ScoreMod::of(scale, o.softcap, 0.f);
     p.slopes = o.alibi_slopes, p.heads = s.heads, p.per_batch = o.alibi_per_batch;
     p.inv_scale = 1.0f / scale;
     return p;
+}
+// The policy a call with options runs, handed to run (a generic lambda): PlainPolicy where it
+// serves them, else ModelPolicy, with softcap's derivative only where a softcap is given.
+template <typename Run>
+inline void with_policy(const AttentionShape& s, const AttentionOptions& o, Run&& run) {
+    if (plain_policy_serves(o, s)) run(PlainPolicy{s.q_len, s.kv_len, s.causal});
+    else if (o.softcap > 0) run(model_policy<true>(s, o));
+    else run(model_policy<false>(s, o));
 }
 
 #undef POLICY_FN

@@ -8,6 +8,7 @@
 #include "test_util.h"
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -132,6 +133,42 @@ TEST_CASE("The score policy changes a score as the CPU reference does, and its d
             }
 }
 
+TEST_CASE("Without a softcap the policy instance with no derivative scores the same bits, and "
+          "in_units scales every term of a score", "[cpu][policy]") {
+    // ModelPolicy<false> (a window, ALiBi, a scale: every du 1) against ModelPolicy<true> with the
+    // softcap left at 0, bit for bit. in_units(c), the decode kernel's scores that carry c = scale
+    // log2 e: score(c x) = c score(x) up to fp32 rounding of the few products (1e-6 relative to the
+    // largest term, plus 1e-6).
+    const AttentionShape s{1, 2, 9, 20, 64, true};
+    const float slopes[] = {0.5f, 0.125f};
+    AttentionOptions o;
+    o.window_left = 5, o.alibi_slopes = slopes;
+    const auto plain = model_policy<false>(s, o).for_head(1);
+    const auto with_cap = model_policy<true>(s, o).for_head(1);
+    AttentionOptions capped = o;
+    capped.softcap = 5.f, capped.softmax_scale = 0.3f;
+    const float c = 0.3f * 1.4426950f;
+    for (int i = 0; i < s.q_len; ++i)
+        for (int j = 0; j < s.kv_len; ++j)
+            for (float x : {-7.5f, -0.25f, 0.f, 1.5f, 40.f}) {
+                CAPTURE(i, j, x);
+                float du0 = 0, du1 = 0;
+                const float a = plain.score(x, i, j, du0), b = with_cap.score(x, i, j, du1);
+                CHECK(std::memcmp(&a, &b, sizeof a) == 0);
+                CHECK(du0 == 1.f);
+                CHECK(du1 == 1.f);
+                for (bool cap : {false, true}) {
+                    const AttentionOptions& oc = cap ? capped : o;
+                    const auto p = model_policy<true>(s, oc).for_head(1);
+                    const auto pc = model_policy<true>(s, oc).in_units(c).for_head(1);
+                    const float want = c * p.score(x, i, j, du0);
+                    const float got = pc.score(c * x, i, j, du1);
+                    CAPTURE(cap, want, got);
+                    CHECK(std::fabs(got - want) <= 1e-6f * (std::fabs(want) + 20.f * c) + 1e-6f);
+                }
+            }
+}
+
 namespace {
 // One kernel policy against the visibility rule, on one shape and tile: what chapter 2's forward
 // and backward ask of it (lib/mask_policy.cuh's list). Returns the number of mismatches, each
@@ -218,7 +255,7 @@ TEST_CASE("Chapter 2's kernel policies load, mask and walk exactly the tiles wit
                                 AttentionShape s{1, 1, q_len, kv_len, 64, causal};
                                 AttentionOptions o;
                                 o.window_left = left, o.window_right = right;
-                                const ModelPolicy model = model_policy(s, o);
+                                const ModelPolicy<true> model = model_policy<true>(s, o);
                                 const auto wrule = [&](int i, int j) {
                                     return sees(q_len, kv_len, causal, left, right, i, j);
                                 };
