@@ -255,8 +255,8 @@ static AttentionShape packed_shape_of(const char* fn, const AttentionShape& one,
                  cu->device().str() + "; allowed: a contiguous int32 tensor on q's device of " +
                  "batch + 1 offsets, the same size as the other");
     if (q.scalar_type() == torch::kFloat32)
-        fail(std::string(fn) + ": packed sequences need float16 or bfloat16 (chapter 2's "
-             "kernels; float32 is chapter 1's)");
+        fail(std::string(fn) + ": packed sequences need float16 or bfloat16 (chapters 2 and "
+             "3; float32 is chapter 1's)");
     if (max_q < 1 || max_q > INT_MAX || max_k < 1 || max_k > INT_MAX || cu_q.size(0) > INT_MAX)
         fail(std::string(fn) + ": max_seqlen_q = " + std::to_string(max_q) + ", max_seqlen_k = " +
              std::to_string(max_k) + "; allowed: 1 to INT_MAX each");

@@ -19,8 +19,9 @@ only; flash.h's AttentionOptions says the rules): softmax_scale (None: 1/sqrt(he
 window_size=(left, right) (query i sees key j iff i' - left <= j <= i' + right, i' = i + kv_len -
 q_len; -1 leaves a side open; causal bounds the right at 0), softcap (s -> softcap tanh(s /
 softcap) where > 0) and alibi_slopes (float32, (heads,) or (batch, heads): s -> s - slope |i' -
-j|; they must not change between the forward and the backward). They run chapter 2's kernels
-(flash_fp16.cu), on every GPU.
+j|; they must not change between the forward and the backward). They run where the calls
+without them run (chapter 3 on an H100 or H200, the decode for a short query, chapter 2
+elsewhere).
 
 The causal mask is bottom-right aligned, as in FlashAttention-2 >= 2.1: query i sees key j iff
 j <= i + kv_len - q_len. PyTorch's is_causal=True is top-left aligned (j <= i); the two agree
