@@ -286,6 +286,42 @@ int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape&
 // a bad shape or splits < 1.
 size_t flash_decode_scratch_bytes(const AttentionShape& shape, int splits);
 
+// Chapter 4, part 2: decoding from a K/V cache (FlashAttention-2's flash_attn_with_kvcache): each
+// sequence has its own number of keys, the cache may be paged, and this call's new keys are
+// appended first. shape: q_len 1 to kFlashDecodeMaxQLen, head_dim in kFlashDecodeHeadDims, kv_len
+// the cache's rows a sequence (its capacity). K_cache and V_cache are:
+//  - contiguous (block_table none): [batch][kv_heads][kv_len][head_dim];
+//  - paged (vLLM's block table): [num_pages][kv_heads][page_size][head_dim]; key j of sequence b
+//    is row j % page_size of page block_table[b * pages_per_seq + j / page_size], and kv_len must
+//    be pages_per_seq * page_size.
+// k_new and v_new ([batch][kv_heads][new_len][head_dim], or none where new_len is 0) are written
+// into the cache at rows cache_seqlens[b] .. cache_seqlens[b] + new_len - 1 of sequence b, which
+// then has cache_seqlens[b] + new_len keys; Q's q_len rows are its last ones (causal and windows
+// bottom-right at that length). The options' scores and window apply (options: their layout and
+// packed batch must be left empty). O and L as flash_decode_fp16's. The checks copy cache_seqlens
+// and the block table to the host (they wait for the stream): each length from 0 to kv_len -
+// new_len, each page the keys use below num_pages; std::invalid_argument names the entry, before
+// anything is written.
+struct KVCache {
+    const int* cache_seqlens = nullptr;  // [batch], int32 on the device: keys before this call
+    const int* block_table = nullptr;    // [batch][pages_per_seq], int32 on the device, or none
+    int page_size = 0;                   // keys a page, a multiple of 16 (with block_table)
+    int pages_per_seq = 0;               // the block table's columns
+    int num_pages = 0;                   // pages in K_cache and V_cache
+    int new_len = 0;                     // keys appended from k_new, v_new (0: none)
+};
+void flash_decode_kvcache_fp16(const __half* Q, __half* K_cache, __half* V_cache,
+                               const __half* k_new, const __half* v_new, __half* O, float* L,
+                               const AttentionShape& shape, const KVCache& cache,
+                               const AttentionOptions& options = AttentionOptions{},
+                               cudaStream_t stream = 0);
+void flash_decode_kvcache_bf16(const __nv_bfloat16* Q, __nv_bfloat16* K_cache,
+                               __nv_bfloat16* V_cache, const __nv_bfloat16* k_new,
+                               const __nv_bfloat16* v_new, __nv_bfloat16* O, float* L,
+                               const AttentionShape& shape, const KVCache& cache,
+                               const AttentionOptions& options = AttentionOptions{},
+                               cudaStream_t stream = 0);
+
 // ---------------------------------------------------------------------------------------------
 // Scratch. The backwards, and chapter 3's forward, take device memory for the duration of a call
 // (each says how much) from a stream-ordered memory pool the library keeps on each device, and

@@ -28,6 +28,7 @@
 #include "chapters.h"
 #include "flash.h"
 #include "fragments.cuh"  // SM80_ASM, the pairs of T
+#include "layout.h"     // layout_given
 #include "log2_units.h"
 #include "mask_policy.cuh"  // the mask and score: PlainPolicy, or chapter 5's ModelPolicy
 
@@ -36,6 +37,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -189,20 +191,47 @@ struct KeyLanes {
 // kvh * group .. + group - 1, q_len rows each; row r of the block is query (row0 + r) % q_len of
 // its head.
 struct SplitBlock {
-    int split;
+    int split, b, kvh;  // the split, the batch and the K/V head
     int row0, R;        // the block's first row of its group's group * q_len, and its rows (<= kR)
     size_t first_row;   // the row of Q, O_s and L_s that is the block's row 0
     size_t rows_total;  // rows of Q, O and L: batch * heads * q_len
-    size_t kv_head;     // the K/V head's first element in K and V
     int k0, k1;         // the split's keys [k0, k1): whole Bc-key tiles, the last cut at key_end
 };
-// The keys split are key0 .. key_end - 1: those the policy lets any row see (a window's, from
-// key0, its first rounded down to a tile), all kv_len without one.
+
+// Where the keys are (flash.h's KVCache, chapter 4's second part). Without a table, contiguous:
+// [batch][kv_heads][kv_len][D]. With one, paged: key j of sequence b is row j % page_size of page
+// table[b pages_per_seq + j / page_size], pages [pages][kv_heads][page_size][D]. lens: each
+// sequence's keys before this call's `added` are appended (none: kv_len each, nothing added).
+struct KeyPages {
+    const int* lens = nullptr;
+    const int* table = nullptr;
+    int page_size = 0, pages_per_seq = 0, added = 0;
+
+    __device__ int keys(int b, int kv_len) const { return lens ? lens[b] + added : kv_len; }
+};
+// One K/V head's rows of a K (or V) laid out as pages says: row(j), key j's row. A page's rows
+// are contiguous, so the keys of a warp's step (at most 16, from a multiple of their count; pages
+// are multiples of 16 keys) are rows of one page: row(base) + (j - base) D.
+template <typename T, int D>
+struct HeadRows {
+    const T* head;       // the head's row 0: contiguous, of its sequence; paged, of page 0
+    const int* table;    // the sequence's row of the block table, or none
+    size_t page_elems;   // elements a page (all K/V heads)
+    int page_size;
+    __device__ HeadRows(const T* K, const KeyPages& p, int b, int kvh, int kv_heads, int kv_len)
+        : head(p.table ? K + size_t(kvh) * p.page_size * D
+                       : K + (size_t(b) * kv_heads + kvh) * size_t(kv_len) * D),
+          table(p.table ? p.table + size_t(b) * p.pages_per_seq : nullptr),
+          page_elems(size_t(kv_heads) * p.page_size * D), page_size(p.page_size) {}
+    __device__ const T* row(int j) const {
+        if (!table) return head + size_t(j) * D;
+        return head + size_t(table[j / page_size]) * page_elems + size_t(j % page_size) * D;
+    }
+};
+
 template <int D>
 __device__ __forceinline__ SplitBlock split_block(int heads, int kv_heads, int q_len, int kv_len,
-                                                  int key0, int key_end, int splits, int chunks,
-                                                  int tiles_per_split) {
-    constexpr int Bc = decode_Bc(D);
+                                                  int splits, int chunks) {
     SplitBlock blk;
     int id = blockIdx.x;
     const int chunk = id % chunks;
@@ -211,17 +240,25 @@ __device__ __forceinline__ SplitBlock split_block(int heads, int kv_heads, int q
     id /= splits;
     const int kvh = id % kv_heads, b = id / kv_heads;
     const int group = heads / kv_heads;
+    blk.b = b, blk.kvh = kvh;
     blk.row0 = chunk * kRows;
     blk.R = min(kRows, group * q_len - blk.row0);  // <= kR: the launcher's choice of kR
     blk.first_row = (size_t(b) * heads + size_t(kvh) * group) * q_len + blk.row0;
     blk.rows_total = size_t(gridDim.x / (splits * chunks)) * group * q_len;
-    blk.kv_head = (size_t(b) * kv_heads + kvh) * size_t(kv_len) * D;
-    // A split past the last key gets none (tile0 = tiles); no overflow: the launcher bounds it.
+    return blk;
+}
+// The split's keys: the policy's for the block's sequence, keys.begin .. keys.end - 1 (all its
+// keys without a window), from the tile where they start, cut into runs of tiles_per_split tiles.
+// A split past the last key gets none (tile0 = tiles); no overflow: the launcher bounds it.
+template <int D>
+__device__ __forceinline__ void split_keys(SplitBlock& blk, const KeySpan& keys,
+                                           int tiles_per_split) {
+    constexpr int Bc = decode_Bc(D);
+    const int key0 = keys.begin / Bc * Bc, key_end = max(keys.end, key0);
     const int tiles = (key_end - key0 + Bc - 1) / Bc;
     const int tile0 = min(blk.split * tiles_per_split, tiles);
     blk.k0 = key0 + tile0 * Bc;
     blk.k1 = min(key0 + min(tile0 + tiles_per_split, tiles) * Bc, key_end);
-    return blk;
 }
 
 // The copy ring (line 7, for a warp's own keys). A warp's ring is kStages steps of slots in shared
@@ -231,7 +268,8 @@ __device__ __forceinline__ SplitBlock split_block(int heads, int kv_heads, int q
 // the block's warps read neighbouring rows; it goes to stage n % kStages. Each lane copies its 16
 // bytes of K and of V of keys base + u kKeysPerLoad + g (u < kU), zeros for a key at or past k1,
 // and reads back only what it copied itself: no barrier, not even __syncwarp. One group of copies
-// a step, empty past the last, so that cp_async_wait counts steps.
+// a step, empty past the last, so that cp_async_wait counts steps. A step's keys are rows of one
+// page (KeyPages::row), found once a step.
 template <typename T, int D, bool kEvictFirst>
 struct KeyRing {
     using Lanes = KeyLanes<D>;
@@ -239,14 +277,17 @@ struct KeyRing {
     // The lane's slot of stage 0's first K load; the others are 32 apart.
     uint4* slot = shared + threadIdx.x / 32 * kStages * 2 * kU * 32 + threadIdx.x % 32;
     Lanes me;
-    const T* Kh;                // the K/V head's K and V
-    const T* Vh;
+    HeadRows<T, D> K, V;        // the K/V head's rows
     int k1;                     // the split's end
     unsigned long long policy;  // the copies' L2 policy (cp_async_16)
 
+    __device__ KeyRing(const T* K_, const T* V_, const KeyPages& pages, const SplitBlock& blk,
+                       int kv_heads, int kv_len)
+        : K(K_, pages, blk.b, blk.kvh, kv_heads, kv_len),
+          V(V_, pages, blk.b, blk.kvh, kv_heads, kv_len), k1(blk.k1) {}
     // The ring's first kStages - 1 steps, from the warp's first key on, which it returns.
-    __device__ int start(const Lanes& me_, const T* K, const T* V, const SplitBlock& blk) {
-        me = me_, Kh = K + blk.kv_head, Vh = V + blk.kv_head, k1 = blk.k1;
+    __device__ int start(const Lanes& me_, const SplitBlock& blk) {
+        me = me_;
         policy = kEvictFirst ? evict_first_policy() : 0;
         const int first = blk.k0 + me.warp * Lanes::kWarpKeys;
 #pragma unroll
@@ -256,13 +297,15 @@ struct KeyRing {
     // The step at `base` into `stage`.
     __device__ void copy(int base, int stage) const {
         if (base < k1) {
+            const T* Kr = K.row(base);                 // key base's rows (one page)
+            const T* Vr = V.row(base);
 #pragma unroll
             for (int u = 0; u < kU; ++u) {
                 const int j = base + u * Lanes::kKeysPerLoad + me.g;
-                const size_t from = size_t(j < k1 ? j : 0) * D + me.c0;
-                cp_async_16<kEvictFirst>(slot + (stage * 2 * kU + u) * 32, Kh + from, j < k1,
+                const size_t from = size_t(j < k1 ? j - base : 0) * D + me.c0;
+                cp_async_16<kEvictFirst>(slot + (stage * 2 * kU + u) * 32, Kr + from, j < k1,
                                          policy);
-                cp_async_16<kEvictFirst>(slot + (stage * 2 * kU + kU + u) * 32, Vh + from, j < k1,
+                cp_async_16<kEvictFirst>(slot + (stage * 2 * kU + kU + u) * 32, Vr + from, j < k1,
                                          policy);
             }
         }
@@ -446,22 +489,26 @@ __device__ __forceinline__ void write_split(const float (&o)[kR][8], const float
 
 // The kernel: Algorithm 1 over one split's keys, part by part. Policy: the mask and the score
 // (lib/mask_policy.cuh: PlainPolicy, or chapter 5's ModelPolicy), in the scores' log2 units
-// (in_units(scale_log2)); the keys split, key0 .. key_end - 1, are those it lets the rows see.
+// (in_units(scale_log2)), made the block's sequence's (its keys: pages.keys); the keys split are
+// those it lets the rows see. pages: where the keys are (KeyPages).
 template <typename T, int D, int kR, bool kEvictFirst, typename Policy>
 __global__ void __launch_bounds__(kSplitThreads, decode_blocks_per_sm(kR))
 flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, float* __restrict__ Os,
                           float* __restrict__ Ls, int heads, int kv_heads, int q_len, int kv_len,
-                          const Policy pol, int key0, int key_end, int splits, int chunks,
+                          const Policy policy, const KeyPages pages, int splits, int chunks,
                           int tiles_per_split, float scale_log2) {
     constexpr int kU = kUnroll, kStep = KeyLanes<D>::kStep;
-    KeyRing<T, D, kEvictFirst> ring;  // the lane's slots of its warp's ring
     let_next_kernel_launch();
-    const SplitBlock blk = split_block<D>(heads, kv_heads, q_len, kv_len, key0, key_end, splits,
-                                          chunks, tiles_per_split);
-    const KeyLanes<D> me;                          // the lane's warp, key row g and columns c0
-    const int first = ring.start(me, K, V, blk);  // line 7's first steps on their way, then
-    float q[kR][8], o[kR][8], m[kR], l[kR];        // lines 4-5: the lane's share of the rows
+    SplitBlock blk = split_block<D>(heads, kv_heads, q_len, kv_len, splits, chunks);
+    const Policy pol = policy.for_sequence(q_len, pages.keys(blk.b, kv_len));
+    split_keys<D>(blk, pol.keys(0, q_len), tiles_per_split);
+    const KeyLanes<D> me;  // the lane's warp, key row g and columns c0
+    // Line 7's first steps on their way (the lane's slots of its warp's ring), then lines 4-5:
+    // the lane's share of the rows.
+    KeyRing<T, D, kEvictFirst> ring(K, V, pages, blk, kv_heads, kv_len);
+    const int first = ring.start(me, blk);
+    float q[kR][8], o[kR][8], m[kR], l[kR];
     int begin[kR], end[kR], i[kR];
     Policy rp[kR];
     load_rows<T, D>(q, o, m, l, begin, end, i, rp, me, Q, blk, q_len, pol, scale_log2);
@@ -482,6 +529,27 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     }
     merge_groups<D>(o, m, l);                  // the warp's groups, then its warps, and
     write_split<D>(o, m, l, me, blk, Os, Ls);  // lines 12-13: O_s, L_s
+}
+
+// ---------------------------------------------------------------------------------------------
+// The append (a K/V cache, flash.h's KVCache): the new keys' K and V rows, k_new and v_new
+// ([batch][kv_heads][added][D]), into the cache at each sequence's end, rows lens[b] .. lens[b] +
+// added - 1, before the split kernel reads them (the same stream). A thread a 16-byte piece.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+flash_decode_append_kernel(const T* __restrict__ k_new, const T* __restrict__ v_new, T* K, T* V,
+                           const KeyPages pages, int kv_heads, int kv_len, size_t pieces) {
+    constexpr int kPieces = D / 8;  // 16-byte pieces a row
+    const size_t x = size_t(blockIdx.x) * kThreads + threadIdx.x;
+    if (x >= pieces) return;
+    const size_t n = x / kPieces;   // row n of k_new: (b, kv head, r)
+    const int c = int(x % kPieces) * 8, r = int(n % pages.added);
+    const int kvh = int(n / pages.added % kv_heads), b = int(n / pages.added / kv_heads);
+    const int j = pages.lens[b] + r;
+    T* Kj = const_cast<T*>(HeadRows<T, D>(K, pages, b, kvh, kv_heads, kv_len).row(j));
+    T* Vj = const_cast<T*>(HeadRows<T, D>(V, pages, b, kvh, kv_heads, kv_len).row(j));
+    *reinterpret_cast<uint4*>(Kj + c) = load16(k_new + n * D + c);
+    *reinterpret_cast<uint4*>(Vj + c) = load16(v_new + n * D + c);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -597,30 +665,29 @@ int split_blocks(const AttentionShape& s, int splits) {
     return int(units * splits);
 }
 
-// The keys a call splits, key0 .. key_end - 1: those the policy lets any row see, from a whole
-// tile (a window's first key rounded down), as a shape of key_end - key0 keys for the split rule.
-struct KeySplit {
-    int key0, key_end;
-    AttentionShape span;
-};
+// The keys the longest sequence splits (longest: its keys), as the kernel's split_keys takes
+// them: those the policy lets any row see, from a whole tile (a window's first key rounded down),
+// as a shape of that many keys for the split rule. Every other sequence has as many or fewer.
 template <typename Policy>
-KeySplit key_split(const AttentionShape& s, const Policy& pol) {
-    const KeySpan keys = pol.keys(0, s.q_len);
-    const int Bc = bc_for(s.head_dim);
-    KeySplit k{keys.begin / Bc * Bc, std::max(keys.end, keys.begin / Bc * Bc), s};
-    k.span.kv_len = std::max(1, k.key_end - k.key0);  // (no key: one empty tile, for the rule)
-    return k;
+AttentionShape key_span(const AttentionShape& s, const Policy& pol, int longest) {
+    const KeySpan keys = pol.for_sequence(s.q_len, longest).keys(0, s.q_len);
+    const int Bc = bc_for(s.head_dim), key0 = keys.begin / Bc * Bc;
+    AttentionShape span = s;
+    span.kv_len = std::max(1, keys.end - key0);  // (no key: one empty tile, for the rule)
+    return span;
 }
 
+// pages: where the keys are (KeyPages; contiguous by default), longest: the longest sequence's
+// keys (0: kv_len, every sequence's).
 template <typename T, typename Policy>
 void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* V, T* O, float* L,
                    const AttentionShape& s, const Policy& pol, float scale_log2, int splits,
-                   cudaStream_t stream) {
-    const KeySplit keys = key_split(s, pol);
-    if (splits == 0) splits = flash_decode_choose_splits(prop, keys.span);
+                   cudaStream_t stream, const KeyPages& pages = {}, int longest = 0) {
+    const AttentionShape span = key_span(s, pol, longest > 0 ? longest : s.kv_len);
+    if (splits == 0) splits = flash_decode_choose_splits(prop, span);
     const int blocks = split_blocks(s, splits);
     const int Bc = bc_for(s.head_dim);
-    const int tiles = (keys.key_end - keys.key0 + Bc - 1) / Bc;
+    const int tiles = (span.kv_len + Bc - 1) / Bc;
     // Every split a whole number of tiles; with more splits than tiles, the last ones get none.
     const int tiles_per_split = (tiles + splits - 1) / splits;
     const size_t rows = l_elems(s);
@@ -628,7 +695,7 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
     // worth of bytes, where sparing the call the write-back of the dirty lines that earlier
     // kernels left in the L2 is worth most; no hint beyond, where evict-first costs more than it
     // spares.
-    const bool evict_first = 2 * kv_elems(s) * sizeof(T) <= 4 * size_t(prop.l2CacheSize);
+    const bool evict_first = 2 * kv_elems(span) * sizeof(T) <= 4 * size_t(prop.l2CacheSize);
     with_scratch(flash_decode_scratch_bytes(s, splits), stream, [&](void* scratch) {
         float* Os = static_cast<float*>(scratch);
         float* Ls = Os + size_t(splits) * rows * s.head_dim;
@@ -639,8 +706,8 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
                 allow_shared(kernel, shared);
                 kernel<<<blocks, kSplitThreads, shared, stream>>>(
                     Q, K, V, Os, Ls, s.heads, flash_kv_heads(s), s.q_len, s.kv_len,
-                    pol.in_units(scale_log2), keys.key0, keys.key_end, splits, chunks_of(s),
-                    tiles_per_split, scale_log2);
+                    pol.in_units(scale_log2), pages, splits, chunks_of(s), tiles_per_split,
+                    scale_log2);
             };
             auto run_rows = [&](auto rows) {
                 constexpr int kR = decltype(rows)::value;
@@ -738,12 +805,130 @@ size_t flash_decode_scratch_bytes(const AttentionShape& s, int splits) {
 template <typename T>
 void decode_with_options(const cudaDeviceProp& prop, const T* Q, const T* K, const T* V, T* O,
                          float* L, const AttentionShape& s, int splits, cudaStream_t stream,
-                         const AttentionOptions* options) {
+                         const AttentionOptions* options, const KeyPages& pages = {},
+                         int longest = 0) {
     const AttentionOptions o = options ? *options : AttentionOptions{};
     const float scale_log2 = options_scale_log2(s, o);  // the options', or 1/sqrt(d)'s
     with_policy(s, o, [&](auto policy) {
-        decode_launch(prop, Q, K, V, O, L, s, policy, scale_log2, splits, stream);
+        decode_launch(prop, Q, K, V, O, L, s, policy, scale_log2, splits, stream, pages, longest);
     });
+}
+
+// Chapter 4, part 2 (flash.h's KVCache): the checks, in order: the shape, the options, the
+// cache's fields, the pointers, the device, then the lengths and the block table's entries in use,
+// copied to the host. Returns the longest sequence's keys after the append.
+template <typename T>
+int check_kvcache(const char* fn, const T* Q, T* K, T* V, const T* k_new, const T* v_new, T* O,
+                  float* L, const AttentionShape& s, const KVCache& c, const AttentionOptions& o,
+                  cudaStream_t stream) {
+    require_decode_shape(s, fn);
+    validate_options(fn, o);
+    const std::string call = std::string(fn) + ": ";
+    require(!layout_given(o.layout) && !o.packed.cu_seqlens_q && !o.packed.cu_seqlens_k,
+            call + "options.layout and options.packed are invalid here; allowed: none (the " +
+                "cache's layout is KVCache's)");
+    require(c.cache_seqlens != nullptr, call + "cache.cache_seqlens is null; allowed: batch " +
+                                            "int32 lengths on the device");
+    require(c.new_len >= 0 && c.new_len <= s.kv_len,
+            call + "cache.new_len = " + std::to_string(c.new_len) + " is invalid; allowed: 0 " +
+                "to shape.kv_len = " + std::to_string(s.kv_len));
+    require((k_new && v_new) == (c.new_len > 0) && (k_new == nullptr) == (v_new == nullptr),
+            call + "k_new and v_new must both be given where cache.new_len > 0 (it is " +
+                std::to_string(c.new_len) + "), and both be null where it is 0");
+    const std::string paged = c.block_table ? "" : " without a block table";
+    if (!c.block_table) {
+        require(c.page_size == 0 && c.pages_per_seq == 0 && c.num_pages == 0,
+                call + "cache.page_size, pages_per_seq and num_pages are invalid" + paged +
+                    "; allowed: 0");
+    } else {
+        require(c.page_size >= 16 && c.page_size % 16 == 0,
+                call + "cache.page_size = " + std::to_string(c.page_size) + " is invalid; " +
+                    "allowed: a multiple of 16 (16, 32, ...)");
+        require(c.pages_per_seq >= 1 && c.num_pages >= 1,
+                call + "cache.pages_per_seq = " + std::to_string(c.pages_per_seq) +
+                    " and cache.num_pages = " + std::to_string(c.num_pages) + "; allowed: 1 or " +
+                    "more each");
+        require((long long)c.pages_per_seq * c.page_size == s.kv_len,
+                call + "shape.kv_len = " + std::to_string(s.kv_len) + " is invalid with a " +
+                    "block table; allowed: cache.pages_per_seq * cache.page_size = " +
+                    std::to_string((long long)c.pages_per_seq * c.page_size));
+    }
+    const size_t cache_elems = c.block_table ? size_t(c.num_pages) * flash_kv_heads(s) *
+                                                   c.page_size * s.head_dim
+                                             : kv_elems(s);
+    const size_t new_elems = size_t(s.batch) * flash_kv_heads(s) * c.new_len * s.head_dim;
+    if (c.new_len > 0)
+        validate_pointers(fn, {input_arg("Q", Q, q_elems(s)), output_arg("K_cache", K, cache_elems),
+                               output_arg("V_cache", V, cache_elems),
+                               input_arg("k_new", k_new, new_elems),
+                               input_arg("v_new", v_new, new_elems), output_arg("O", O, q_elems(s)),
+                               output_arg("L", L, l_elems(s))});
+    else
+        validate_pointers(fn, {input_arg("Q", Q, q_elems(s)),
+                               input_arg("K_cache", static_cast<const T*>(K), cache_elems),
+                               input_arg("V_cache", static_cast<const T*>(V), cache_elems),
+                               output_arg("O", O, q_elems(s)), output_arg("L", L, l_elems(s))});
+    require_decode_device(flash_device_props(), s.head_dim, fn);
+    // The lengths and the table, on the host (they wait for the stream).
+    const auto fetch = [&](const int* p, size_t n, const char* name) {
+        require(reinterpret_cast<uintptr_t>(p) % alignof(int) == 0,
+                call + "cache." + name + " must be 4-byte aligned");
+        cudaPointerAttributes attr;
+        FLASH_CUDA_CHECK(cudaPointerGetAttributes(&attr, p));
+        require(attr.type != cudaMemoryTypeUnregistered,
+                call + "cache." + name + " is host memory; pass a device pointer");
+        std::vector<int> v(n);
+        FLASH_CUDA_CHECK(cudaMemcpyAsync(v.data(), p, n * sizeof(int), cudaMemcpyDefault, stream));
+        FLASH_CUDA_CHECK(cudaStreamSynchronize(stream));
+        return v;
+    };
+    const std::vector<int> lens = fetch(c.cache_seqlens, size_t(s.batch), "cache_seqlens");
+    const std::vector<int> table =
+        c.block_table ? fetch(c.block_table, size_t(s.batch) * c.pages_per_seq, "block_table")
+                      : std::vector<int>{};
+    int longest = 0;
+    for (int b = 0; b < s.batch; b++) {
+        const std::string entry = call + "cache.cache_seqlens[" + std::to_string(b) + "] = " +
+                                  std::to_string(lens[b]);
+        require(lens[b] >= 0 && lens[b] <= s.kv_len - c.new_len,
+                entry + " is invalid; allowed: 0 to shape.kv_len - cache.new_len = " +
+                    std::to_string(s.kv_len - c.new_len) +
+                    (c.block_table ? " (the block table's " + std::to_string(c.pages_per_seq) +
+                                         " pages of " + std::to_string(c.page_size) + " keys)"
+                                   : std::string()));
+        const int keys = lens[b] + c.new_len;
+        longest = std::max(longest, keys);
+        for (int page = 0; c.block_table && page * c.page_size < keys; page++) {
+            const int p = table[size_t(b) * c.pages_per_seq + page];
+            require(p >= 0 && p < c.num_pages,
+                    call + "cache.block_table[" + std::to_string(b) + "][" +
+                        std::to_string(page) + "] = " + std::to_string(p) + " is invalid; " +
+                        "allowed: 0 to cache.num_pages - 1 = " + std::to_string(c.num_pages - 1));
+        }
+    }
+    return longest;
+}
+
+// Every check, then the append (where new_len > 0) and the decode, on the stream.
+template <typename T>
+void kvcache_call(const char* fn, const T* Q, T* K, T* V, const T* k_new, const T* v_new, T* O,
+                  float* L, const AttentionShape& s, const KVCache& c, const AttentionOptions& o,
+                  cudaStream_t stream) {
+    const int longest = check_kvcache(fn, Q, K, V, k_new, v_new, O, L, s, c, o, stream);
+    KeyPages pages;
+    pages.lens = c.cache_seqlens, pages.table = c.block_table, pages.added = c.new_len;
+    pages.page_size = c.page_size, pages.pages_per_seq = c.pages_per_seq;
+    if (c.new_len > 0)
+        dispatch_head_dim<kFlashDecodeHeadDims>(s.head_dim, [&](auto dim) {
+            constexpr int D = decltype(dim)::value;
+            const size_t pieces = size_t(s.batch) * flash_kv_heads(s) * c.new_len * (D / 8);
+            flash_decode_append_kernel<T, D><<<unsigned((pieces + kThreads - 1) / kThreads),
+                                                kThreads, 0, stream>>>(
+                k_new, v_new, K, V, pages, flash_kv_heads(s), s.kv_len, pieces);
+            FLASH_CUDA_CHECK(cudaGetLastError());
+        });
+    decode_with_options(flash_device_props(), Q, static_cast<const T*>(K),
+                        static_cast<const T*>(V), O, L, s, 0, stream, &o, pages, longest);
 }
 void flash_decode_launch(const cudaDeviceProp& prop, const __half* Q, const __half* K,
                          const __half* V, __half* O, float* L, const AttentionShape& s,
@@ -755,6 +940,22 @@ void flash_decode_launch(const cudaDeviceProp& prop, const __nv_bfloat16* Q,
                          float* L, const AttentionShape& s, int splits, cudaStream_t stream,
                          const AttentionOptions* options) {
     decode_with_options(prop, Q, K, V, O, L, s, splits, stream, options);
+}
+
+void flash_decode_kvcache_fp16(const __half* Q, __half* K_cache, __half* V_cache,
+                               const __half* k_new, const __half* v_new, __half* O, float* L,
+                               const AttentionShape& shape, const KVCache& cache,
+                               const AttentionOptions& options, cudaStream_t stream) {
+    kvcache_call("flash_decode_kvcache_fp16", Q, K_cache, V_cache, k_new, v_new, O, L, shape,
+                 cache, options, stream);
+}
+void flash_decode_kvcache_bf16(const __nv_bfloat16* Q, __nv_bfloat16* K_cache,
+                               __nv_bfloat16* V_cache, const __nv_bfloat16* k_new,
+                               const __nv_bfloat16* v_new, __nv_bfloat16* O, float* L,
+                               const AttentionShape& shape, const KVCache& cache,
+                               const AttentionOptions& options, cudaStream_t stream) {
+    kvcache_call("flash_decode_kvcache_bf16", Q, K_cache, V_cache, k_new, v_new, O, L, shape,
+                 cache, options, stream);
 }
 
 bool flash_decode_runs(const cudaDeviceProp& prop, const AttentionShape& s) {
