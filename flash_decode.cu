@@ -209,23 +209,24 @@ struct KeyPages {
 
     __device__ int keys(int b, int kv_len) const { return lens ? lens[b] + added : kv_len; }
 };
-// One K/V head's rows of a K (or V) laid out as pages says: row(j), key j's row. A page's rows
-// are contiguous, so the keys of a warp's step (at most 16, from a multiple of their count; pages
-// are multiples of 16 keys) are rows of one page: row(base) + (j - base) D.
+// One K/V head's rows of a K (or V) laid out as pages says: row(j), key j's row (its page's
+// through the table); in_page(page, j), key j's row given its page. A page's rows are contiguous.
 template <typename T, int D>
 struct HeadRows {
     const T* head;       // the head's row 0: contiguous, of its sequence; paged, of page 0
     const int* table;    // the sequence's row of the block table, or none
-    size_t page_elems;   // elements a page (all K/V heads)
+    int page_elems;      // elements a page (all K/V heads: below 2^31, as the checks bound it)
     int page_size;
     __device__ HeadRows(const T* K, const KeyPages& p, int b, int kvh, int kv_heads, int kv_len)
         : head(p.table ? K + size_t(kvh) * p.page_size * D
                        : K + (size_t(b) * kv_heads + kvh) * size_t(kv_len) * D),
           table(p.table ? p.table + size_t(b) * p.pages_per_seq : nullptr),
-          page_elems(size_t(kv_heads) * p.page_size * D), page_size(p.page_size) {}
+          page_elems(kv_heads * p.page_size * D), page_size(p.page_size) {}
     __device__ const T* row(int j) const {
-        if (!table) return head + size_t(j) * D;
-        return head + size_t(table[j / page_size]) * page_elems + size_t(j % page_size) * D;
+        return table ? in_page(table[j / page_size], j) : head + size_t(j) * D;
+    }
+    __device__ const T* in_page(int page, int j) const {
+        return head + size_t(page) * page_elems + size_t(j % page_size) * D;
     }
 };
 
@@ -268,9 +269,12 @@ __device__ __forceinline__ void split_keys(SplitBlock& blk, const KeySpan& keys,
 // the block's warps read neighbouring rows; it goes to stage n % kStages. Each lane copies its 16
 // bytes of K and of V of keys base + u kKeysPerLoad + g (u < kU), zeros for a key at or past k1,
 // and reads back only what it copied itself: no barrier, not even __syncwarp. One group of copies
-// a step, empty past the last, so that cp_async_wait counts steps. A step's keys are rows of one
-// page (KeyPages::row), found once a step.
-template <typename T, int D, bool kEvictFirst>
+// a step, empty past the last, so that cp_async_wait counts steps.
+// kPaged: the keys are in pages (KeyPages). A step's keys are then rows of one page (pages are
+// multiples of 16 keys; a step's at most 16 keys start at a multiple of their count). The table
+// look-up is a load the copies wait for, so it is made 32 steps at a time: lane l holds the page
+// of the warp's step 32 m + l, and step n reads its page from lane n % 32 with a shuffle.
+template <typename T, int D, bool kEvictFirst, bool kPaged>
 struct KeyRing {
     using Lanes = KeyLanes<D>;
     static constexpr int kU = Lanes::kU;
@@ -279,6 +283,7 @@ struct KeyRing {
     Lanes me;
     HeadRows<T, D> K, V;        // the K/V head's rows
     int k1;                     // the split's end
+    int n = 0, held = 0;        // kPaged: the warp's next step, and the page this lane holds
     unsigned long long policy;  // the copies' L2 policy (cp_async_16)
 
     __device__ KeyRing(const T* K_, const T* V_, const KeyPages& pages, const SplitBlock& blk,
@@ -295,10 +300,19 @@ struct KeyRing {
         return first;
     }
     // The step at `base` into `stage`.
-    __device__ void copy(int base, int stage) const {
+    __device__ void copy(int base, int stage) {
         if (base < k1) {
-            const T* Kr = K.row(base);                 // key base's rows (one page)
-            const T* Vr = V.row(base);
+            const T* Kr = K.head + size_t(base) * D;   // key base's rows
+            const T* Vr = V.head + size_t(base) * D;
+            if constexpr (kPaged) {                    // (all of the step's keys in one page)
+                if (n % 32 == 0) {  // the pages of the warp's next 32 steps, a lane each
+                    const int key = base + me.lane * Lanes::kStep;
+                    held = key < k1 ? K.table[key / K.page_size] : 0;
+                }
+                const int page = __shfl_sync(0xffffffffu, held, n % 32);
+                Kr = K.in_page(page, base), Vr = V.in_page(page, base);
+                n++;
+            }
 #pragma unroll
             for (int u = 0; u < kU; ++u) {
                 const int j = base + u * Lanes::kKeysPerLoad + me.g;
@@ -490,8 +504,8 @@ __device__ __forceinline__ void write_split(const float (&o)[kR][8], const float
 // The kernel: Algorithm 1 over one split's keys, part by part. Policy: the mask and the score
 // (lib/mask_policy.cuh: PlainPolicy, or chapter 5's ModelPolicy), in the scores' log2 units
 // (in_units(scale_log2)), made the block's sequence's (its keys: pages.keys); the keys split are
-// those it lets the rows see. pages: where the keys are (KeyPages).
-template <typename T, int D, int kR, bool kEvictFirst, typename Policy>
+// those it lets the rows see. pages: where the keys are (KeyPages; kPaged: in pages).
+template <typename T, int D, int kR, bool kEvictFirst, typename Policy, bool kPaged>
 __global__ void __launch_bounds__(kSplitThreads, decode_blocks_per_sm(kR))
 flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, float* __restrict__ Os,
@@ -506,7 +520,7 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const KeyLanes<D> me;  // the lane's warp, key row g and columns c0
     // Line 7's first steps on their way (the lane's slots of its warp's ring), then lines 4-5:
     // the lane's share of the rows.
-    KeyRing<T, D, kEvictFirst> ring(K, V, pages, blk, kv_heads, kv_len);
+    KeyRing<T, D, kEvictFirst, kPaged> ring(K, V, pages, blk, kv_heads, kv_len);
     const int first = ring.start(me, blk);
     float q[kR][8], o[kR][8], m[kR], l[kR];
     int begin[kR], end[kR], i[kR];
@@ -712,10 +726,12 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
             auto run_rows = [&](auto rows) {
                 constexpr int kR = decltype(rows)::value;
                 const size_t shared = decode_shared_bytes(D, kR);
-                if (evict_first)
-                    run_split(flash_decode_split_kernel<T, D, kR, true, Policy>, shared);
+                if (pages.table)  // (a paged cache: no L2 hint)
+                    run_split(flash_decode_split_kernel<T, D, kR, false, Policy, true>, shared);
+                else if (evict_first)
+                    run_split(flash_decode_split_kernel<T, D, kR, true, Policy, false>, shared);
                 else
-                    run_split(flash_decode_split_kernel<T, D, kR, false, Policy>, shared);
+                    run_split(flash_decode_split_kernel<T, D, kR, false, Policy, false>, shared);
             };
             if (rows_kernel_for(s) == 4)
                 run_rows(std::integral_constant<int, 4>{});
@@ -848,6 +864,9 @@ int check_kvcache(const char* fn, const T* Q, T* K, T* V, const T* k_new, const 
                 call + "cache.pages_per_seq = " + std::to_string(c.pages_per_seq) +
                     " and cache.num_pages = " + std::to_string(c.num_pages) + "; allowed: 1 or " +
                     "more each");
+        require((long long)flash_kv_heads(s) * c.page_size * s.head_dim <= INT_MAX,
+                call + "cache.page_size = " + std::to_string(c.page_size) + " is invalid; " +
+                    "allowed: kv_heads * page_size * head_dim below 2^31 (a page's elements)");
         require((long long)c.pages_per_seq * c.page_size == s.kv_len,
                 call + "shape.kv_len = " + std::to_string(s.kv_len) + " is invalid with a " +
                     "block table; allowed: cache.pages_per_seq * cache.page_size = " +
