@@ -907,22 +907,26 @@ int check_kvcache(const char* fn, const T* Q, T* K, T* V, const T* k_new, const 
                       : std::vector<int>{};
     int longest = 0;
     for (int b = 0; b < s.batch; b++) {
-        const std::string entry = call + "cache.cache_seqlens[" + std::to_string(b) + "] = " +
-                                  std::to_string(lens[b]);
-        require(lens[b] >= 0 && lens[b] <= s.kv_len - c.new_len,
-                entry + " is invalid; allowed: 0 to shape.kv_len - cache.new_len = " +
-                    std::to_string(s.kv_len - c.new_len) +
-                    (c.block_table ? " (the block table's " + std::to_string(c.pages_per_seq) +
-                                         " pages of " + std::to_string(c.page_size) + " keys)"
-                                   : std::string()));
+        // (Each message is built only for a refusal: a table's check runs once a page.)
+        if (lens[b] < 0 || lens[b] > s.kv_len - c.new_len)
+            require(false, call + "cache.cache_seqlens[" + std::to_string(b) + "] = " +
+                               std::to_string(lens[b]) + " is invalid; allowed: 0 to " +
+                               "shape.kv_len - cache.new_len = " +
+                               std::to_string(s.kv_len - c.new_len) +
+                               (c.block_table ? " (the block table's " +
+                                                    std::to_string(c.pages_per_seq) +
+                                                    " pages of " + std::to_string(c.page_size) +
+                                                    " keys)"
+                                              : std::string()));
         const int keys = lens[b] + c.new_len;
         longest = std::max(longest, keys);
         for (int page = 0; c.block_table && page * c.page_size < keys; page++) {
             const int p = table[size_t(b) * c.pages_per_seq + page];
-            require(p >= 0 && p < c.num_pages,
-                    call + "cache.block_table[" + std::to_string(b) + "][" +
-                        std::to_string(page) + "] = " + std::to_string(p) + " is invalid; " +
-                        "allowed: 0 to cache.num_pages - 1 = " + std::to_string(c.num_pages - 1));
+            if (p < 0 || p >= c.num_pages)
+                require(false, call + "cache.block_table[" + std::to_string(b) + "][" +
+                                   std::to_string(page) + "] = " + std::to_string(p) +
+                                   " is invalid; allowed: 0 to cache.num_pages - 1 = " +
+                                   std::to_string(c.num_pages - 1));
         }
     }
     return longest;
