@@ -89,7 +89,7 @@ def whole64(q, k, v, do, causal):
 # ----------------------------------------------------------------------------------------------
 # CPU: the schedule and the arithmetic.
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8, 12, 16])
 @pytest.mark.parametrize("seq_len_over", [0, 1, 3, 7])
 def test_zigzag_covers_the_causal_mask_once_with_equal_work(world, seq_len_over):
     """Every (query, key) the causal mask allows is computed by exactly one kernel call, none it
@@ -125,7 +125,7 @@ def test_zigzag_covers_the_causal_mask_once_with_equal_work(world, seq_len_over)
 
 
 def test_shard_and_unshard_invert_each_other():
-    for world in (1, 2, 3, 4):
+    for world in (1, 2, 3, 4, 8, 16):
         for seq_len in (2 * world, 2 * world + 1, 101):
             x = torch.arange(seq_len * 2, dtype=torch.float64).view(1, 1, seq_len, 2)
             parts = [ra.shard(x, r, world) for r in range(world)]
@@ -174,7 +174,7 @@ def simulated_ring(q, k, v, do, causal, world, attend=attend64, grad=grad64):
             *(ra.unshard([b[i] for b in bwd]) for i in range(3)))
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 16])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(3, 3), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 def test_simulated_ring_in_float64_equals_the_whole_sequence(world, causal, heads):
