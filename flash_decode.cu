@@ -41,7 +41,7 @@
 
 namespace {
 
-constexpr int kThreads = 128;                    // the combine kernel's block
+constexpr int kThreads = 128;                    // the combine and append kernels' block
 constexpr int kSplitThreads = 256;               // the split kernel's block: 8 warps
 constexpr int kSplitWarps = kSplitThreads / 32;
 constexpr int kRows = 8;  // query rows a block: group * q_len rows are cut into blocks of 8
