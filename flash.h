@@ -301,7 +301,9 @@ size_t flash_decode_scratch_bytes(const AttentionShape& shape, int splits);
 // packed batch must be left empty). O and L as flash_decode_fp16's. The checks copy cache_seqlens
 // and the block table to the host (they wait for the stream): each length from 0 to kv_len -
 // new_len, each page the keys use below num_pages; std::invalid_argument names the entry, before
-// anything is written.
+// anything is written. On a stream being captured into a CUDA graph they cannot wait: the lengths
+// and pages are then not checked, the kernels clamp each into its range (a bad entry reads the
+// wrong keys, never memory outside the cache), and the keys are split for the cache's capacity.
 struct KVCache {
     const int* cache_seqlens = nullptr;  // [batch], int32 on the device: keys before this call
     const int* block_table = nullptr;    // [batch][pages_per_seq], int32 on the device, or none
