@@ -253,8 +253,9 @@ void flash_backward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
 // (std::invalid_argument otherwise), any kv_len >= 1, kv_heads dividing heads. The query rows of
 // a K/V group (heads / kv_heads heads, q_len rows each) read their K/V head together, and the keys
 // are cut into `splits` runs of whole key tiles, a block each; each block writes a partial O_s
-// (fp32) and L_s, and a second kernel merges them, L = log sum_s exp(L_s), O = sum_s exp(L_s - L)
-// O_s, in a fixed order (deterministic), rounding O to fp16 / bf16 once. Compute capability 8.0
+// (fp32) and L_s, and the last block of a K/V group to end merges them (one launch), L = log
+// sum_s exp(L_s), O = sum_s exp(L_s - L) O_s, in a fixed order (deterministic), rounding O to
+// fp16 / bf16 once. Compute capability 8.0
 // or newer (cp.async), else std::runtime_error. Extra memory: flash_decode_scratch_bytes, scratch
 // for the call (flash_release_scratch, below). flash_forward_fp16 / _bf16 run it for q_len <=
 // kFlashDecodeMaxQLen (lib/dispatch.cpp).
@@ -266,7 +267,8 @@ void flash_decode_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const __n
                        __nv_bfloat16* O, float* L, const AttentionShape& shape,
                        cudaStream_t stream = 0);
 // The same with the number of splits given by the caller instead of flash_decode_choose_splits'
-// (like the _bc calls): splits >= 1 (std::invalid_argument otherwise, outputs untouched). More
+// (like the _bc calls): splits from 1 to 2^24 - 1 (std::invalid_argument otherwise, outputs
+// untouched). More
 // splits than key tiles is allowed: those past the last key see none and add nothing.
 void flash_decode_fp16_splits(const __half* Q, const __half* K, const __half* V, __half* O,
                               float* L, const AttentionShape& shape, int splits,
@@ -282,8 +284,10 @@ void flash_decode_bf16_splits(const __nv_bfloat16* Q, const __nv_bfloat16* K,
 // the partials' traffic stays small beside K and V; at least 1.
 int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape& shape);
 // The decode's extra device memory for this shape and splits, in bytes: O_s and L_s of every
-// split, splits * batch * heads * q_len * (head_dim + 1) floats. Throws std::invalid_argument for
-// a bad shape or splits < 1.
+// split, splits * batch * heads * q_len * (head_dim + 1) floats, then 8 bytes of alignment and an
+// 8-byte counter for each (batch, K/V head, run of 8 of its group's rows): batch * kv_heads *
+// ceil(heads / kv_heads * q_len / 8) of them. Throws std::invalid_argument for a bad shape or
+// splits out of range.
 size_t flash_decode_scratch_bytes(const AttentionShape& shape, int splits);
 
 // Chapter 4, part 2: decoding from a K/V cache (FlashAttention-2's flash_attn_with_kvcache): each
@@ -301,7 +305,9 @@ size_t flash_decode_scratch_bytes(const AttentionShape& shape, int splits);
 // packed batch must be left empty). O and L as flash_decode_fp16's. The checks copy cache_seqlens
 // and the block table to the host (they wait for the stream): each length from 0 to kv_len -
 // new_len, each page the keys use below num_pages; std::invalid_argument names the entry, before
-// anything is written.
+// anything is written. On a stream being captured into a CUDA graph they cannot wait: the lengths
+// and pages are then not checked, the kernels clamp each into its range (a bad entry reads the
+// wrong keys, never memory outside the cache), and the keys are split for the cache's capacity.
 struct KVCache {
     const int* cache_seqlens = nullptr;  // [batch], int32 on the device: keys before this call
     const int* block_table = nullptr;    // [batch][pages_per_seq], int32 on the device, or none

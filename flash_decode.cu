@@ -202,12 +202,19 @@ struct SplitBlock {
 // [batch][kv_heads][kv_len][D]. With one, paged: key j of sequence b is row j % page_size of page
 // table[b pages_per_seq + j / page_size], pages [pages][kv_heads][page_size][D]. lens: each
 // sequence's keys before this call's `added` are appended (none: kv_len each, nothing added).
+// The host checks every length and page in use; where it cannot (a stream being captured into a
+// CUDA graph), a bad entry must still never send a read or the append outside the cache, so each
+// is clamped into its range: a no-op for the checked ones.
 struct KeyPages {
     const int* lens = nullptr;
     const int* table = nullptr;
-    int page_size = 0, pages_per_seq = 0, added = 0;
+    int page_size = 0, pages_per_seq = 0, num_pages = 0, added = 0;
 
-    __device__ int keys(int b, int kv_len) const { return lens ? lens[b] + added : kv_len; }
+    __device__ int keys(int b, int kv_len) const {
+        return lens ? min(max(lens[b], 0), kv_len - added) + added : kv_len;
+    }
+    // Entry i of a sequence's row of the table.
+    __device__ int page(const int* row, int i) const { return min(max(row[i], 0), num_pages - 1); }
 };
 // One K/V head's rows of a K (or V) laid out as pages says: row(j), key j's row (its page's
 // through the table); in_page(page, j), key j's row given its page. A page's rows are contiguous.
@@ -217,13 +224,14 @@ struct HeadRows {
     const int* table;    // the sequence's row of the block table, or none
     int page_elems;      // elements a page (all K/V heads: below 2^31, as the checks bound it)
     int page_size;
+    KeyPages pages;      // (its page())
     __device__ HeadRows(const T* K, const KeyPages& p, int b, int kvh, int kv_heads, int kv_len)
         : head(p.table ? K + size_t(kvh) * p.page_size * D
                        : K + (size_t(b) * kv_heads + kvh) * size_t(kv_len) * D),
           table(p.table ? p.table + size_t(b) * p.pages_per_seq : nullptr),
-          page_elems(kv_heads * p.page_size * D), page_size(p.page_size) {}
+          page_elems(kv_heads * p.page_size * D), page_size(p.page_size), pages(p) {}
     __device__ const T* row(int j) const {
-        return table ? in_page(table[j / page_size], j) : head + size_t(j) * D;
+        return table ? in_page(pages.page(table, j / page_size), j) : head + size_t(j) * D;
     }
     __device__ const T* in_page(int page, int j) const {
         return head + size_t(page) * page_elems + size_t(j % page_size) * D;
@@ -307,7 +315,7 @@ struct KeyRing {
             if constexpr (kPaged) {                    // (all of the step's keys in one page)
                 if (n % 32 == 0) {  // the pages of the warp's next 32 steps, a lane each
                     const int key = base + me.lane * Lanes::kStep;
-                    held = key < k1 ? K.table[key / K.page_size] : 0;
+                    held = key < k1 ? K.pages.page(K.table, key / K.page_size) : 0;
                 }
                 const int page = __shfl_sync(0xffffffffu, held, n % 32);
                 Kr = K.in_page(page, base), Vr = V.in_page(page, base);
@@ -559,7 +567,7 @@ flash_decode_append_kernel(const T* __restrict__ k_new, const T* __restrict__ v_
     const size_t n = x / kPieces;   // row n of k_new: (b, kv head, r)
     const int c = int(x % kPieces) * 8, r = int(n % pages.added);
     const int kvh = int(n / pages.added % kv_heads), b = int(n / pages.added / kv_heads);
-    const int j = pages.lens[b] + r;
+    const int j = pages.keys(b, kv_len) - pages.added + r;  // (the length, clamped)
     T* Kj = const_cast<T*>(HeadRows<T, D>(K, pages, b, kvh, kv_heads, kv_len).row(j));
     T* Vj = const_cast<T*>(HeadRows<T, D>(V, pages, b, kvh, kv_heads, kv_len).row(j));
     *reinterpret_cast<uint4*>(Kj + c) = load16(k_new + n * D + c);
@@ -888,6 +896,12 @@ int check_kvcache(const char* fn, const T* Q, T* K, T* V, const T* k_new, const 
                                input_arg("V_cache", static_cast<const T*>(V), cache_elems),
                                output_arg("O", O, q_elems(s)), output_arg("L", L, l_elems(s))});
     require_decode_device(flash_device_props(), s.head_dim, fn);
+    // A stream being captured into a CUDA graph cannot be waited for: the lengths and the table
+    // are then not read back (the kernels clamp them: KeyPages), and the longest sequence is
+    // taken as the cache's capacity, for the split rule.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FLASH_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) return s.kv_len;
     // The lengths and the table, on the host (they wait for the stream).
     const auto fetch = [&](const int* p, size_t n, const char* name) {
         require(reinterpret_cast<uintptr_t>(p) % alignof(int) == 0,
@@ -941,6 +955,7 @@ void kvcache_call(const char* fn, const T* Q, T* K, T* V, const T* k_new, const 
     KeyPages pages;
     pages.lens = c.cache_seqlens, pages.table = c.block_table, pages.added = c.new_len;
     pages.page_size = c.page_size, pages.pages_per_seq = c.pages_per_seq;
+    pages.num_pages = c.num_pages;
     if (c.new_len > 0)
         dispatch_head_dim<kFlashDecodeHeadDims>(s.head_dim, [&](auto dim) {
             constexpr int D = decltype(dim)::value;

@@ -1,8 +1,9 @@
 // flash_torch.cpp: the PyTorch binding of flash.h, for flash_torch.py (which builds and loads it
 // on first use, with torch.utils.cpp_extension; or: make torch). Two functions, forward and
 // backward, over (batch, heads, seq, head_dim) CUDA tensors in fp32, fp16 or bf16, on PyTorch's
-// current stream, with chapter 5's options (flash.h's AttentionOptions: fp16 and bf16 only), and
-// the same two over packed sequences (varlen_forward, varlen_backward).
+// current stream, with chapter 5's options (flash.h's AttentionOptions: fp16 and bf16 only), the
+// same two over packed sequences (varlen_forward, varlen_backward), and a decode step over a K/V
+// cache (kvcache_forward).
 // Every check of flash.h's launchers runs as it does from C++; this file adds the ones only a
 // tensor can fail (device, dtype, rank, layout, matching sizes). Bad input raises ValueError
 // (pybind11's translation of std::invalid_argument) with the message; a CUDA failure raises
@@ -329,6 +330,88 @@ static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> varlen_backward(
     return {dq, dk, dv};
 }
 
+// Chapter 4's K/V cache (flash.h's KVCache; FlashAttention-2's flash_attn_with_kvcache), for
+// inference: q (B, H, q_len, d); k_cache and v_cache (B, H_kv, capacity, d), or, with
+// block_table (B, pages_per_seq), pages (num_pages, H_kv, page_size, d); cache_seqlens (B,); k
+// and v (B, H_kv, new_len, d), appended into the caches in place first. All contiguous, on q's
+// device; the tables int32. Returns o and L (B, H, q_len).
+static std::tuple<torch::Tensor, torch::Tensor> kvcache_forward(
+    torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cache_seqlens,
+    c10::optional<torch::Tensor> block_table, c10::optional<torch::Tensor> k_new,
+    c10::optional<torch::Tensor> v_new, bool causal, double scale, int64_t left, int64_t right,
+    double softcap, c10::optional<torch::Tensor> alibi) {
+    const char* fn = "flash_attention_with_kvcache";
+    if (k_new.has_value() != v_new.has_value()) fail(std::string(fn) + ": give k and v together");
+    std::vector<std::pair<const torch::Tensor*, std::string>> ts = {
+        {&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}};
+    if (k_new) ts.push_back({&*k_new, "k"}), ts.push_back({&*v_new, "v"});
+    for (const auto& [t, what] : ts) {
+        if (!t->is_cuda() || t->device() != q.device() || t->dim() != 4 || !t->is_contiguous() ||
+            t->scalar_type() != q.scalar_type())
+            fail(std::string(fn) + ": " + what + " is " + dims(*t) + " " +
+                 name(t->scalar_type()) + " on " + t->device().str() + "; allowed: a " +
+                 "contiguous 4-D tensor of q's dtype on q's device");
+        for (int64_t size : t->sizes())
+            if (size > INT_MAX) fail(std::string(fn) + ": " + what + " has a size above INT_MAX");
+    }
+    if (q.scalar_type() != torch::kFloat16 && q.scalar_type() != torch::kBFloat16)
+        fail(std::string(fn) + ": q is " + name(q.scalar_type()) + "; allowed: float16, bfloat16");
+    const auto int32_table = [&](const torch::Tensor& t, const char* what, int64_t dim) {
+        if (!t.is_cuda() || t.device() != q.device() || t.scalar_type() != torch::kInt32 ||
+            !t.is_contiguous() || t.dim() != dim || t.size(0) != q.size(0))
+            fail(std::string(fn) + ": " + what + " is " + dims(t) + " " +
+                 name(t.scalar_type()) + " on " + t.device().str() + "; allowed: a contiguous " +
+                 "int32 tensor on q's device, " + (dim == 1 ? "(batch,)" : "(batch, pages)"));
+    };
+    int32_table(cache_seqlens, "cache_seqlens", 1);
+    const int64_t heads_kv = k_cache.size(1), d = q.size(3);
+    if (v_cache.sizes() != k_cache.sizes() || k_cache.size(3) != d || heads_kv < 1 ||
+        q.size(1) % heads_kv != 0)
+        fail(std::string(fn) + ": q is " + dims(q) + ", k_cache " + dims(k_cache) + ", v_cache " +
+             dims(v_cache) + ": the caches alike, head_dim q's, their heads dividing q's");
+    KVCache c;
+    c.cache_seqlens = cache_seqlens.data_ptr<int>();
+    int64_t capacity = k_cache.size(2);
+    if (block_table) {
+        int32_table(*block_table, "block_table", 2);
+        c.block_table = block_table->data_ptr<int>();
+        c.page_size = int(k_cache.size(2)), c.pages_per_seq = int(block_table->size(1));
+        c.num_pages = int(k_cache.size(0));
+        capacity = int64_t(c.pages_per_seq) * c.page_size;
+        if (capacity > INT_MAX) fail(std::string(fn) + ": pages x page_size exceeds INT_MAX");
+    } else if (k_cache.size(0) != q.size(0)) {
+        fail(std::string(fn) + ": k_cache is " + dims(k_cache) + " without a block_table; " +
+             "allowed: (batch, H_kv, capacity, d), batch q's");
+    }
+    if (k_new) {
+        const torch::IntArrayRef want{q.size(0), heads_kv, k_new->size(2), d};
+        if (k_new->sizes() != want || v_new->sizes() != want)
+            fail(std::string(fn) + ": k is " + dims(*k_new) + ", v " + dims(*v_new) +
+                 "; allowed: (batch, H_kv, new_len, d), both alike");
+        c.new_len = int(k_new->size(2));
+    }
+    const AttentionShape s{int(q.size(0)), int(q.size(1)), int(q.size(2)), int(capacity), int(d),
+                           causal, int(heads_kv)};
+    const AttentionOptions o = options_of(fn, s, q, scale, left, right, softcap, alibi);
+    const c10::cuda::CUDAGuard guard(q.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    torch::Tensor out = torch::empty_like(q);
+    torch::Tensor L = torch::empty({q.size(0), q.size(1), q.size(2)},
+                                   q.options().dtype(torch::kFloat32));
+    with_dtype(fn, q, [&](auto zero) {
+        using T = decltype(zero);
+        const T* kn = k_new ? ptr<T>(*k_new) : nullptr;
+        const T* vn = v_new ? ptr<T>(*v_new) : nullptr;
+        if constexpr (std::is_same_v<T, __half>)
+            flash_decode_kvcache_fp16(ptr<T>(q), ptr<T>(k_cache), ptr<T>(v_cache), kn, vn,
+                                      ptr<T>(out), ptr<float>(L), s, c, o, stream);
+        else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+            flash_decode_kvcache_bf16(ptr<T>(q), ptr<T>(k_cache), ptr<T>(v_cache), kn, vn,
+                                      ptr<T>(out), ptr<float>(L), s, c, o, stream);
+    });
+    return {out, L};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flash.h for PyTorch tensors: see flash_torch.py";
     namespace py = pybind11;  // the options' defaults: none (ring_attention.py calls without)
@@ -349,4 +432,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("varlen_backward", &varlen_backward,
           "dq, dk, dv = varlen_backward(q, k, v, o, do, L, cu_q, cu_k, max_q, max_k, causal, "
           "scale, window_left, window_right, softcap, alibi)");
+    m.def("kvcache_forward", &kvcache_forward,
+          "attention of q over a K/V cache (contiguous or paged), new keys appended first");
 }

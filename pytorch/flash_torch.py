@@ -295,6 +295,26 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                            softcap, alibi_slopes)[0]
 
 
+def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None,
+                                 v=None, causal=False, softmax_scale=None, window_size=(-1, -1),
+                                 softcap=0.0, alibi_slopes=None, return_lse=False):
+    """A decode step over a K/V cache, with FlashAttention-2's flash_attn_with_kvcache's argument
+    names (inference: no gradient). q (B, H, q_len, d), q_len 1 to 8; k_cache and v_cache (B,
+    H_kv, capacity, d), or, with block_table (B, pages_per_seq) int32, pages (num_pages, H_kv,
+    page_size, d), page_size a multiple of 16 (key j of sequence b: row j % page_size of page
+    block_table[b, j // page_size]); cache_seqlens (B,) int32, the keys each sequence has. k and
+    v (B, H_kv, new_len, d), if given, are written into the caches at each sequence's end first
+    (in place), and the step attends over cache_seqlens + new_len keys. The caches and tables
+    contiguous CUDA tensors on q's device, float16 or bfloat16. Returns o (B, H, q_len, d), and
+    lse (B, H, q_len) with return_lse."""
+    with torch.no_grad():
+        o, lse = build().kvcache_forward(
+            q.contiguous(), k_cache, v_cache, cache_seqlens, block_table,
+            None if k is None else k.contiguous(), None if v is None else v.contiguous(),
+            bool(causal), *_options(softmax_scale, window_size, softcap, alibi_slopes))
+    return (o, lse) if return_lse else o
+
+
 def _main():
     """`python3 flash_torch.py` (make torch): build the extension now, or say in one line what is
     missing; exit status 0 only when it is built."""

@@ -34,7 +34,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from flash_torch import (flash_attention, flash_attention_varlen,  # noqa: E402
-                         flash_attention_varlen_with_lse, flash_attention_with_lse)
+                         flash_attention_varlen_with_lse, flash_attention_with_kvcache,
+                         flash_attention_with_lse)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [16, 32, 64, 96, 128, 256]
@@ -736,3 +737,64 @@ def test_bad_packed_sequences_raise_value_error_naming_them():
     with pytest.raises(ValueError) as e:
         flash_attention_varlen(q, q, q, good.long(), good, 6, 6)
     assert "int32" in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("page", [16, 64], ids=["page16", "page64"])
+def test_kvcache_paged_and_contiguous_match_the_float64_reference_and_each_other(dtype, page):
+    """flash_attention_with_kvcache: 3 sequences of 0, 14 and 250 keys (8 query heads over 2,
+    d = 128, 4 query rows, causal), 4 new keys appended, which cross a page for the second. The
+    same keys in a contiguous cache and in shuffled pages: o bitwise the same, the appended rows in
+    both caches, each sequence's o and lse within test_torch's tolerances of float64 attention
+    over its own keys after the append."""
+    g = torch.Generator(device="cuda").manual_seed(4603 + page)
+    b, h, h_kv, nq, d, new = 3, 8, 2, 4, 128, 4
+    pages_per_seq = 320 // page
+    cap = pages_per_seq * page
+    lens = [0, 14, 250]
+    kc = torch.randn(b, h_kv, cap, d, device="cuda", generator=g).to(dtype)
+    vc = torch.randn(b, h_kv, cap, d, device="cuda", generator=g).to(dtype)
+    q = torch.randn(b, h, nq, d, device="cuda", generator=g).to(dtype)
+    kn = torch.randn(b, h_kv, new, d, device="cuda", generator=g).to(dtype)
+    vn = torch.randn(b, h_kv, new, d, device="cuda", generator=g).to(dtype)
+    table = torch.randperm(b * pages_per_seq, device="cuda", generator=g).int().view(b, -1)
+    kp = torch.empty(b * pages_per_seq, h_kv, page, d, device="cuda", dtype=dtype)
+    vp = torch.empty_like(kp)
+    for s in range(b):  # the contiguous cache's rows, page by page
+        for p in range(pages_per_seq):
+            kp[table[s, p]] = kc[s, :, p * page:(p + 1) * page]
+            vp[table[s, p]] = vc[s, :, p * page:(p + 1) * page]
+    seqlens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    o_c, lse_c = flash_attention_with_kvcache(q, kc, vc, seqlens, k=kn, v=vn, causal=True,
+                                              return_lse=True)
+    o_p = flash_attention_with_kvcache(q, kp, vp, seqlens, block_table=table, k=kn, v=vn,
+                                       causal=True)
+    assert torch.equal(o_c.view(torch.int16), o_p.view(torch.int16)), "paged o differs"
+    for s, n in enumerate(lens):
+        assert torch.equal(kc[s, :, n:n + new], kn[s]) and torch.equal(vc[s, :, n:n + new], vn[s])
+        for r in range(new):
+            p, row = table[s, (n + r) // page], (n + r) % page
+            assert torch.equal(kp[p, :, row], kn[s, :, r]), f"sequence {s} row {n + r} not in page"
+        keys = n + new
+        kx = kc[s:s + 1, :, :keys].repeat_interleave(h // h_kv, dim=1)
+        vx = vc[s:s + 1, :, :keys].repeat_interleave(h // h_kv, dim=1)
+        want_o, want_lse = attention64(q[s:s + 1].double(), kx.double(), vx.double(), True)
+        tol_lse, tol_o, _ = tolerances(dtype, q[s:s + 1], kx, vx, keys)
+        label = f"{dtype} page {page} sequence {s} ({keys} keys)"
+        check("o", o_c[s:s + 1], want_o, tol_o, label)
+        check("lse", lse_c[s:s + 1], want_lse, tol_lse, label)
+
+
+def test_kvcache_bad_input_raises_value_error_naming_it():
+    q = torch.randn(1, 4, 1, 64, device="cuda").half()
+    kc = torch.randn(1, 2, 64, 64, device="cuda").half()
+    seqlens = torch.tensor([3], device="cuda", dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attention_with_kvcache(q, kc, kc.clone(), seqlens.long())
+    with pytest.raises(ValueError, match="cache_seqlens\\[0\\] = 64"):
+        flash_attention_with_kvcache(q, kc, kc.clone(), seqlens + 61, k=kc[:, :, :1].clone(),
+                                     v=kc[:, :, :1].clone())
+    with pytest.raises(ValueError, match="page_size"):  # pages of 24 keys
+        flash_attention_with_kvcache(q, kc[:, :, :24].clone(), kc[:, :, :24].clone(), seqlens,
+                                     block_table=torch.zeros(1, 2, device="cuda",
+                                                             dtype=torch.int32))

@@ -179,12 +179,16 @@ TEST_CASE("The decode's split rule fills the GPU with whole tiles, never fewer t
     }
 }
 
-TEST_CASE("The decode's scratch is splits * batch * heads * q_len * (head_dim + 1) floats",
+TEST_CASE("The decode's scratch is splits * batch * heads * q_len * (head_dim + 1) floats and "
+          "a counter for each run of 8 rows of a K/V group",
           "[cpu][decode]") {
+    // 3 batches x 2 K/V heads, each group 4 heads x 5 rows = 20 rows: 3 runs of 8.
     const AttentionShape s = decode_shape(3, 8, 2, 5, 1000, 128, true);
-    CHECK(flash_decode_scratch_bytes(s, 1) == size_t(3) * 8 * 5 * 129 * 4);
-    CHECK(flash_decode_scratch_bytes(s, 7) == size_t(7) * 3 * 8 * 5 * 129 * 4);
+    const size_t counters = 8 + size_t(3) * 2 * 3 * 8;
+    CHECK(flash_decode_scratch_bytes(s, 1) == size_t(3) * 8 * 5 * 129 * 4 + counters);
+    CHECK(flash_decode_scratch_bytes(s, 7) == size_t(7) * 3 * 8 * 5 * 129 * 4 + counters);
     CHECK_THAT(refusal([&] { flash_decode_scratch_bytes(s, 0); }), NamesWord("splits"));
+    CHECK_THAT(refusal([&] { flash_decode_scratch_bytes(s, 1 << 24); }), NamesWord("splits"));
 }
 
 TEMPLATE_TEST_CASE("The decode refuses bad input, naming the field, outputs untouched",
