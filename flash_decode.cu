@@ -10,8 +10,9 @@
 //     once for all of them, not once a query head.
 //  2. Split-KV: the keys of a (batch, K/V head) are cut into `splits` runs of whole key tiles, one
 //     block each. Block s runs FlashAttention-2's forward loop (online softmax) over its keys only
-//     and writes a partial result: O_s (normalised by its own l, fp32) and its logsumexp L_s. A
-//     second kernel merges the partials through L, exactly (NOTES chapter 4 derives it):
+//     and writes a partial result: O_s (normalised by its own l, fp32) and its logsumexp L_s. The
+//     last block of the group to end (arrive_last) merges the partials through L, exactly (NOTES
+//     chapter 4 derives it):
 //         L = log sum_s exp(L_s),   O = sum_s exp(L_s - L) O_s,
 //     in the order s = 0, 1, ..., so the result is the same bits on every run. A split that sees
 //     no key (past kv_len, or masked) has L_s = -inf and weight exp(-inf) = 0.
@@ -33,6 +34,9 @@
 #include "mask_policy.cuh"  // the mask and score: PlainPolicy, or chapter 5's ModelPolicy
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <random>
 #include <climits>
 #include <optional>
 #include <string>
@@ -41,7 +45,8 @@
 
 namespace {
 
-constexpr int kThreads = 128;                    // the combine and append kernels' block
+constexpr int kThreads = 128;                    // the append kernel's block
+constexpr int kMaxSplits = (1 << 24) - 1;         // arrive_last counts arrivals in 24 bits
 constexpr int kSplitThreads = 256;               // the split kernel's block: 8 warps
 constexpr int kSplitWarps = kSplitThreads / 32;
 constexpr int kRows = 8;  // query rows a block: group * q_len rows are cut into blocks of 8
@@ -109,21 +114,6 @@ __device__ __forceinline__ void cp_async_commit() { SM80_ASM("cp.async.commit_gr
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { SM80_ASM("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Programmatic dependent launch (compute capability 9.0; the launcher asks for it only there): the
-// split kernel lets the combine kernel be launched while its own blocks still run, and the
-// combine's threads wait (griddepcontrol.wait) until the split kernel has finished and its writes
-// are visible. The combine's launch then hides behind the split kernel's last blocks.
-__device__ __forceinline__ void let_next_kernel_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // 8 elements of T (16 bytes, as loaded) as eight floats.
 template <typename T>
 __device__ __forceinline__ void eight_floats(uint4 raw, float* f) {
@@ -155,8 +145,9 @@ __device__ __forceinline__ uint4 load16(const T* p) {
 //  - Each group of lanes that shares a key row keeps its own online softmax (m, l and its 8
 //    columns of O, for every row): no exchange between key rows in the loop, one rescale per kU
 //    keys (online_softmax).
-//  - At the end the partials meet through the same logsumexp identity as the combine's: first the
-//    groups of a warp (merge_groups), then the warps (write_split, in warp order: deterministic).
+//  - At the end the partials meet through the same logsumexp identity as the splits' merge:
+//    first the groups of a warp (merge_groups), then the warps (write_split, in warp order:
+//    deterministic).
 // The kernel runs the parts in that order. Every array a thread keeps in registers is declared in
 // the kernel, where all of them are in view, and where nvcc places them in registers in one pass:
 // an array local to a part is placed before the part is inlined, and the kernel's machine code
@@ -509,19 +500,100 @@ __device__ __forceinline__ void write_split(const float (&o)[kR][8], const float
     }
 }
 
-// The kernel: Algorithm 1 over one split's keys, part by part. Policy: the mask and the score
-// (lib/mask_policy.cuh: PlainPolicy, or chapter 5's ModelPolicy), in the scores' log2 units
-// (in_units(scale_log2)), made the block's sequence's (its keys: pages.keys); the keys split are
-// those it lets the rows see. pages: where the keys are (KeyPages; kPaged: in pages).
+// The merge of the splits (NOTES chapter 4's identity), by the split block that ends last, for
+// its rows: a warp a row. L = Lmax + log sum_s exp(L_s - Lmax) and O = sum_s exp(L_s - L) O_s,
+// O rounded to T once. Subtracting Lmax keeps every exp <= 1; a row with every L_s = -inf saw no
+// key at all: O = 0, L = -inf. The splits are dealt out to the lanes (lane k takes s = k, k + 32,
+// ...): each lane reads its own L_s, and the warp agrees on Lmax and the sum by shuffles. Then O,
+// kBatch splits at a time: lane k computes split s0 + k's weight, and every lane, for its D / 32
+// columns, adds the splits' w O_s in the order s = 0, 1, ..., each weight passed along by a
+// shuffle. Same order on every call, whichever block merges: deterministic. The other blocks'
+// O_s and L_s are read from L2 (__ldcg: this SM's L1 may never hold a line another SM wrote).
+template <typename T, int D, int kBatch>
+__device__ __forceinline__ void merge_row(const float* Os, const float* Ls, T* O, float* L,
+                                          size_t rows, int splits, size_t row, int lane) {
+    constexpr int kCols = D / 32;  // a lane's columns of the row: 2, 4, 8 at d = 64, 128, 256
+    const int c0 = lane * kCols;
+    // kBatch splits' O_s; past the last split the last one's O_s (finite) is read again and
+    // weighs 0, so that no load waits on a branch.
+    float2 v[kBatch][kCols / 2];
+    auto load = [&](int s0) {
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+            const float* os = Os + (size_t(min(s0 + k, splits - 1)) * rows + row) * D + c0;
+#pragma unroll
+            for (int e = 0; e < kCols / 2; ++e)
+                v[k][e] = __ldcg(reinterpret_cast<const float2*>(os) + e);
+        }
+    };
+    const auto Ls_at = [&](int s) { return __ldcg(Ls + size_t(s) * rows + row); };
+    load(0);
+    const float L_lane = lane < splits ? Ls_at(lane) : -INFINITY;
+    float Lmax = L_lane;
+    for (int s = lane + 32; s < splits; s += 32) Lmax = fmaxf(Lmax, Ls_at(s));
+    for (int off = 16; off > 0; off /= 2) Lmax = fmaxf(Lmax, __shfl_xor_sync(~0u, Lmax, off));
+    float o[kCols] = {};
+    float Lrow = -INFINITY;
+    if (Lmax != -INFINITY) {
+        float sum = expf(L_lane - Lmax);
+        for (int s = lane + 32; s < splits; s += 32) sum += expf(Ls_at(s) - Lmax);
+        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(~0u, sum, off);
+        Lrow = Lmax + logf(sum);  // the butterfly gives every lane the same bits
+        for (int s0 = 0; s0 < splits; s0 += kBatch) {
+            if (s0 > 0) load(s0);
+            // This lane's split's weight (lane < kBatch: the batch's); exp(-inf) = 0 for a split
+            // with no key.
+            const int s = s0 + lane;
+            const float Ls_s = s0 == 0 ? L_lane : s < splits ? Ls_at(s) : 0.f;
+            const float w_lane = s < splits ? expf(Ls_s - Lrow) : 0.f;
+#pragma unroll
+            for (int k = 0; k < kBatch; ++k) {
+                const float w = __shfl_sync(~0u, w_lane, k);
+#pragma unroll
+                for (int e = 0; e < kCols / 2; ++e)
+                    o[2 * e] += w * v[k][e].x, o[2 * e + 1] += w * v[k][e].y;
+            }
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < kCols; e += 2) store_pair(O + row * D + c0 + e, o[e], o[e + 1]);
+    if (lane == 0) L[row] = Lrow;
+}
+
+// A split block's arrival at its (batch, K/V head, chunk)'s counter, after its O_s and L_s are
+// written: true for the last of the splits, which then merges them. The counter holds (epoch <<
+// 24) | arrivals, and the last arrival leaves it 0. A counter of another epoch (another call, or
+// memory the scratch pool hands out as some earlier kernel left it) counts as 0 arrivals: so no
+// memset, and no second launch. Each call has its own epoch (the launcher's, 40 bits, from a
+// random start) and its own scratch (concurrent calls too: each stream's pool allocation).
+__device__ __forceinline__ bool arrive_last(unsigned long long* counter, unsigned long long epoch,
+                                            int splits) {
+    unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(counter);
+    for (;;) {
+        const unsigned long long old = seen;
+        const unsigned long long arrived = (old >> 24 == epoch ? old & 0xffffff : 0) + 1;
+        const unsigned long long next = arrived == unsigned(splits) ? 0 : epoch << 24 | arrived;
+        seen = atomicCAS(counter, old, next);
+        if (seen == old) return arrived == unsigned(splits);
+    }
+}
+
+// The kernel: Algorithm 1 over one split's keys, part by part, then the merge of all the splits
+// by the last to end. Policy: the mask and the score (lib/mask_policy.cuh: PlainPolicy, or
+// chapter 5's ModelPolicy), in the scores' log2 units (in_units(scale_log2)), made the block's
+// sequence's (its keys: pages.keys); the keys split are those it lets the rows see. pages: where
+// the keys are (KeyPages; kPaged: in pages). counters: one a (batch, K/V head, chunk), with this
+// call's epoch (arrive_last).
 template <typename T, int D, int kR, bool kEvictFirst, typename Policy, bool kPaged>
 __global__ void __launch_bounds__(kSplitThreads, decode_blocks_per_sm(kR))
 flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, float* __restrict__ Os,
                           float* __restrict__ Ls, int heads, int kv_heads, int q_len, int kv_len,
                           const Policy policy, const KeyPages pages, int splits, int chunks,
-                          int tiles_per_split, float scale_log2) {
+                          int tiles_per_split, float scale_log2, T* __restrict__ O,
+                          float* __restrict__ L, unsigned long long* counters,
+                          unsigned long long epoch) {
     constexpr int kU = kUnroll, kStep = KeyLanes<D>::kStep;
-    let_next_kernel_launch();
     SplitBlock blk = split_block<D>(heads, kv_heads, q_len, kv_len, splits, chunks);
     const Policy pol = policy.for_sequence(q_len, pages.keys(blk.b, kv_len));
     split_keys<D>(blk, pol.keys(0, q_len), tiles_per_split);
@@ -551,6 +623,21 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     }
     merge_groups<D>(o, m, l);                  // the warp's groups, then its warps, and
     write_split<D>(o, m, l, me, blk, Os, Ls);  // lines 12-13: O_s, L_s
+    // The splits' merge, by the last of them to arrive: every thread's O_s and L_s before the
+    // arrival (fence, barrier), the arrival by one thread, its answer to all through shared
+    // memory (write_split is done with it), then a fence before reading the other splits'.
+    __threadfence();
+    __syncthreads();
+    int* last = reinterpret_cast<int*>(shared);
+    if (threadIdx.x == 0) {
+        const size_t unit = (size_t(blk.b) * kv_heads + blk.kvh) * chunks + blk.row0 / kRows;
+        *last = arrive_last(counters + unit, epoch, splits);
+    }
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    for (int r = me.warp; r < blk.R; r += kSplitWarps)  // a warp a row, 8 splits a batch
+        merge_row<T, D, 8>(Os, Ls, O, L, blk.rows_total, splits, blk.first_row + r, me.lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -575,69 +662,23 @@ flash_decode_append_kernel(const T* __restrict__ k_new, const T* __restrict__ v_
 }
 
 // ---------------------------------------------------------------------------------------------
-// The combine kernel: a warp a row. L = Lmax + log sum_s exp(L_s - Lmax) and O = sum_s exp(L_s -
-// L) O_s, O rounded to T once. Subtracting Lmax keeps every exp <= 1; a row with every L_s = -inf
-// saw no key at all: O = 0, L = -inf. The splits are dealt out to the lanes (lane k takes s = k,
-// k + 32, ...): each lane reads its own L_s, and the warp agrees on Lmax and the sum by shuffles.
-// Then O, kBatch splits at a time: lane k computes split s0 + k's weight, and every lane, for its
-// D / 32 columns, adds the splits' w O_s in the order s = s0, s0 + 1, ..., each weight passed
-// along by a shuffle. Same order on every call: deterministic. The work is small; the time is
-// the waits for L2. So the first kBatch splits' O_s are loaded before anything else, together with
-// the L_s: up to 32 splits (the rule's choice up to 33), the warp waits for L2 about once.
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads)
-flash_decode_combine_kernel(const float* __restrict__ Os, const float* __restrict__ Ls,
-                            T* __restrict__ O, float* __restrict__ L, size_t rows, int splits) {
-    constexpr int kCols = D / 32;  // a lane's columns of the row: 2, 4, 8 at d = 64, 128, 256
-    constexpr int kBatch = 128 / kCols < 32 ? 128 / kCols : 32;  // splits a load: 32, 32, 16
-    const size_t row = size_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32, c0 = lane * kCols;
-    wait_for_previous_kernel();  // the split kernel's O_s and L_s (see let_next_kernel_launch)
-    if (row >= rows) return;     // the whole warp
-    // kBatch splits' O_s (128 floats a lane at most); past the last split the last one's O_s
-    // (finite) is read again and weighs 0, so that no load waits on a branch.
-    float2 v[kBatch][kCols / 2];
-    auto load = [&](int s0) {
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-            const float* os = Os + (size_t(min(s0 + k, splits - 1)) * rows + row) * D + c0;
-#pragma unroll
-            for (int e = 0; e < kCols / 2; ++e) v[k][e] = reinterpret_cast<const float2*>(os)[e];
-        }
-    };
-    load(0);
-    const float L_lane = lane < splits ? Ls[size_t(lane) * rows + row] : -INFINITY;
-    float Lmax = L_lane;
-    for (int s = lane + 32; s < splits; s += 32) Lmax = fmaxf(Lmax, Ls[size_t(s) * rows + row]);
-    for (int off = 16; off > 0; off /= 2) Lmax = fmaxf(Lmax, __shfl_xor_sync(~0u, Lmax, off));
-    float o[kCols] = {};
-    float Lrow = -INFINITY;
-    if (Lmax != -INFINITY) {
-        float sum = expf(L_lane - Lmax);
-        for (int s = lane + 32; s < splits; s += 32) sum += expf(Ls[size_t(s) * rows + row] - Lmax);
-        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(~0u, sum, off);
-        Lrow = Lmax + logf(sum);  // the butterfly gives every lane the same bits
-        for (int s0 = 0; s0 < splits; s0 += kBatch) {
-            if (s0 > 0) load(s0);
-            const int s = s0 + lane;  // this lane's split; exp(-inf) = 0: a split with no key
-            const float Ls_s = s0 == 0 ? L_lane : s < splits ? Ls[size_t(s) * rows + row] : 0.f;
-            const float w_lane = s < splits ? expf(Ls_s - Lrow) : 0.f;
-#pragma unroll
-            for (int k = 0; k < kBatch; ++k) {
-                const float w = __shfl_sync(~0u, w_lane, k);
-#pragma unroll
-                for (int e = 0; e < kCols / 2; ++e)
-                    o[2 * e] += w * v[k][e].x, o[2 * e + 1] += w * v[k][e].y;
-            }
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < kCols; e += 2) store_pair(O + row * D + c0 + e, o[e], o[e + 1]);
-    if (lane == 0) L[row] = Lrow;
-}
-
-// ---------------------------------------------------------------------------------------------
 // Host side.
+
+// The split kernel's counters (arrive_last): one a (batch, K/V head, chunk), 8-byte aligned after
+// the partials in the scratch. And each call's epoch: 40 bits, counting on from a random start
+// (so that a counter's bits left by some other kernel are no epoch's but by a 2^-40 chance).
+unsigned long long* counters_after(float* end) {
+    const uintptr_t at = (reinterpret_cast<uintptr_t>(end) + 7) / 8 * 8;
+    return reinterpret_cast<unsigned long long*>(at);
+}
+unsigned long long next_epoch() {
+    static std::atomic<unsigned long long> epoch{std::random_device{}() |
+                                                 (unsigned long long)std::random_device{}() << 32};
+    for (;;) {
+        const unsigned long long e = epoch.fetch_add(1) & ((1ull << 40) - 1);
+        if (e != 0) return e;  // (0 is every counter's rest)
+    }
+}
 
 // The split kernel's rows a block (kR = 4 or 8, see decode_blocks_per_sm) for this shape.
 int rows_kernel_for(const AttentionShape& s) {
@@ -718,9 +759,11 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
     // kernels left in the L2 is worth most; no hint beyond, where evict-first costs more than it
     // spares.
     const bool evict_first = 2 * kv_elems(span) * sizeof(T) <= 4 * size_t(prop.l2CacheSize);
+    const unsigned long long epoch = next_epoch();
     with_scratch(flash_decode_scratch_bytes(s, splits), stream, [&](void* scratch) {
         float* Os = static_cast<float*>(scratch);
         float* Ls = Os + size_t(splits) * rows * s.head_dim;
+        unsigned long long* counters = counters_after(Ls + size_t(splits) * rows);
         cudaError_t err = cudaSuccess;
         dispatch_head_dim<kFlashDecodeHeadDims>(s.head_dim, [&](auto dim) {
             constexpr int D = decltype(dim)::value;
@@ -729,7 +772,7 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
                 kernel<<<blocks, kSplitThreads, shared, stream>>>(
                     Q, K, V, Os, Ls, s.heads, flash_kv_heads(s), s.q_len, s.kv_len,
                     pol.in_units(scale_log2), pages, splits, chunks_of(s), tiles_per_split,
-                    scale_log2);
+                    scale_log2, O, L, counters, epoch);
             };
             auto run_rows = [&](auto rows) {
                 constexpr int kR = decltype(rows)::value;
@@ -746,22 +789,6 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
             else
                 run_rows(std::integral_constant<int, 8>{});
             err = cudaGetLastError();
-            if (err != cudaSuccess) return;
-            // The combine (a warp a row), as a programmatic dependent launch where the device has
-            // it (compute capability 9.0).
-            constexpr size_t kRowsPerBlock = kThreads / 32;
-            cudaLaunchConfig_t config = {};
-            config.gridDim = dim3(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock));
-            config.blockDim = dim3(kThreads);
-            config.stream = stream;
-            cudaLaunchAttribute early;
-            early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            early.val.programmaticStreamSerializationAllowed = 1;
-            config.attrs = &early;
-            config.numAttrs = prop.major >= 9 ? 1 : 0;
-            err = cudaLaunchKernelEx(&config, flash_decode_combine_kernel<T, D>, Os, Ls, O, L, rows,
-                                     splits);
-            if (err == cudaSuccess) err = cudaGetLastError();
         });
         return err;
     });
@@ -774,8 +801,9 @@ void decode_call(const char* fn, const T* Q, const T* K, const T* V, T* O, float
                  const AttentionShape& s, std::optional<int> splits, cudaStream_t stream) {
     require_decode_shape(s, fn);
     if (splits)
-        require(*splits >= 1, std::string(fn) + ": splits = " + std::to_string(*splits) +
-                                  " is invalid; allowed values: 1 or more");
+        require(*splits >= 1 && *splits <= kMaxSplits,
+                std::string(fn) + ": splits = " + std::to_string(*splits) +
+                    " is invalid; allowed values: 1 to " + std::to_string(kMaxSplits));
     validate_forward_pointers(fn, Q, K, V, O, L, s);
     const cudaDeviceProp prop = flash_device_props();
     require_decode_device(prop, s.head_dim, fn);
@@ -789,7 +817,7 @@ void decode_call(const char* fn, const T* Q, const T* K, const T* V, T* O, float
 // The split rule (flash.h): one wave of blocks (the blocks resident at once, 2 or 1 an SM as the
 // registers of the kernel's kR and the shared memory of its rings allow), and never fewer blocks
 // than SMs; each split whole tiles and at least kMinTilesPerSplit of them (so that a split's fixed
-// costs, its Q, its partial O_s written and read again by the combine, stay small beside its K
+// costs, its Q, its partial O_s written and read again by the merge, stay small beside its K
 // and V), at least 1. Not more waves: each block pays its fixed costs (its Q, its first loads'
 // latency, the merge of its warps) again, and with fewer keys each hides them less.
 int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape& s) {
@@ -812,13 +840,16 @@ int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape&
 
 size_t flash_decode_scratch_bytes(const AttentionShape& s, int splits) {
     validate_shape(s, kFlashDecodeHeadDims, 2);
-    require(splits >= 1, "splits = " + std::to_string(splits) + " is invalid; allowed values: 1 "
-                         "or more");
+    require(splits >= 1 && splits <= kMaxSplits,
+            "splits = " + std::to_string(splits) + " is invalid; allowed values: 1 to " +
+                std::to_string(kMaxSplits) + " (arrive_last's count)");
     size_t bytes = 0;
+    const size_t counters = size_t(s.batch) * flash_kv_heads(s) * chunks_of(s);
     const bool overflow =
         __builtin_mul_overflow(l_elems(s), size_t(s.head_dim + 1), &bytes) ||
         __builtin_mul_overflow(bytes, size_t(splits), &bytes) ||
-        __builtin_mul_overflow(bytes, sizeof(float), &bytes);
+        __builtin_mul_overflow(bytes, sizeof(float), &bytes) ||
+        __builtin_add_overflow(bytes, 8 + counters * 8, &bytes);
     require(!overflow, "splits = " + std::to_string(splits) + " is invalid for this shape: the " +
                            "scratch's size overflows size_t");
     return bytes;
