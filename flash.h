@@ -305,9 +305,11 @@ size_t flash_decode_scratch_bytes(const AttentionShape& shape, int splits);
 // packed batch must be left empty). O and L as flash_decode_fp16's. The checks copy cache_seqlens
 // and the block table to the host (they wait for the stream): each length from 0 to kv_len -
 // new_len, each page the keys use below num_pages; std::invalid_argument names the entry, before
-// anything is written. On a stream being captured into a CUDA graph they cannot wait: the lengths
-// and pages are then not checked, the kernels clamp each into its range (a bad entry reads the
-// wrong keys, never memory outside the cache), and the keys are split for the cache's capacity.
+// anything is written. The keys are split for the lengths read (longer sequences in more
+// blocks). On a stream being captured into a CUDA graph the checks cannot wait: the lengths and
+// pages are then not checked, the kernels clamp each into its range (a bad entry reads the wrong
+// keys, never memory outside the cache), and the keys are split for the cache's capacity (so a
+// replay's bits can differ from a direct call's, within the rounding; each is deterministic).
 struct KVCache {
     const int* cache_seqlens = nullptr;  // [batch], int32 on the device: keys before this call
     const int* block_table = nullptr;    // [batch][pages_per_seq], int32 on the device, or none

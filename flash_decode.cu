@@ -565,17 +565,20 @@ __device__ __forceinline__ void merge_row(const float* Os, const float* Ls, T* O
 // 24) | arrivals, and the last arrival leaves it 0. A counter of another epoch (another call, or
 // memory the scratch pool hands out as some earlier kernel left it) counts as 0 arrivals: so no
 // memset, and no second launch. Each call has its own epoch (the launcher's, 40 bits, from a
-// random start) and its own scratch (concurrent calls too: each stream's pool allocation).
+// random start) and its own scratch (concurrent calls too: each stream's pool allocation). The
+// first arrival puts the epoch in with a compare-and-swap; every later one adds 1 (a single
+// atomic: splits that end together do not retry one another's swaps).
 __device__ __forceinline__ bool arrive_last(unsigned long long* counter, unsigned long long epoch,
                                             int splits) {
     unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(counter);
-    for (;;) {
+    while (seen >> 24 != epoch) {  // no arrival yet: this one would be the first
         const unsigned long long old = seen;
-        const unsigned long long arrived = (old >> 24 == epoch ? old & 0xffffff : 0) + 1;
-        const unsigned long long next = arrived == unsigned(splits) ? 0 : epoch << 24 | arrived;
-        seen = atomicCAS(counter, old, next);
-        if (seen == old) return arrived == unsigned(splits);
+        seen = atomicCAS(counter, old, splits == 1 ? 0 : epoch << 24 | 1);
+        if (seen == old) return splits == 1;
     }
+    const bool last = (atomicAdd(counter, 1ull) & 0xffffff) + 1 == unsigned(splits);
+    if (last) atomicExch(counter, 0ull);  // every split has arrived: the rest, for the next call
+    return last;
 }
 
 // The kernel: Algorithm 1 over one split's keys, part by part, then the merge of all the splits
@@ -728,6 +731,54 @@ int split_blocks(const AttentionShape& s, int splits) {
     return int(units * splits);
 }
 
+// The blocks of one wave: the split kernel's blocks resident at once on the device (2 or 1 an SM,
+// as the registers of the shape's kR and the shared memory of its rings allow).
+long long decode_wave(const cudaDeviceProp& prop, const AttentionShape& s) {
+    const int kR = rows_kernel_for(s);
+    const size_t per_block = shared_bytes_for(s.head_dim, kR) + prop.reservedSharedMemPerBlock;
+    const int resident = std::max<int>(
+        1, std::min<int>(decode_blocks_per_sm(kR), int(prop.sharedMemPerMultiprocessor / per_block)));
+    return (long long)prop.multiProcessorCount * resident;
+}
+
+// A K/V cache's sequences' keys after the append, as the host read them (none: kv_len each).
+struct SequenceKeys {
+    int longest = 0, mean = 0;
+};
+
+// The split rule for sequences of different lengths: a split's tiles as the rule cuts the mean
+// sequence, then as many splits as the longest sequence needs at that size. The long sequences
+// get more blocks, the short ones' later splits see no key and end at once, and the blocks' work
+// evens out over the GPU instead of waiting for the longest sequence's few blocks. At most 4
+// waves of blocks (or the longest's own count). Equal lengths: flash_decode_choose_splits' count.
+int ragged_splits(const cudaDeviceProp& prop, const AttentionShape& longest,
+                  const AttentionShape& mean) {
+    const int Bc = bc_for(longest.head_dim), at_mean = flash_decode_choose_splits(prop, mean);
+    const long long per_split = ((mean.kv_len + Bc - 1) / Bc + at_mean - 1) / at_mean;
+    const long long units = (long long)longest.batch * flash_kv_heads(longest) * chunks_of(longest);
+    const long long most = std::max<long long>(flash_decode_choose_splits(prop, longest),
+                                               4 * decode_wave(prop, longest) / units);
+    return int(std::min(most, ((longest.kv_len + Bc - 1) / Bc + per_split - 1) / per_split));
+}
+
+// Host memory for the K/V cache's lengths and table (check_kvcache): pinned, so that both copies
+// go in one wait for the stream; one buffer a host thread, kept, and grown when a call needs more.
+int* pinned_ints(size_t n) {
+    struct Buffer {
+        int* p = nullptr;
+        size_t n = 0;
+        ~Buffer() { cudaFreeHost(p); }  // (at the thread's end: its error, if any, not checked)
+    };
+    thread_local Buffer buffer;
+    if (buffer.n < n) {
+        FLASH_CUDA_CHECK(cudaFreeHost(buffer.p));
+        buffer.p = nullptr, buffer.n = 0;
+        FLASH_CUDA_CHECK(cudaMallocHost(&buffer.p, n * sizeof(int)));
+        buffer.n = n;
+    }
+    return buffer.p;
+}
+
 // The keys the longest sequence splits (longest: its keys), as the kernel's split_keys takes
 // them: those the policy lets any row see, from a whole tile (a window's first key rounded down),
 // as a shape of that many keys for the split rule. Every other sequence has as many or fewer.
@@ -740,14 +791,16 @@ AttentionShape key_span(const AttentionShape& s, const Policy& pol, int longest)
     return span;
 }
 
-// pages: where the keys are (KeyPages; contiguous by default), longest: the longest sequence's
-// keys (0: kv_len, every sequence's).
+// pages: where the keys are (KeyPages; contiguous by default), keys: the sequences' lengths
+// (none: kv_len each).
 template <typename T, typename Policy>
 void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* V, T* O, float* L,
                    const AttentionShape& s, const Policy& pol, float scale_log2, int splits,
-                   cudaStream_t stream, const KeyPages& pages = {}, int longest = 0) {
-    const AttentionShape span = key_span(s, pol, longest > 0 ? longest : s.kv_len);
-    if (splits == 0) splits = flash_decode_choose_splits(prop, span);
+                   cudaStream_t stream, const KeyPages& pages = {}, const SequenceKeys& keys = {}) {
+    const AttentionShape span = key_span(s, pol, keys.longest > 0 ? keys.longest : s.kv_len);
+    if (splits == 0)
+        splits = keys.mean > 0 ? ragged_splits(prop, span, key_span(s, pol, keys.mean))
+                               : flash_decode_choose_splits(prop, span);
     const int blocks = split_blocks(s, splits);
     const int Bc = bc_for(s.head_dim);
     const int tiles = (span.kv_len + Bc - 1) / Bc;
@@ -822,11 +875,7 @@ void decode_call(const char* fn, const T* Q, const T* K, const T* V, T* O, float
 // latency, the merge of its warps) again, and with fewer keys each hides them less.
 int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape& s) {
     constexpr int kMinTilesPerSplit = 4;
-    const int kR = rows_kernel_for(s);
-    const size_t per_block = shared_bytes_for(s.head_dim, kR) + prop.reservedSharedMemPerBlock;
-    const int resident = std::max<int>(
-        1, std::min<int>(decode_blocks_per_sm(kR), int(prop.sharedMemPerMultiprocessor / per_block)));
-    const long long wave = (long long)prop.multiProcessorCount * resident;
+    const long long wave = decode_wave(prop, s);
     const long long units = (long long)s.batch * flash_kv_heads(s) * chunks_of(s);
     const int Bc = bc_for(s.head_dim);
     const long long tiles = (s.kv_len + Bc - 1) / Bc;
@@ -861,21 +910,21 @@ template <typename T>
 void decode_with_options(const cudaDeviceProp& prop, const T* Q, const T* K, const T* V, T* O,
                          float* L, const AttentionShape& s, int splits, cudaStream_t stream,
                          const AttentionOptions* options, const KeyPages& pages = {},
-                         int longest = 0) {
+                         const SequenceKeys& keys = {}) {
     const AttentionOptions o = options ? *options : AttentionOptions{};
     const float scale_log2 = options_scale_log2(s, o);  // the options', or 1/sqrt(d)'s
     with_policy(s, o, [&](auto policy) {
-        decode_launch(prop, Q, K, V, O, L, s, policy, scale_log2, splits, stream, pages, longest);
+        decode_launch(prop, Q, K, V, O, L, s, policy, scale_log2, splits, stream, pages, keys);
     });
 }
 
 // Chapter 4, part 2 (flash.h's KVCache): the checks, in order: the shape, the options, the
 // cache's fields, the pointers, the device, then the lengths and the block table's entries in use,
-// copied to the host. Returns the longest sequence's keys after the append.
+// copied to the host. Returns the sequences' keys after the append.
 template <typename T>
-int check_kvcache(const char* fn, const T* Q, T* K, T* V, const T* k_new, const T* v_new, T* O,
-                  float* L, const AttentionShape& s, const KVCache& c, const AttentionOptions& o,
-                  cudaStream_t stream) {
+SequenceKeys check_kvcache(const char* fn, const T* Q, T* K, T* V, const T* k_new,
+                           const T* v_new, T* O, float* L, const AttentionShape& s,
+                           const KVCache& c, const AttentionOptions& o, cudaStream_t stream) {
     require_decode_shape(s, fn);
     validate_options(fn, o);
     const std::string call = std::string(fn) + ": ";
@@ -932,25 +981,29 @@ int check_kvcache(const char* fn, const T* Q, T* K, T* V, const T* k_new, const 
     // taken as the cache's capacity, for the split rule.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     FLASH_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone) return s.kv_len;
-    // The lengths and the table, on the host (they wait for the stream).
-    const auto fetch = [&](const int* p, size_t n, const char* name) {
+    if (capture != cudaStreamCaptureStatusNone) return {s.kv_len, s.kv_len};
+    // The lengths and the table, copied to the host together (one wait for the stream).
+    const auto on_device = [&](const int* p, const char* name) {
         require(reinterpret_cast<uintptr_t>(p) % alignof(int) == 0,
                 call + "cache." + name + " must be 4-byte aligned");
         cudaPointerAttributes attr;
         FLASH_CUDA_CHECK(cudaPointerGetAttributes(&attr, p));
         require(attr.type != cudaMemoryTypeUnregistered,
                 call + "cache." + name + " is host memory; pass a device pointer");
-        std::vector<int> v(n);
-        FLASH_CUDA_CHECK(cudaMemcpyAsync(v.data(), p, n * sizeof(int), cudaMemcpyDefault, stream));
-        FLASH_CUDA_CHECK(cudaStreamSynchronize(stream));
-        return v;
     };
-    const std::vector<int> lens = fetch(c.cache_seqlens, size_t(s.batch), "cache_seqlens");
-    const std::vector<int> table =
-        c.block_table ? fetch(c.block_table, size_t(s.batch) * c.pages_per_seq, "block_table")
-                      : std::vector<int>{};
-    int longest = 0;
+    const size_t table_ints = c.block_table ? size_t(s.batch) * c.pages_per_seq : 0;
+    on_device(c.cache_seqlens, "cache_seqlens");
+    if (c.block_table) on_device(c.block_table, "block_table");
+    int* const lens = pinned_ints(size_t(s.batch) + table_ints);
+    int* const table = lens + s.batch;
+    FLASH_CUDA_CHECK(cudaMemcpyAsync(lens, c.cache_seqlens, size_t(s.batch) * sizeof(int),
+                                     cudaMemcpyDefault, stream));
+    if (c.block_table)
+        FLASH_CUDA_CHECK(cudaMemcpyAsync(table, c.block_table, table_ints * sizeof(int),
+                                         cudaMemcpyDefault, stream));
+    FLASH_CUDA_CHECK(cudaStreamSynchronize(stream));
+    SequenceKeys keys;
+    long long all = 0;
     for (int b = 0; b < s.batch; b++) {
         // (Each message is built only for a refusal: a table's check runs once a page.)
         if (lens[b] < 0 || lens[b] > s.kv_len - c.new_len)
@@ -963,9 +1016,10 @@ int check_kvcache(const char* fn, const T* Q, T* K, T* V, const T* k_new, const 
                                                     " pages of " + std::to_string(c.page_size) +
                                                     " keys)"
                                               : std::string()));
-        const int keys = lens[b] + c.new_len;
-        longest = std::max(longest, keys);
-        for (int page = 0; c.block_table && page * c.page_size < keys; page++) {
+        const int n = lens[b] + c.new_len;
+        keys.longest = std::max(keys.longest, n);
+        all += n;
+        for (int page = 0; c.block_table && page * c.page_size < n; page++) {
             const int p = table[size_t(b) * c.pages_per_seq + page];
             if (p < 0 || p >= c.num_pages)
                 require(false, call + "cache.block_table[" + std::to_string(b) + "][" +
@@ -974,7 +1028,8 @@ int check_kvcache(const char* fn, const T* Q, T* K, T* V, const T* k_new, const 
                                    std::to_string(c.num_pages - 1));
         }
     }
-    return longest;
+    keys.mean = int((all + s.batch - 1) / s.batch);
+    return keys;
 }
 
 // Every check, then the append (where new_len > 0) and the decode, on the stream.
@@ -982,7 +1037,7 @@ template <typename T>
 void kvcache_call(const char* fn, const T* Q, T* K, T* V, const T* k_new, const T* v_new, T* O,
                   float* L, const AttentionShape& s, const KVCache& c, const AttentionOptions& o,
                   cudaStream_t stream) {
-    const int longest = check_kvcache(fn, Q, K, V, k_new, v_new, O, L, s, c, o, stream);
+    const SequenceKeys keys = check_kvcache(fn, Q, K, V, k_new, v_new, O, L, s, c, o, stream);
     KeyPages pages;
     pages.lens = c.cache_seqlens, pages.table = c.block_table, pages.added = c.new_len;
     pages.page_size = c.page_size, pages.pages_per_seq = c.pages_per_seq;
@@ -997,7 +1052,7 @@ void kvcache_call(const char* fn, const T* Q, T* K, T* V, const T* k_new, const 
             FLASH_CUDA_CHECK(cudaGetLastError());
         });
     decode_with_options(flash_device_props(), Q, static_cast<const T*>(K),
-                        static_cast<const T*>(V), O, L, s, 0, stream, &o, pages, longest);
+                        static_cast<const T*>(V), O, L, s, 0, stream, &o, pages, keys);
 }
 void flash_decode_launch(const cudaDeviceProp& prop, const __half* Q, const __half* K,
                          const __half* V, __half* O, float* L, const AttentionShape& s,

@@ -5,7 +5,10 @@
 // appended, and a ragged batch of 32 with lengths drawn uniformly in 1k-32k. GB/s counts the K
 // and V bytes each sequence's keys hold; the copy bandwidth is a 1 GiB cudaMemcpyAsync's (read
 // plus written). The cache call copies its lengths and table to the host to check them (it waits
-// for the stream), so its time includes that copy and the host's gap before the launch.
+// for the stream), so its time includes that copy and the host's gap before the launch; the
+// "graph" cases are the same calls captured in a CUDA graph and replayed (as a server replays its
+// decode step), which checks nothing on the host and splits for the cache's capacity; two of them
+// read the same keys through other tables (pages of 64 in order; pages of 256, shuffled).
 // Build and run from the repository root (the library built with make):
 //   nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/kvcache-bench.cu build/flash.o \
 //        build/flash_fp16.o build/backward_passes.o build/flash_decode.o build/flash_hopper.o \
@@ -89,19 +92,51 @@ int main() {
         std::shuffle(table.begin(), table.end(), rng);
         FLASH_CUDA_CHECK(cudaMemcpy(table_g, table.data(), table.size() * 4,
                                     cudaMemcpyHostToDevice));
+        // The same keys in other tables: pages of 64 in order, and pages of 256, shuffled (the
+        // pages' order and size, against the scattered pages of 64: the memory's locality).
+        int *inorder_g, *table256_g;
+        std::vector<int> table256(size_t(batch) * kv_len / 256);
+        std::iota(table256.begin(), table256.end(), 0);
+        std::shuffle(table256.begin(), table256.end(), rng);
+        FLASH_CUDA_CHECK(cudaMalloc(&inorder_g, table.size() * 4));
+        FLASH_CUDA_CHECK(cudaMalloc(&table256_g, table256.size() * 4));
+        std::vector<int> inorder(table.size());
+        std::iota(inorder.begin(), inorder.end(), 0);
+        FLASH_CUDA_CHECK(cudaMemcpy(inorder_g, inorder.data(), inorder.size() * 4,
+                                    cudaMemcpyHostToDevice));
+        FLASH_CUDA_CHECK(cudaMemcpy(table256_g, table256.data(), table256.size() * 4,
+                                    cudaMemcpyHostToDevice));
         const auto row = [&](const char* what, const std::vector<int>& lens, bool paged,
-                             int added, bool plain) {
+                             int added, bool plain, bool graph = false, int* table_of = nullptr,
+                             int page_of = 64) {
             FLASH_CUDA_CHECK(cudaMemcpy(lens_g, lens.data(), batch * 4, cudaMemcpyHostToDevice));
             KVCache c;
             c.cache_seqlens = lens_g, c.new_len = added;
             if (paged)
-                c.block_table = table_g, c.page_size = page, c.pages_per_seq = pages_per_seq,
-                c.num_pages = int(table.size());
-            const float us = median_us([&] {
-                if (plain) flash_decode_fp16(Q, K, V, O, L, s);
+                c.block_table = table_of ? table_of : table_g, c.page_size = page_of,
+                c.pages_per_seq = kv_len / page_of, c.num_pages = batch * (kv_len / page_of);
+            const auto call = [&](cudaStream_t stream) {
+                if (plain) flash_decode_fp16(Q, K, V, O, L, s, stream);
                 else flash_decode_kvcache_fp16(Q, K, V, added ? kn : nullptr,
-                                               added ? vn : nullptr, O, L, s, c);
-            });
+                                               added ? vn : nullptr, O, L, s, c, {}, stream);
+            };
+            float us = 0;
+            if (graph) {  // captured on a stream of its own, replayed on the default stream
+                cudaStream_t side;
+                cudaGraph_t g;
+                cudaGraphExec_t exec;
+                FLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+                FLASH_CUDA_CHECK(cudaStreamBeginCapture(side, cudaStreamCaptureModeRelaxed));
+                call(side);
+                FLASH_CUDA_CHECK(cudaStreamEndCapture(side, &g));
+                FLASH_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+                us = median_us([&] { FLASH_CUDA_CHECK(cudaGraphLaunch(exec, 0)); });
+                FLASH_CUDA_CHECK(cudaGraphExecDestroy(exec));
+                FLASH_CUDA_CHECK(cudaGraphDestroy(g));
+                FLASH_CUDA_CHECK(cudaStreamDestroy(side));
+            } else {
+                us = median_us([&] { call(0); });
+            }
             double keys = 0;
             for (int l : lens) keys += l + added;
             const double bytes = 2.0 * keys * kvh * d * 2;
@@ -115,15 +150,22 @@ int main() {
         row("cache, paged 64", full, true, 0, false);
         row("cache, contiguous, append 1", full_less, false, 1, false);
         row("cache, paged 64, append 1", full_less, true, 1, false);
+        row("graph, plain decode", full, false, 0, true, true);
+        row("graph, contiguous", full, false, 0, false, true);
+        row("graph, paged 64", full, true, 0, false, true);
+        row("graph, paged 64, append 1", full_less, true, 1, false, true);
+        row("graph, paged 64 in order", full, true, 0, false, true, inorder_g);
+        row("graph, paged 256", full, true, 0, false, true, table256_g, 256);
         if (batch == 32) {
             std::uniform_int_distribution<int> len(1024, 32768);
             std::vector<int> ragged(batch);
             for (int& l : ragged) l = len(rng);
             row("cache, ragged 1k-32k, contiguous", ragged, false, 0, false);
             row("cache, ragged 1k-32k, paged 64", ragged, true, 0, false);
+            row("graph, ragged 1k-32k, paged 64", ragged, true, 0, false, true);
         }
         for (void* p : {(void*)Q, (void*)O, (void*)K, (void*)V, (void*)kn, (void*)vn, (void*)L,
-                        (void*)lens_g, (void*)table_g})
+                        (void*)lens_g, (void*)table_g, (void*)inorder_g, (void*)table256_g})
             FLASH_CUDA_CHECK(cudaFree(p));
     }
     return 0;

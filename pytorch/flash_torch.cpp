@@ -384,8 +384,9 @@ static std::tuple<torch::Tensor, torch::Tensor> kvcache_forward(
              "allowed: (batch, H_kv, capacity, d), batch q's");
     }
     if (k_new) {
-        const torch::IntArrayRef want{q.size(0), heads_kv, k_new->size(2), d};
-        if (k_new->sizes() != want || v_new->sizes() != want)
+        // (a vector: an IntArrayRef of a braced list would outlive the list it points to)
+        const std::vector<int64_t> want{q.size(0), heads_kv, k_new->size(2), d};
+        if (k_new->sizes().vec() != want || v_new->sizes().vec() != want)
             fail(std::string(fn) + ": k is " + dims(*k_new) + ", v " + dims(*v_new) +
                  "; allowed: (batch, H_kv, new_len, d), both alike");
         c.new_len = int(k_new->size(2));

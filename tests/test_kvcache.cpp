@@ -292,14 +292,15 @@ TEMPLATE_TEST_CASE("The K/V cache call refuses a length past the cache, a negati
     }
 }
 
-TEMPLATE_TEST_CASE("A K/V cache decode step captured in a CUDA graph gives the direct call's bits "
-                   "on 100 replays, and two streams at once give them too",
-                   "[gpu][decode][kvcache][graph][fp16][bf16]", fp16, bf16) {
+TEMPLATE_TEST_CASE("A K/V cache decode step captured in a CUDA graph gives the same bits on 100 "
+                   "replays, close to the direct call's, and two streams at once give the direct "
+                   "call's bits", "[gpu][decode][kvcache][graph][fp16][bf16]", fp16, bf16) {
     // Pages of 64 (16 of them a sequence, shuffled), 8 query heads over 2, one query row, one key
-    // appended. The longest sequence fills the cache after the append (1023 + 1 = 1024 keys), so
-    // the captured call, which cannot read the lengths back and splits for the capacity, splits as
-    // the direct one does: the same bits. Each replay appends the same key at the same row again.
-    // The two streams run after the direct call, so that their appends write what is there.
+    // appended, sequences of 300 and 1023 keys before it. The captured call cannot read the lengths
+    // back and splits for the capacity; the direct one splits for the lengths it reads (the ragged
+    // rule): their partial sums differ, and each is within the reference's tolerance, so they are
+    // within twice it of each other. Each replay appends the same key at the same row again. The
+    // two streams run after the direct call, so that their appends write what is there.
     AttentionShape s{2, 8, 1, 1024, 128, true};
     s.kv_heads = 2;
     const int page = 64, pages_per_seq = 16, num_pages = 2 * pages_per_seq;
@@ -341,6 +342,7 @@ TEMPLATE_TEST_CASE("A K/V cache decode step captured in a CUDA graph gives the d
     FLASH_CUDA_CHECK(cudaStreamEndCapture(a, &graph));
     FLASH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     int differ = 0;
+    Outputs<float> first;
     for (int replay = 0; replay < 100; ++replay) {
         Oa.poison(), La.poison();
         const DeadlineGuard guard(watched);
@@ -348,8 +350,15 @@ TEMPLATE_TEST_CASE("A K/V cache decode step captured in a CUDA graph gives the d
         wait_for_gpu(a, watched);
         Outputs<float> got;
         got.O = Oa.download_float(), got.L = La.download();
-        if (!bitwise_equal(got, direct) && differ++ == 0)
-            check_bitwise(direct, got, s);  // (reports the first replay that differs, in full)
+        if (replay == 0) {
+            first = got;
+            CHECK(count_bad(first.O) == 0);
+            Tolerances twice = tolerances16(p);  // (the appended rows are drawn from p's K, V)
+            twice.O *= 2, twice.L *= 2;
+            check_forward(first, direct, twice, s);
+        } else if (!bitwise_equal(got, first) && differ++ == 0) {
+            check_bitwise(first, got, s);  // (reports the first replay that differs, in full)
+        }
     }
     CHECK(differ == 0);
     FLASH_CUDA_CHECK(cudaGraphExecDestroy(exec));
