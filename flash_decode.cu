@@ -208,7 +208,8 @@ struct KeyPages {
     __device__ int page(const int* row, int i) const { return min(max(row[i], 0), num_pages - 1); }
 };
 // One K/V head's rows of a K (or V) laid out as pages says: row(j), key j's row (its page's
-// through the table); in_page(page, j), key j's row given its page. A page's rows are contiguous.
+// through the table); in_pages(j), key j's row's offset from head in pages (a look-up in the
+// table and a division: the paged ring makes them once for 32 steps). A page's rows are contiguous.
 template <typename T, int D>
 struct HeadRows {
     const T* head;       // the head's row 0: contiguous, of its sequence; paged, of page 0
@@ -222,10 +223,10 @@ struct HeadRows {
           table(p.table ? p.table + size_t(b) * p.pages_per_seq : nullptr),
           page_elems(kv_heads * p.page_size * D), page_size(p.page_size), pages(p) {}
     __device__ const T* row(int j) const {
-        return table ? in_page(pages.page(table, j / page_size), j) : head + size_t(j) * D;
+        return head + (table ? in_pages(j) : size_t(j) * D);
     }
-    __device__ const T* in_page(int page, int j) const {
-        return head + size_t(page) * page_elems + size_t(j % page_size) * D;
+    __device__ size_t in_pages(int j) const {
+        return size_t(pages.page(table, j / page_size)) * page_elems + size_t(j % page_size) * D;
     }
 };
 
@@ -282,7 +283,8 @@ struct KeyRing {
     Lanes me;
     HeadRows<T, D> K, V;        // the K/V head's rows
     int k1;                     // the split's end
-    int n = 0, held = 0;        // kPaged: the warp's next step, and the page this lane holds
+    int n = 0;                  // kPaged: the warp's next step, and where the lane's step starts
+    unsigned long long held = 0;  // (in_pages: K's and V's alike)
     unsigned long long policy;  // the copies' L2 policy (cp_async_16)
 
     __device__ KeyRing(const T* K_, const T* V_, const KeyPages& pages, const SplitBlock& blk,
@@ -304,12 +306,12 @@ struct KeyRing {
             const T* Kr = K.head + size_t(base) * D;   // key base's rows
             const T* Vr = V.head + size_t(base) * D;
             if constexpr (kPaged) {                    // (all of the step's keys in one page)
-                if (n % 32 == 0) {  // the pages of the warp's next 32 steps, a lane each
+                if (n % 32 == 0) {  // where the warp's next 32 steps start, a lane each
                     const int key = base + me.lane * Lanes::kStep;
-                    held = key < k1 ? K.pages.page(K.table, key / K.page_size) : 0;
+                    held = key < k1 ? K.in_pages(key) : 0;
                 }
-                const int page = __shfl_sync(0xffffffffu, held, n % 32);
-                Kr = K.in_page(page, base), Vr = V.in_page(page, base);
+                const unsigned long long at = __shfl_sync(0xffffffffu, held, n % 32);
+                Kr = K.head + at, Vr = V.head + at;
                 n++;
             }
 #pragma unroll

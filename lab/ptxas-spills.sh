@@ -12,7 +12,7 @@ export PATH="$PATH:/usr/local/cuda/bin"
 ptx=$(mktemp --suffix .ptx)
 trap 'rm -f "$ptx"' EXIT
 nvcc -I. -Ilib -O3 -std=c++17 -arch="$arch" -ptx "$file" -o "$ptx"
-grep -oE '^\.visible \.entry [A-Za-z0-9_]+' "$ptx" | awk '{print $3}' | grep -E -- "$pat" |
+grep -oE '^(\.visible )?\.entry [A-Za-z0-9_]+' "$ptx" | awk '{print $NF}' | grep -E -- "$pat" |
     while read -r k; do
         info=$(ptxas -arch="$arch" -v -e "$k" "$ptx" -o /dev/null 2>&1 |
             grep -oE '[0-9]+ bytes spill stores|[0-9]+ bytes spill loads|Used [0-9]+ registers' |
