@@ -314,9 +314,9 @@ TEMPLATE_TEST_CASE("The decode is right for every split count, splits that see n
     // 6; 1 has 1. Every count from 1 to 3 past the tiles: the splits past the last key see none
     // (L_s = -inf, adding nothing), and with q_len > kv_len under the causal mask some rows see
     // no key in any split (O = 0, L = -inf). Groups of 4 with q_len 3: 12 rows, two blocks.
-    // kv_len 2200 (35 tiles) and, at d = 256, 1100 (35): counts past the combine's first batch of
-    // splits (32; 16 at d = 256), whose O_s it loads before the rest: 17, 33 and 38 only (every
-    // count there would take minutes).
+    // kv_len 2200 (35 tiles) and, at d = 256, 1100 (35): counts that end inside the merge's
+    // batches of 8 splits (merge_row loads 8 splits' O_s at once) past the first 32 L_s a warp
+    // reads a lane each: 17, 33 and 38 only (every count there would take minutes).
     const SplitCase c = GENERATE(from_range(split_cases(Share::fast)));
     check_every_split_count<TestType>(c);
 }
