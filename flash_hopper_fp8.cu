@@ -36,10 +36,10 @@ using fp8 = __nv_fp8_e4m3;
 
 // Tiles: 128 rows of Q_i (two consumer warpgroups), 128 keys (one 128-byte row of V^T), a row of
 // Q_i or K_j padded to 128 bytes at d = 64 (the TMA fills columns past d with zeros; the scores
-// read only the first d). Stages: three, two at d = 256 (64 KiB a stage there).
+// read only the first d). Stages: three (at d = 256, 64 KiB a stage: 224 KiB with Q_i).
 constexpr int kFp8Consumers = 2, kFp8Br = 64 * kFp8Consumers, kFp8Bc = 128;
 __host__ __device__ constexpr int fp8_cols(int d) { return d < 128 ? 128 : d; }
-__host__ __device__ constexpr int fp8_stages(int d) { return d == 256 ? 2 : 3; }
+__host__ __device__ constexpr int fp8_stages(int) { return 3; }
 constexpr int kPOffsetLog2 = 8;  // P~ is rounded as 2^8 P~ (above)
 
 template <int D>
