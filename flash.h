@@ -251,6 +251,12 @@ __host__ __device__ constexpr int flash_fp8_v_slot(int j) {
     // wants k = 4t .. 4t + 3 of each 16: key 2t + e + 8h goes to slot 4t + 2h + e.
     return j / 16 * 16 + (j % 8) / 2 * 4 + (j % 16) / 8 * 2 + j % 2;
 }
+// Which of a thread's S accumulators (chapter 3's layout: index n is row g + 8 (n % 4 / 2), key
+// 8 (n / 4) + 2t + n % 2 of the tile) goes to byte i of A register a for keys 32 kk .. 32 kk + 31
+// (the fp8 A fragment: row g + 8 (a % 2), k 4t + i + 16 (a / 2)), given flash_fp8_v_slot's order.
+__host__ __device__ constexpr int flash_fp8_p_index(int kk, int a, int i) {
+    return 16 * kk + a / 2 * 8 + a % 2 * 2 + i / 2 * 4 + i % 2;
+}
 
 // The backwards of each chapter, whatever the GPU (flash_backward_fp16 / _bf16 pick one as the
 // forward does: chapter 3's on compute capability 9.0 at kFlashHopperHeadDims, chapter 2's

@@ -222,13 +222,13 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
 #pragma unroll
             for (int n = 0; n < D / 2; n++) O_i[n] *= alpha[n % 4 / 2];
 #pragma unroll
-            for (int k = 0; k < Bc / 32; k++) {  // keys 32k .. 32k + 31: accumulators 16k ..
-                const float* s = S_ij + 16 * k;
-                P[k][0] = e4m3x4(s[0], s[1], s[4], s[5]);     // row g: keys 2t(+1), 2t + 8(+1)
-                P[k][1] = e4m3x4(s[2], s[3], s[6], s[7]);     // row g + 8
-                P[k][2] = e4m3x4(s[8], s[9], s[12], s[13]);   // row g: the next 16 keys
-                P[k][3] = e4m3x4(s[10], s[11], s[14], s[15]); // row g + 8
-            }
+            for (int k = 0; k < Bc / 32; k++)  // keys 32k .. 32k + 31 as A (flash_fp8_p_index)
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+                    P[k][a] = e4m3x4(S_ij[flash_fp8_p_index(k, a, 0)],
+                                     S_ij[flash_fp8_p_index(k, a, 1)],
+                                     S_ij[flash_fp8_p_index(k, a, 2)],
+                                     S_ij[flash_fp8_p_index(k, a, 3)]);
         }
         if (threadIdx.x % 32 == 0) mbar_arrive(&empty[Stages]);
         kv.advance(Tc);

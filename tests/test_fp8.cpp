@@ -198,6 +198,31 @@ TEST_CASE("flash_fp8_v_slot deals each 32 keys out as a thread's accumulators me
     CHECK(flash_fp8_v_slot(32 + 9) == 32 + flash_fp8_v_slot(9));  // each group alike
 }
 
+TEST_CASE("Each thread's P~ bytes meet the fp8 A fragment at the V^T slot of their own key",
+          "[cpu][fp8]") {
+    // For every thread (g, t), 32-key step kk, register a and byte i: the S accumulator that
+    // flash_fp8_p_index picks is (row, key) by chapter 3's accumulator layout; the A fragment
+    // reads that byte as (row', k) (lib/hopper.cuh's fp8 layout). P~ V is right iff row = row'
+    // and V^T holds key's row at k: flash_fp8_v_slot(key) = k.
+    int wrong = 0;
+    for (int g = 0; g < 8; g++)
+        for (int t = 0; t < 4; t++)
+            for (int kk = 0; kk < 4; kk++)
+                for (int a = 0; a < 4; a++)
+                    for (int i = 0; i < 4; i++) {
+                        const int n = flash_fp8_p_index(kk, a, i);
+                        const int row = g + 8 * (n % 4 / 2), key = 8 * (n / 4) + 2 * t + n % 2;
+                        const int row_a = g + 8 * (a % 2), k = 32 * kk + 4 * t + i + 16 * (a / 2);
+                        if ((row != row_a || key / 32 * 32 + flash_fp8_v_slot(key % 32) != k) &&
+                            wrong++ < 3)
+                            FAIL_CHECK("thread (g " << g << ", t " << t << "), step " << kk
+                                       << ", register " << a << ", byte " << i << ": S's (row "
+                                       << row << ", key " << key << ") read as (row " << row_a
+                                       << ", k " << k << ")");
+                    }
+    CHECK(wrong == 0);
+}
+
 TEST_CASE("The fp8 reference's own rounding: e4m3 steps, 448 and round to nearest even",
           "[cpu][fp8]") {
     CHECK(e4m3(448.0) == 448.0);
