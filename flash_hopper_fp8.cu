@@ -288,6 +288,10 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
                                  std::to_string(prop.major) + "." + std::to_string(prop.minor));
     const int kvh = flash_kv_heads(s), len32 = (s.kv_len + 31) / 32 * 32;
     const size_t vt_bytes = size_t(s.batch) * kvh * s.head_dim * len32;
+    const long long groups = (long long)s.batch * kvh * (len32 / 32);  // the transpose's blocks
+    if (groups > INT_MAX)
+        throw std::invalid_argument(std::string(fn) + ": batch * kv_heads * kv_len / 32 is "
+                                    "invalid past 2^31 - 1 (the transpose's grid)");
     const Layout lay = contiguous_layout(s);
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
@@ -299,10 +303,6 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
             int* next = reinterpret_cast<int*>(static_cast<char*>(scratch) + vt_bytes);
             cudaError_t err = cudaMemsetAsync(next, 0, sizeof(int), stream);
             if (err != cudaSuccess) return err;
-            const long long groups = (long long)s.batch * kvh * (len32 / 32);
-            if (groups > INT_MAX)
-                throw std::invalid_argument(std::string(fn) + ": batch * kv_heads * kv_len / 32 "
-                                            "is invalid past 2^31 - 1 (the transpose's grid)");
             transpose_v<D><<<unsigned(groups), D, 0, stream>>>(V, Vt, s.kv_len, len32);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             // V^T as a tensor of batch x kv_heads heads, D rows of len32 "columns" (keys).
