@@ -155,6 +155,11 @@ __device__ __forceinline__ void setmaxnreg() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// barrier.arrive: counts the warpgroup in at named barrier `id` and goes on; the other side waits
+// for it there with named_barrier (PTX ISA, "bar, barrier": an arrive synchronizes with the sync).
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // A shared-memory matrix descriptor (wgmma, "Matrix Descriptor Format"): the start address, the
 // leading and stride byte offsets (each >> 4) and the swizzle mode (1: 128 bytes). sbo: from one
