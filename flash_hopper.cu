@@ -56,21 +56,12 @@ __host__ __device__ constexpr int hopper_stages(int /* head_dim */) { return 3; 
 #endif
 constexpr bool kPersistent = HOPPER_PERSISTENT;
 // Ping-pong (FlashAttention-3; an experiment, -DHOPPER_PINGPONG=1): with two consumers, each
-// issues its products only in its turn and then passes the turn, so that one's softmax runs while
-// the other's products are on the tensor cores. The turns are named barriers kBarrierTurn + wg.
+// issues its products only in its turn and then passes the turn (lib/hopper.cuh, Turns).
 #ifndef HOPPER_PINGPONG
 #define HOPPER_PINGPONG 0
 #endif
-constexpr bool kPingPong = HOPPER_PINGPONG;
-constexpr int kBarrierTurn = 2;  // 2: consumer 0's turn, 3: consumer 1's
 template <int Consumers>
-__device__ __forceinline__ void take_turn(int wg) {
-    if constexpr (kPingPong && Consumers == 2) named_barrier(kBarrierTurn + wg, 2 * kWarpgroup);
-}
-template <int Consumers>
-__device__ __forceinline__ void pass_turn(int wg) {
-    if constexpr (kPingPong && Consumers == 2) named_arrive(kBarrierTurn + 1 - wg, 2 * kWarpgroup);
-}
+using HopperTurns = Turns<HOPPER_PINGPONG && Consumers == 2>;
 // Heads whose Q tiles go together (line 3). Under GQA the query heads of a K/V head are
 // consecutive, so 16 of them read 16 / group K/V heads, which then stay in L2.
 constexpr int kHopperHeadGroup = 16;
@@ -153,6 +144,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     };
     if (threadIdx.x == 0) init_barriers(full, empty, Stages + 1, 4 * Consumers);
     __syncthreads();
+    HopperTurns<Consumers>::start(int(threadIdx.x / kWarpgroup) - 1);
     if (threadIdx.x < kWarpgroup) {                    // the producer: lines 4 and 7
         setmaxnreg<false, producer_regs(Consumers)>();  // it needs few registers; the math, many
         if (threadIdx.x >= 32) return;                 // warp 0 runs the loop, lane 0 the copies
@@ -195,7 +187,6 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     const char* Q_w = reinterpret_cast<const char*>(Q_i + wg * 64 * 64);
     uint32_t P[Bc / 16][4];                            // P~ of the last tile, in T, as A
     PipelineState<Stages> kv;                          // where the Q tile's K/V tiles start
-    if (wg == 1) pass_turn<Consumers>(1);              // (ping-pong: consumer 0 goes first)
     for (PipelineState<1> q;; q.advance()) {           // Q_i's ring, of one stage
         handout<Consumers>();                          // the producer has written work[q.phase()]
         const int tile = work[q.phase()];
@@ -223,7 +214,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             mbar_wait(&full[read.stage()], read.phase());  // K_j and V_j are in
             const char* K_j = reinterpret_cast<const char*>(K_at(read.stage()));
             float S_ij[Bc / 2] = {}, alpha[2];         // line 8: S_ij = Q_i K_j^T, 16 of d a step
-            take_turn<Consumers>(wg);
+            HopperTurns<Consumers>::take(wg);
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < D / 16; k++)
@@ -232,7 +223,7 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             wgmma_commit();
             // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
             if (j > j0) add_PV(read.previous().stage());
-            pass_turn<Consumers>(wg);
+            HopperTurns<Consumers>::pass(wg);
             j > j0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);  // S_ij done (P~ V_{j-1}: not yet)
 #pragma unroll
             for (int r = 0; r < 2; r++) {              // line 9 for row query + 8r

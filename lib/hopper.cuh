@@ -160,6 +160,25 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Ping-pong (FlashAttention-3): two consumer warpgroups take turns to issue their products, so
+// that one's softmax runs while the other's products are on the tensor cores. A turn is a named
+// barrier (2: consumer 0's, 3: consumer 1's) that the waiting consumer syncs on and the other
+// arrives at. Consumer 1 gives consumer 0 the first turn at the kernel's start, before the roles
+// part: ptxas serializes every wgmma of a kernel whose first arrive sits in the consumers' own
+// branch (C7520, "compiler-inserted WG.AR in divergent path"). On = false: no code at all.
+template <bool On>
+struct Turns {
+    static constexpr int kFirst = 2;                   // named barriers kFirst, kFirst + 1
+    __device__ static void start(int wg) {             // wg: -1 for the producer
+        if constexpr (On) if (wg == 1) named_arrive(kFirst, 256);
+    }
+    __device__ static void take(int wg) {
+        if constexpr (On) named_barrier(kFirst + wg, 256);
+    }
+    __device__ static void pass(int wg) {
+        if constexpr (On) named_arrive(kFirst + 1 - wg, 256);
+    }
+};
 
 // A shared-memory matrix descriptor (wgmma, "Matrix Descriptor Format"): the start address, the
 // leading and stride byte offsets (each >> 4) and the swizzle mode (1: 128 bytes). sbo: from one
