@@ -41,6 +41,11 @@ constexpr int kFp8Consumers = 2, kFp8Br = 64 * kFp8Consumers, kFp8Bc = 128;
 __host__ __device__ constexpr int fp8_cols(int d) { return d < 128 ? 128 : d; }
 __host__ __device__ constexpr int fp8_stages(int) { return 3; }
 constexpr int kPOffsetLog2 = 8;  // P~ is rounded as 2^8 P~ (above)
+// Ping-pong of the two consumers (lib/hopper.cuh, Turns): -DFP8_PINGPONG=0 turns it off.
+#ifndef FP8_PINGPONG
+#define FP8_PINGPONG 1
+#endif
+using Fp8Turns = Turns<FP8_PINGPONG>;
 
 template <int D>
 struct Fp8Shared {
@@ -115,6 +120,7 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
     };
     if (threadIdx.x == 0) init_barriers(full, empty, Stages + 1, 4 * kFp8Consumers);
     __syncthreads();
+    Fp8Turns::start(int(threadIdx.x / kWarpgroup) - 1);
     if (threadIdx.x < kWarpgroup) {  // the producer
         setmaxnreg<false, 24>();
         if (threadIdx.x >= 32) return;
@@ -185,6 +191,7 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
             mbar_wait(&full[read.stage()], read.phase());
             const char* K_j = reinterpret_cast<const char*>(sh.KV[read.stage()].K_j);
             float S_ij[Bc / 2] = {}, alpha[2];
+            Fp8Turns::take(wg);
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < D / 32; k++)  // 32 of d a step (d = 64: the padding unread)
@@ -192,6 +199,7 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                                  smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
             wgmma_commit();
             if (j > j0) add_PV(read.previous().stage());
+            Fp8Turns::pass(wg);
             j > j0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);
 #pragma unroll
             for (int r = 0; r < 2; r++) {
