@@ -198,8 +198,8 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                 wgmma_fp8_ss<Bc>(S_ij, smem_desc(Q_w + k / 4 * Br * kRowBytes + k % 4 * 32, 0),
                                  smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
             wgmma_commit();
+            Fp8Turns::pass(wg);  // (before line 10's product: after it, ptxas serializes, C7514)
             if (j > j0) add_PV(read.previous().stage());
-            Fp8Turns::pass(wg);
             j > j0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);
 #pragma unroll
             for (int r = 0; r < 2; r++) {
