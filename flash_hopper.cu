@@ -222,8 +222,8 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                                 smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
             wgmma_commit();
             // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
+            HopperTurns<Consumers>::pass(wg);            // (before line 10: after it, ptxas serializes)
             if (j > j0) add_PV(read.previous().stage());
-            HopperTurns<Consumers>::pass(wg);
             j > j0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);  // S_ij done (P~ V_{j-1}: not yet)
 #pragma unroll
             for (int r = 0; r < 2; r++) {              // line 9 for row query + 8r
