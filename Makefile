@@ -59,7 +59,7 @@ B := build
 LIB_OBJS := $(B)/flash.o $(B)/flash_fp16.o $(B)/flash_decode.o $(B)/checks.o $(B)/dispatch.o
 LIB_OBJS += $(B)/backward_passes.o
 ifeq ($(HAVE_SM90A),1)
-LIB_OBJS += $(B)/flash_hopper.o $(B)/flash_hopper_backward.o
+LIB_OBJS += $(B)/flash_hopper.o $(B)/flash_hopper_backward.o $(B)/flash_hopper_fp8.o
 endif
 # The tests: test_flash.cpp and every tests/test_*.cpp but the documentation checks (test_docs.cpp).
 TEST_OBJS := $(B)/test_flash.o $(patsubst tests/%.cpp,$(B)/%.o,$(filter-out tests/test_docs.cpp,$(wildcard tests/test_*.cpp))) \
@@ -135,7 +135,8 @@ $(B)/flash_fp16.o: $(B)/flash_fp16_forward.o $(B)/flash_fp16_backward.o
 	ld -r $^ -o $@
 # Chapter 3: wgmma exists only in the sm_90a target, whatever ARCH says (on another GPU its
 # launcher refuses to run, and the kernel traps if it ever did).
-$(B)/flash_hopper.o $(B)/flash_hopper_backward.o: $(B)/%.o: %.cu $(HEADERS) $(B)/flags | $(B)
+$(B)/flash_hopper.o $(B)/flash_hopper_backward.o $(B)/flash_hopper_fp8.o: $(B)/%.o: %.cu $(HEADERS) \
+    $(B)/flags | $(B)
 	$(NVCC) $(CPPFLAGS) $(INCLUDES) $(filter-out -arch=%,$(NVCCFLAGS)) $(DEFINES) \
 	    -gencode=arch=compute_90a,code=sm_90a -c $< -o $@
 

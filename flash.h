@@ -16,6 +16,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -220,6 +221,42 @@ void flash_forward_fp16_hopper(const __half* Q, const __half* K, const __half* V
 void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
                                const __nv_bfloat16* V, __nv_bfloat16* O, float* L,
                                const AttentionShape& shape, cudaStream_t stream = 0);
+
+// Chapter 3, part 3 (flash_hopper_fp8.cu): the forward in fp8, e4m3 (FlashAttention-3's fp8;
+// NOTES.md section 24). Q, K, V are __nv_fp8_e4m3, contiguous [batch][heads (K, V: kv_heads)]
+// [len][head_dim], each (batch, head) standing for its elements times a descale factor: descales
+// are device float arrays, q [batch][heads], k and v [batch][kv_heads] (null: 1, as
+// FlashAttention-3's descale_q, _k, _v). S = descale_q descale_k Q K^T / sqrt(d); P~ is rounded to
+// e4m3 for P~ V; O = descale_v P~ V / l in bf16 or fp16 (the overload), L = m + log l in fp32.
+// head_dim 64, 128 or 256, causal or not (no options), compute capability 9.0 (else
+// std::runtime_error); bad arguments std::invalid_argument naming them, nothing launched. Extra
+// memory, from the library's pool: V^T, batch * kv_heads * head_dim * round_up(kv_len, 32) bytes.
+struct Fp8Descales {
+    const float* q = nullptr;  // [batch][heads], or none: 1
+    const float* k = nullptr;  // [batch][kv_heads], or none
+    const float* v = nullptr;  // [batch][kv_heads], or none
+};
+void flash_forward_fp8_hopper(const __nv_fp8_e4m3* Q, const __nv_fp8_e4m3* K,
+                              const __nv_fp8_e4m3* V, __nv_bfloat16* O, float* L,
+                              const AttentionShape& shape, const Fp8Descales& descales = {},
+                              cudaStream_t stream = 0);
+void flash_forward_fp8_hopper(const __nv_fp8_e4m3* Q, const __nv_fp8_e4m3* K,
+                              const __nv_fp8_e4m3* V, __half* O, float* L,
+                              const AttentionShape& shape, const Fp8Descales& descales = {},
+                              cudaStream_t stream = 0);
+// Where key j of a group of 32 sits in V^T's row (flash_hopper_fp8.cu's transpose): the fp8 P~
+// that a thread's accumulators hold, read as wgmma's A fragment, takes its keys in this order.
+__host__ __device__ constexpr int flash_fp8_v_slot(int j) {
+    // A thread (t = lane % 4) holds keys 2t, 2t + 1, 2t + 8, 2t + 9 of each 16; A's fragment
+    // wants k = 4t .. 4t + 3 of each 16: key 2t + e + 8h goes to slot 4t + 2h + e.
+    return j / 16 * 16 + (j % 8) / 2 * 4 + (j % 16) / 8 * 2 + j % 2;
+}
+// Which of a thread's S accumulators (chapter 3's layout: index n is row g + 8 (n % 4 / 2), key
+// 8 (n / 4) + 2t + n % 2 of the tile) goes to byte i of A register a for keys 32 kk .. 32 kk + 31
+// (the fp8 A fragment: row g + 8 (a % 2), k 4t + i + 16 (a / 2)), given flash_fp8_v_slot's order.
+__host__ __device__ constexpr int flash_fp8_p_index(int kk, int a, int i) {
+    return 16 * kk + a / 2 * 8 + a % 2 * 2 + i / 2 * 4 + i % 2;
+}
 
 // The backwards of each chapter, whatever the GPU (flash_backward_fp16 / _bf16 pick one as the
 // forward does: chapter 3's on compute capability 9.0 at kFlashHopperHeadDims, chapter 2's

@@ -179,11 +179,6 @@ __device__ __forceinline__ void written(float (&r)[N]) {
 #pragma unroll
     for (int x = 0; x < N; x++) asm volatile("" : "+f"(r[x])::"memory");
 }
-// barrier.arrive: counts the warpgroup in at named barrier `id` and goes on; the other side waits
-// for it there with named_barrier (PTX ISA, "bar, barrier": an arrive synchronizes with the sync).
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-    asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 // Keeps registers that an asynchronous wgmma still reads (the A fragments) alive to this point, so
 // that the compiler gives them to nothing else before the wgmma_wait that precedes it.
 template <int K>

@@ -247,6 +247,25 @@ void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
     hopper_not_built("flash_forward_bf16_hopper", Q, K, V, O, L, shape);
 }
 
+// Chapter 3's fp8 forward (flash_hopper_fp8.cu): the shape's refusal, then not built.
+[[noreturn]] static void fp8_not_built(const AttentionShape& s) {
+    validate_shape(s, kFlashHopperHeadDims, 1);
+    throw std::runtime_error("flash_forward_fp8_hopper: chapter 3 (flash_hopper_fp8.cu) was not "
+                             "built: the library was built with FLASH_NO_HOPPER, which the "
+                             "Makefile sets when nvcc has no sm_90a target (CUDA 12.0 or newer "
+                             "has it)");
+}
+void flash_forward_fp8_hopper(const __nv_fp8_e4m3*, const __nv_fp8_e4m3*, const __nv_fp8_e4m3*,
+                              __nv_bfloat16*, float*, const AttentionShape& shape,
+                              const Fp8Descales&, cudaStream_t) {
+    fp8_not_built(shape);
+}
+void flash_forward_fp8_hopper(const __nv_fp8_e4m3*, const __nv_fp8_e4m3*, const __nv_fp8_e4m3*,
+                              __half*, float*, const AttentionShape& shape, const Fp8Descales&,
+                              cudaStream_t) {
+    fp8_not_built(shape);
+}
+
 template <typename T>
 [[noreturn]] static void hopper_backward_not_built(const char* fn, const T* Q, const T* K,
                                                    const T* V, const T* O, const T* dO,

@@ -127,14 +127,15 @@ __device__ __forceinline__ void bulk_wait() {
 __device__ __forceinline__ void fence_proxy_async_global() {
     HOPPER_ONLY(asm volatile("fence.proxy.async.global;\n" ::: "memory"));
 }
-// Rows [first, first + R) of (head, batch)'s (len x D) matrix as blocks of 64 columns (R x 128
-// bytes each), D / 64 copies on bar.
+// Rows [first, first + R) of (head, batch)'s (len x D) matrix as blocks of 128 bytes of columns
+// (64 of fp16 or bf16, 128 of fp8; R x 128 bytes each), one copy a block on bar.
 template <int R, int D, typename T>
 __device__ __forceinline__ void load_tile(T* to, const CUtensorMap& map, int first, int head,
                                           int batch, uint64_t* bar) {
+    constexpr int kCols = kRowBytes / sizeof(T);
 #pragma unroll
-    for (int c = 0; c < D / 64; c++)
-        tma_load(to + c * R * 64, map, c * 64, first, head, batch, bar);
+    for (int c = 0; c < D / kCols; c++)
+        tma_load(to + c * R * kCols, map, c * kCols, first, head, batch, bar);
 }
 
 // setmaxnreg (PTX ISA, "Miscellaneous Instructions: setmaxnreg"): a warpgroup gives back registers
@@ -154,6 +155,30 @@ __device__ __forceinline__ void setmaxnreg() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// barrier.arrive: counts the warpgroup in at named barrier `id` and goes on; the other side waits
+// for it there with named_barrier (PTX ISA, "bar, barrier": an arrive synchronizes with the sync).
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Ping-pong (FlashAttention-3): two consumer warpgroups take turns to issue their products, so
+// that one's softmax runs while the other's products are on the tensor cores. A turn is a named
+// barrier (2: consumer 0's, 3: consumer 1's) that the waiting consumer syncs on and the other
+// arrives at. Consumer 1 gives consumer 0 the first turn at the kernel's start, before the roles
+// part: ptxas serializes every wgmma of a kernel whose first arrive sits in the consumers' own
+// branch (C7520, "compiler-inserted WG.AR in divergent path"). On = false: no code at all.
+template <bool On>
+struct Turns {
+    static constexpr int kFirst = 2;                   // named barriers kFirst, kFirst + 1
+    __device__ static void start(int wg) {             // wg: -1 for the producer
+        if constexpr (On) if (wg == 1) named_arrive(kFirst, 256);
+    }
+    __device__ static void take(int wg) {
+        if constexpr (On) named_barrier(kFirst + wg, 256);
+    }
+    __device__ static void pass(int wg) {
+        if constexpr (On) named_arrive(kFirst + 1 - wg, 256);
+    }
+};
 
 // A shared-memory matrix descriptor (wgmma, "Matrix Descriptor Format"): the start address, the
 // leading and stride byte offsets (each >> 4) and the swizzle mode (1: 128 bytes). sbo: from one
@@ -244,6 +269,31 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b
     if constexpr (N == 128 && h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "f16"));
     if constexpr (N == 128 && !h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "bf16"));
 }
+// The fp8 (e4m3) forms (chapter 3's fp8 forward): m64nNk32, 32 elements of k a step, 32 bytes,
+// the same bytes as a k16 step of fp16. fp8 wgmma reads both shared-memory operands K-major only
+// (no transpose): B = V_j must sit keys-along-the-row (V^T, flash_hopper_fp8.cu says how). In
+// registers, A is 4 .b32 a thread of 4 e4m3 each: a0 row g, k 4t..4t+3; a1 row g + 8, the same
+// k; a2 and a3 the same rows at k 16 + 4t..16 + 4t + 3.
+#define WGMMA_FP8_SS(N, REGS, ACC, AB)                                                          \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", " AB       \
+                 ", 1, 1, 1;\n" : ACC : "l"(a), "l"(b))
+#define WGMMA_FP8_RS(N, REGS, ACC, AB)                                                          \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", " AB       \
+                 ", 1, 1, 1;\n" : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+template <int N>
+__device__ __forceinline__ void wgmma_fp8_ss(float* d, uint64_t a, uint64_t b) {
+    static_assert(N == 64 || N == 128, "wgmma_fp8_ss is written for N = 64, 128");
+    if constexpr (N == 64) HOPPER_ONLY(WGMMA_FP8_SS(64, REGS32, ACC32, "%32, %33"));
+    if constexpr (N == 128) HOPPER_ONLY(WGMMA_FP8_SS(128, REGS64, ACC64, "%64, %65"));
+}
+template <int N>
+__device__ __forceinline__ void wgmma_fp8_rs(float* d, const uint32_t* a, uint64_t b) {
+    static_assert(N == 64 || N == 128, "wgmma_fp8_rs is written for N = 64, 128");
+    if constexpr (N == 64) HOPPER_ONLY(WGMMA_FP8_RS(64, REGS32, ACC32, AB32));
+    if constexpr (N == 128) HOPPER_ONLY(WGMMA_FP8_RS(128, REGS64, ACC64, AB64));
+}
+#undef WGMMA_FP8_SS
+#undef WGMMA_FP8_RS
 #undef ACC8
 #undef ACC24
 #undef ACC32
@@ -295,9 +345,10 @@ __device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty, i
 
 // The tensor map of Q, K or V, (batch, heads, len, D) elements of T where `r` (chapter 5's
 // strides: lib/layout.h) puts them, for boxes of rows x 128 bytes (64 elements of fp16 or bf16; 32
-// of fp32: the backward's dQacc) in the 128-byte swizzle; rows past len are read as zeros (and not
-// written). cuTensorMapEncodeTiled is a driver call, found through the runtime, so that nothing
-// links libcuda (CI machines have none).
+// of fp32: the backward's dQacc; 128 of fp8) in the 128-byte swizzle; rows past len are read as
+// zeros (and not written), and so are columns past D (fp8 at D = 64: a box wider than a row).
+// cuTensorMapEncodeTiled is a driver call, found through the runtime, so that nothing links
+// libcuda (CI machines have none).
 template <typename T>
 static CUtensorMap tensor_map(const T* base, const Rows& at, int batch, int len, int D, int rows) {
     static const auto encode = [] {
@@ -321,6 +372,7 @@ static CUtensorMap tensor_map(const T* base, const Rows& at, int batch, int len,
     const CUresult r = encode(
         &map, std::is_same<T, float>::value    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
               : std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+              : sizeof(T) == 1                 ? CU_TENSOR_MAP_DATA_TYPE_UINT8  // (fp8's bytes)
                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         4, const_cast<T*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

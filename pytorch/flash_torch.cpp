@@ -413,6 +413,61 @@ static std::tuple<torch::Tensor, torch::Tensor> kvcache_forward(
     return {out, L};
 }
 
+// Chapter 3's fp8 forward (flash_forward_fp8_hopper): q, k, v float8_e4m3fn, contiguous, (B, H,
+// q_len, d) and (B, H_kv, kv_len, d); the descales float32 (B, H) for q, (B, H_kv) for k and v,
+// or none (1); o bfloat16 (bf16_out) or float16, L float32 (B, H, q_len).
+static std::tuple<torch::Tensor, torch::Tensor> fp8_forward(
+    torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> descale_q,
+    c10::optional<torch::Tensor> descale_k, c10::optional<torch::Tensor> descale_v, bool causal,
+    bool bf16_out) {
+    const char* fn = "flash_attention_fp8";
+    for (const auto& [t, what] : {std::pair<const torch::Tensor*, const char*>{&q, "q"},
+                                  {&k, "k"}, {&v, "v"}}) {
+        if (!t->is_cuda() || t->device() != q.device() || t->dim() != 4 || !t->is_contiguous() ||
+            t->scalar_type() != c10::ScalarType::Float8_e4m3fn)
+            fail(std::string(fn) + ": " + what + " is " + dims(*t) + " " +
+                 name(t->scalar_type()) + " on " + t->device().str() + "; allowed: a " +
+                 "contiguous 4-D float8_e4m3fn tensor on q's device (quantize_fp8 makes one)");
+        for (int64_t size : t->sizes())
+            if (size > INT_MAX) fail(std::string(fn) + ": " + what + " has a size above INT_MAX");
+    }
+    if (v.sizes() != k.sizes() || k.size(0) != q.size(0) || k.size(3) != q.size(3) ||
+        k.size(1) < 1 || q.size(1) % k.size(1) != 0)
+        fail(std::string(fn) + ": q is " + dims(q) + ", k " + dims(k) + ", v " + dims(v) +
+             ": k and v alike, batch and head_dim q's, their heads dividing q's");
+    const AttentionShape s{int(q.size(0)), int(q.size(1)), int(q.size(2)), int(k.size(2)),
+                           int(q.size(3)), causal, int(k.size(1))};
+    const auto scales = [&](const c10::optional<torch::Tensor>& t, const char* what,
+                            int64_t heads) -> const float* {
+        if (!t) return nullptr;
+        if (!t->is_cuda() || t->device() != q.device() || t->scalar_type() != torch::kFloat32 ||
+            !t->is_contiguous() || t->dim() != 2 || t->size(0) != q.size(0) ||
+            t->size(1) != heads)
+            fail(std::string(fn) + ": " + what + " is " + dims(*t) + " " +
+                 name(t->scalar_type()) + "; allowed: a contiguous float32 tensor on q's " +
+                 "device, (batch, " + std::to_string(heads) + ")");
+        return ptr<float>(*t);
+    };
+    const Fp8Descales descales{scales(descale_q, "descale_q", q.size(1)),
+                               scales(descale_k, "descale_k", k.size(1)),
+                               scales(descale_v, "descale_v", k.size(1))};
+    const c10::cuda::CUDAGuard guard(q.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    torch::Tensor o = torch::empty(q.sizes(), q.options().dtype(bf16_out ? torch::kBFloat16
+                                                                          : torch::kFloat16));
+    torch::Tensor L = torch::empty({q.size(0), q.size(1), q.size(2)},
+                                   q.options().dtype(torch::kFloat32));
+    const auto* q8 = ptr<__nv_fp8_e4m3>(q);
+    const auto* k8 = ptr<__nv_fp8_e4m3>(k);
+    const auto* v8 = ptr<__nv_fp8_e4m3>(v);
+    if (bf16_out)
+        flash_forward_fp8_hopper(q8, k8, v8, ptr<__nv_bfloat16>(o), ptr<float>(L), s, descales,
+                                 stream);
+    else
+        flash_forward_fp8_hopper(q8, k8, v8, ptr<__half>(o), ptr<float>(L), s, descales, stream);
+    return {o, L};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flash.h for PyTorch tensors: see flash_torch.py";
     namespace py = pybind11;  // the options' defaults: none (ring_attention.py calls without)
@@ -435,4 +490,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "scale, window_left, window_right, softcap, alibi)");
     m.def("kvcache_forward", &kvcache_forward,
           "attention of q over a K/V cache (contiguous or paged), new keys appended first");
+    m.def("fp8_forward", &fp8_forward,
+          "O, L = fp8_forward(q, k, v, descale_q, descale_k, descale_v, causal, bf16_out): "
+          "chapter 3's fp8 forward");
 }

@@ -63,7 +63,7 @@ _ROOT = os.path.dirname(_HERE)  # the repository root: flash.h and the chapters'
 # Makefile's LIB_OBJS) and every C++ or CUDA source in lib/ (what the chapters share). A library
 # source that lives elsewhere is added to this list, the one place that names them.
 LIBRARY_SOURCES = ["flash.cu", "flash_fp16.cu", "flash_hopper.cu", "flash_hopper_backward.cu",
-                   "flash_decode.cu"]
+                   "flash_hopper_fp8.cu", "flash_decode.cu"]
 INCLUDE_DIRS = [".", "lib"]
 
 
@@ -312,6 +312,38 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table
             q.contiguous(), k_cache, v_cache, cache_seqlens, block_table,
             None if k is None else k.contiguous(), None if v is None else v.contiguous(),
             bool(causal), *_options(softmax_scale, window_size, softcap, alibi_slopes))
+    return (o, lse) if return_lse else o
+
+
+def quantize_fp8(x):
+    """x (B, H, len, d), float: (x8, descale), x8 float8_e4m3fn with each (batch, head) scaled so
+    that its largest |x| becomes 448 (e4m3's largest finite value: nothing overflows, nothing is
+    clamped), descale (B, H) float32 the factor back (1 for a head of zeros), as
+    flash_attention_fp8 takes them. A non-finite element raises ValueError before anything is
+    rounded."""
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("quantize_fp8: x has an inf or a NaN; allowed: finite values")
+    amax = x.detach().abs().amax(dim=(2, 3)).float()
+    descale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    x8 = (x.detach().float() / descale[:, :, None, None]).to(torch.float8_e4m3fn)
+    return x8, descale.contiguous()
+
+
+def flash_attention_fp8(q, k, v, descale_q=None, descale_k=None, descale_v=None, causal=False,
+                        out_dtype=torch.bfloat16, return_lse=False):
+    """Chapter 3's fp8 forward (flash.h's flash_forward_fp8_hopper; inference: no gradient). q
+    (B, H, q_len, d), k and v (B, H_kv, kv_len, d): contiguous float8_e4m3fn CUDA tensors
+    (quantize_fp8 makes them), each (batch, head) standing for its elements times its descale
+    (float32, (B, H) for q, (B, H_kv) for k and v; None: 1, FlashAttention-3's descale_q/k/v).
+    head_dim 64, 128 or 256; an H100 or H200. P is rounded to e4m3 for P V (NOTES.md section 24:
+    the error bound). Returns o (B, H, q_len, d) in out_dtype (bfloat16 or float16), and lse
+    with return_lse."""
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"flash_attention_fp8: out_dtype is {out_dtype}; allowed: "
+                         "torch.bfloat16, torch.float16")
+    with torch.no_grad():
+        o, lse = build().fp8_forward(q, k, v, descale_q, descale_k, descale_v, bool(causal),
+                                     out_dtype == torch.bfloat16)
     return (o, lse) if return_lse else o
 
 

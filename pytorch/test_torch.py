@@ -33,9 +33,9 @@ flash_torch.build()  # once, here: a compile error fails the module (the compile
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from flash_torch import (flash_attention, flash_attention_varlen,  # noqa: E402
-                         flash_attention_varlen_with_lse, flash_attention_with_kvcache,
-                         flash_attention_with_lse)
+from flash_torch import (flash_attention, flash_attention_fp8,  # noqa: E402
+                         flash_attention_varlen, flash_attention_varlen_with_lse,
+                         flash_attention_with_kvcache, flash_attention_with_lse, quantize_fp8)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [16, 32, 64, 96, 128, 256]
@@ -798,3 +798,54 @@ def test_kvcache_bad_input_raises_value_error_naming_it():
         flash_attention_with_kvcache(q, kc[:, :, :24].clone(), kc[:, :, :24].clone(), seqlens,
                                      block_table=torch.zeros(1, 2, device="cuda",
                                                              dtype=torch.int32))
+
+
+_HOPPER = torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the fp8 forward needs an H100 or H200 (compute 9.0)")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_forward_is_within_the_rounding_bound_of_float64_attention(d, causal):
+    # On the dequantized inputs (x8 * descale, exactly what the kernel multiplies), float64
+    # attention differs from the kernel by P's rounding to e4m3 at most: |o - o64| <= (2^-4 +
+    # n 2^-18) max|v| (NOTES.md section 24); by the scores' sums, if the fp8 tensor cores keep
+    # only 14 bits (DeepSeek-V3's report): |dS| <= (d / 32) 2^-13 sum |q k| a score, which moves
+    # each P by a relative 2 |dS| / sqrt(d) (the score and the row's max) = w, and lse by w; and
+    # by o's rounding to bfloat16 and its fp32 sums (2^-8 |o|).
+    torch.manual_seed(d + causal)
+    b, h, h_kv, n_q, n_k = 2, 4, 2, 200, 333
+    q, k, v = (torch.randn(b, hh, n, d, device="cuda") for hh, n in
+               ((h, n_q), (h_kv, n_k), (h_kv, n_k)))
+    (q8, dq), (k8, dk), (v8, dv) = quantize_fp8(q), quantize_fp8(k), quantize_fp8(v)
+    o, lse = flash_attention_fp8(q8, k8, v8, dq, dk, dv, causal=causal, return_lse=True)
+    deq = [(x8.double() * ds.double()[:, :, None, None]) for x8, ds in ((q8, dq), (k8, dk),
+                                                                       (v8, dv))]
+    kx, vx = (x.repeat_interleave(h // h_kv, dim=1) for x in deq[1:])
+    want, want_lse = attention64(deq[0], kx, vx, causal)
+    max_v = vx.abs().amax(dim=(2, 3), keepdim=True)
+    mag = (deq[0].abs() @ kx.abs().transpose(-1, -2)).amax(-1, keepdim=True)  # per row
+    w = 2 * (d // 32) * 2.0 ** -13 * mag / math.sqrt(d)
+    bound = (2.0 ** -4 + n_k * 2.0 ** -18 + w) * max_v + 2.0 ** -8 * want.abs()
+    err = (o.double() - want).abs()
+    worst = (err / bound).max().item()
+    assert torch.isfinite(o).all(), "o has a NaN or an inf: not every element written"
+    assert worst <= 1, f"d {d}, causal {causal}: o off by {worst:.3g} of its bound"
+    seen = torch.isfinite(want_lse)
+    assert (lse[~seen] == -math.inf).all()
+    lse_err = (lse.double() - want_lse).abs()[seen] / (w.squeeze(-1)[seen] + 2.0 ** -16)
+    assert lse_err.max().item() <= 1, f"d {d}, causal {causal}: lse off by {lse_err.max():.3g}"
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the fp8 forward needs an H100 or H200 (compute 9.0)")
+def test_fp8_bad_input_raises_value_error_naming_it():
+    q = torch.randn(1, 2, 64, 64, device="cuda")
+    with pytest.raises(ValueError, match="finite"):
+        quantize_fp8(q.masked_fill(q > 2, math.inf))
+    q8, dq = quantize_fp8(q)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        flash_attention_fp8(q, q8, q8)
+    with pytest.raises(ValueError, match="descale_k"):
+        flash_attention_fp8(q8, q8, q8, dq, dq[:, :1])
+    with pytest.raises(ValueError, match="out_dtype"):
+        flash_attention_fp8(q8, q8, q8, out_dtype=torch.float32)

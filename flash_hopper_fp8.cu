@@ -1,0 +1,346 @@
+// flash_hopper_fp8.cu: chapter 3, part 3, the forward in fp8 (e4m3) on Hopper (NOTES.md section
+// 24). Chapter 3's forward (flash_hopper.cu: the producer, the consumers, the ring of K/V tiles,
+// the persistent grid) with both products on fp8 wgmma, m64nNk32: twice the elements a cycle of
+// fp16's. Three things change, each in one place:
+//  1. V^T. fp8 wgmma reads its shared-memory operands K-major only, so O_i += P~ V_j needs V_j
+//     with the keys along the row: a small kernel (transpose_v) writes V^T into scratch first.
+//  2. P~ in e4m3, in registers. A thread's S_ij accumulators hold keys 2t, 2t + 1, 2t + 8, 2t + 9
+//     of each 16; the A fragment of k32 wants k = 4t .. 4t + 3. Rather than move P~ between
+//     threads, transpose_v puts V's keys in that order (flash.h's flash_fp8_v_slot): the sum over
+//     keys does not care about their order, only that P~ and V agree on it.
+//  3. Scales. Each (batch, head)'s Q, K, V stand for their elements times a descale; those of Q
+//     and K scale the scores (folded into scale_log2), that of V the output. P~ <= 1 is rounded
+//     as 256 P~ (<= 256, under e4m3's 448), so that probabilities down to 2^-14 stay normal
+//     numbers; l sums the same 256 P~, so O = P~ V / l needs no correction, and L subtracts 8.
+// Not here: FlashAttention-3's in-kernel transpose of V, its ping-pong, chapter 5's options.
+//
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c flash_hopper_fp8.cu (the
+// Makefile does it, as for flash_hopper.cu).
+#include "checks.h"
+#include "chapters.h"
+#include "flash.h"
+#include "hopper.cuh"
+#include "log2_units.h"
+#include "mask_policy.cuh"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_fp8.h>
+
+#include <climits>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+using fp8 = __nv_fp8_e4m3;
+
+// Tiles: 128 rows of Q_i (two consumer warpgroups), 128 keys (one 128-byte row of V^T), a row of
+// Q_i or K_j padded to 128 bytes at d = 64 (the TMA fills columns past d with zeros; the scores
+// read only the first d). Stages: three (at d = 256, 64 KiB a stage: 224 KiB with Q_i).
+constexpr int kFp8Consumers = 2, kFp8Br = 64 * kFp8Consumers, kFp8Bc = 128;
+__host__ __device__ constexpr int fp8_cols(int d) { return d < 128 ? 128 : d; }
+__host__ __device__ constexpr int fp8_stages(int) { return 3; }
+constexpr int kPOffsetLog2 = 8;  // P~ is rounded as 2^8 P~ (above)
+// Ping-pong of the two consumers (lib/hopper.cuh, Turns): -DFP8_PINGPONG=0 turns it off.
+#ifndef FP8_PINGPONG
+#define FP8_PINGPONG 1
+#endif
+using Fp8Turns = Turns<FP8_PINGPONG>;
+
+template <int D>
+struct Fp8Shared {
+    static constexpr int Cols = fp8_cols(D), Stages = fp8_stages(D);
+    alignas(1024) fp8 Q_i[kFp8Br * Cols];
+    struct Stage {
+        alignas(1024) fp8 K_j[kFp8Bc * Cols];
+        alignas(1024) fp8 Vt_j[D * kFp8Bc];  // D rows of 128 keys (V^T's)
+    } KV[Stages];
+    uint64_t full[Stages + 1], empty[Stages + 1];
+    int work[2];
+};
+
+// V^T: V [batch * kv_heads][kv_len][D] to [batch * kv_heads][D][len32] (len32: kv_len rounded up
+// to 32), key j of each group of 32 at slot flash_fp8_v_slot(j), zeros past kv_len. A block a
+// (head, 32 keys), blocks in x (a grid's y stops at 65535): their rows read whole (D bytes each),
+// then each thread writes one row of V^T's 32 bytes.
+template <int D>
+__global__ void __launch_bounds__(D) transpose_v(const fp8* __restrict__ V, fp8* __restrict__ Vt,
+                                                 int kv_len, int len32) {
+    __shared__ uint8_t rows[32][D];
+    const int head = blockIdx.x / (len32 / 32), key0 = blockIdx.x % (len32 / 32) * 32;
+    const uint8_t* from = reinterpret_cast<const uint8_t*>(V) + (size_t(head) * kv_len) * D;
+    for (int x = threadIdx.x; x < 32 * D; x += D) {  // (coalesced: consecutive bytes of a row)
+        const int j = x / D, c = x % D;
+        rows[j][c] = key0 + j < kv_len ? from[size_t(key0 + j) * D + c] : 0;
+    }
+    __syncthreads();
+    uint8_t out[32];
+#pragma unroll
+    for (int j = 0; j < 32; j++) out[flash_fp8_v_slot(j)] = rows[j][threadIdx.x];
+    uint4* to = reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(Vt) +
+                                         (size_t(head) * D + threadIdx.x) * len32 + key0);
+    to[0] = *reinterpret_cast<const uint4*>(out);
+    to[1] = *reinterpret_cast<const uint4*>(out + 16);
+}
+
+// Four floats as four e4m3 bytes of a register, the first in the low byte (cvt.rn.satfinite:
+// round to nearest, finite values past 448 to 448).
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+    uint32_t r = 0;
+    HOPPER_ONLY(asm("{\n.reg .b16 lo, hi;\n"
+                    "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+                    "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+                    "mov.b32 %0, {lo, hi};\n}\n" : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d)));
+    return r;
+}
+
+// The kernel: flash_hopper.cu's, step for step (its comments hold here), with the changes above.
+template <int D, typename TO, typename Policy>
+__global__ void __launch_bounds__(kWarpgroup * (kFp8Consumers + 1), 1)
+flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
+                         const __grid_constant__ CUtensorMap K,
+                         const __grid_constant__ CUtensorMap Vt, TO* __restrict__ O,
+                         float* __restrict__ L, const __grid_constant__ Layout lay,
+                         const Rows vt, const Policy policy, const Fp8Descales descale, int Tr,
+                         int tiles, int head_group, int group, float scale_log2, int* next) {
+    constexpr int Br = kFp8Br, Bc = kFp8Bc, Cols = fp8_cols(D), Stages = fp8_stages(D);
+    auto& sh = shared_storage<Fp8Shared<D>>();
+    uint64_t *full = sh.full, *empty = sh.empty;
+    int* work = sh.work;
+    struct Work {
+        int i, bh, j0, Tc;
+    };
+    const auto decode = [&](int tile) {
+        const int head0 = tile / (head_group * Tr) * head_group;
+        const int hs = min(head_group, tiles / Tr - head0), place = tile % (head_group * Tr);
+        const int i = Tr - 1 - place / hs, bh = head0 + place % hs;
+        const KeySpan keys = policy.keys(i * Br, Br);
+        const int j0 = keys.begin / Bc;
+        return Work{i, bh, j0, keys.end > keys.begin ? (keys.end - 1) / Bc - j0 + 1 : 0};
+    };
+    if (threadIdx.x == 0) init_barriers(full, empty, Stages + 1, 4 * kFp8Consumers);
+    __syncthreads();
+    Fp8Turns::start(int(threadIdx.x / kWarpgroup) - 1);
+    if (threadIdx.x < kWarpgroup) {  // the producer
+        setmaxnreg<false, 24>();
+        if (threadIdx.x >= 32) return;
+        const bool issuer = threadIdx.x == 0;
+        PipelineState<Stages> kv;
+        int tile = blockIdx.x;
+        for (PipelineState<1> q;; q.advance()) {
+            if (issuer) work[q.phase()] = tile;
+            if (tile >= tiles) break;
+            const auto [i, bh, j0, Tc] = decode(tile);
+            if (q.n > 0) mbar_wait(&empty[Stages], q.phase_before());
+            // Where the maps have Q's head bh (row, head, batch), and K's and V^T's, bh / group.
+            const int3 q0 = lay.Q.box_at(bh, i * Br), k0 = lay.K.box_at(bh / group, j0 * Bc),
+                       v0 = vt.box_at(bh / group, 0);
+            if (issuer) {
+                mbar_expect_bytes(&full[Stages], Br * Cols);
+                load_tile<Br, Cols>(sh.Q_i, Q, q0.x, q0.y, q0.z, &full[Stages]);
+            }
+            for (int j = 0; j < Tc; j++, kv.advance()) {
+                if (j == Stages) named_barrier(1, 32 + kWarpgroup * kFp8Consumers);
+                if (kv.n >= Stages) mbar_wait(&empty[kv.stage()], kv.phase_before());
+                if (!issuer) continue;
+                auto& st = sh.KV[kv.stage()];
+                mbar_expect_bytes(&full[kv.stage()], Bc * Cols + D * Bc);
+                load_tile<Bc, Cols>(st.K_j, K, k0.x + j * Bc, k0.y, k0.z, &full[kv.stage()]);
+                tma_load(st.Vt_j, Vt, k0.x + j * Bc, 0, v0.y, v0.z, &full[kv.stage()]);
+            }
+            if (Tc <= Stages) named_barrier(1, 32 + kWarpgroup * kFp8Consumers);
+            tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
+        }
+        named_barrier(1, 32 + kWarpgroup * kFp8Consumers);
+        for (PipelineState<Stages> s{max(kv.n - Stages, 0)}; s.n < kv.n; s.advance())
+            mbar_wait(&empty[s.stage()], s.phase());
+        return;
+    }
+    setmaxnreg<true, 240>();
+    const int wg = threadIdx.x / kWarpgroup - 1;
+    const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const char* Q_w = reinterpret_cast<const char*>(sh.Q_i) + wg * 64 * kRowBytes;
+    uint32_t P[Bc / 32][4];  // 256 P~ of the last tile, e4m3, as A (keys in V^T's order)
+    PipelineState<Stages> kv;
+    for (PipelineState<1> q;; q.advance()) {
+        named_barrier(1, 32 + kWarpgroup * kFp8Consumers);
+        const int tile = work[q.phase()];
+        if (tile >= tiles) break;
+        const auto [i, bh, j0, Tc] = decode(tile);
+        // The head's scales: scores in log2 units times descale_q descale_k; O times descale_v.
+        const float dq = descale.q ? descale.q[bh] : 1.f;
+        const float dk = descale.k ? descale.k[bh / group] : 1.f;
+        const float dv = descale.v ? descale.v[bh / group] : 1.f;
+        const float scale = scale_log2 * dq * dk;
+        mbar_wait(&full[Stages], q.phase());
+        const int query = i * Br + 64 * wg + 16 * warp + g;
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};
+        const auto add_PV = [&](int stage) {  // O_i += P~ V_j: B = V^T's rows (N = columns of O)
+            const char* Vt_j = reinterpret_cast<const char*>(sh.KV[stage].Vt_j);
+            constexpr int N = D < 128 ? D : 128;
+#pragma unroll
+            for (int k = 0; k < Bc / 32; k++)
+#pragma unroll
+                for (int half = 0; half < D / N; half++)
+                    wgmma_fp8_rs<N>(O_i + half * N / 2, P[k],
+                                    smem_desc(Vt_j + half * N * kRowBytes + k * 32, 0));
+            wgmma_commit();
+        };
+        PipelineState<Stages> read = kv;
+        for (int j = j0; j < j0 + Tc; j++, read.advance()) {
+            mbar_wait(&full[read.stage()], read.phase());
+            const char* K_j = reinterpret_cast<const char*>(sh.KV[read.stage()].K_j);
+            float S_ij[Bc / 2] = {}, alpha[2];
+            Fp8Turns::take(wg);
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < D / 32; k++)  // 32 of d a step (d = 64: the padding unread)
+                wgmma_fp8_ss<Bc>(S_ij, smem_desc(Q_w + k / 4 * Br * kRowBytes + k % 4 * 32, 0),
+                                 smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
+            wgmma_commit();
+            Fp8Turns::pass(wg);  // (before line 10's product: after it, ptxas serializes, C7514)
+            if (j > j0) add_PV(read.previous().stage());
+            j > j0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const Span seen = policy.row_keys(query + 8 * r);
+                const int hi = seen.last - j * Bc - 2 * t;
+                if (hi < Bc - 7)
+#pragma unroll
+                    for (int c = 0; c < Bc / 4; c++)
+                        if (8 * (c / 2) + c % 2 > hi) acc_at(S_ij, r, c) = -INFINITY;
+                float m_new = m[r];
+#pragma unroll
+                for (int c = 0; c < Bc / 4; c++) m_new = fmaxf(m_new, acc_at(S_ij, r, c));
+                m_new = quad_reduce(m_new, fmaxf);
+                const float m_log2 = m_new == -INFINITY ? 0.f : m_new * scale;
+                alpha[r] = exp2_ftz(m[r] * scale - m_log2);
+                m[r] = m_new;
+                float sum = 0.f;
+#pragma unroll
+                for (int c = 0; c < Bc / 4; c++) {  // 256 P~ (the offset 8 in log2 units)
+                    float& s = acc_at(S_ij, r, c);
+                    s = exp2_ftz(fmaf(s, scale, kPOffsetLog2 - m_log2));
+                    sum += s;
+                }
+                l[r] = l[r] * alpha[r] + sum;
+            }
+            wgmma_wait<0>(O_i);
+            if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
+#pragma unroll
+            for (int n = 0; n < D / 2; n++) O_i[n] *= alpha[n % 4 / 2];
+#pragma unroll
+            for (int k = 0; k < Bc / 32; k++)  // keys 32k .. 32k + 31 as A (flash_fp8_p_index)
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+                    P[k][a] = e4m3x4(S_ij[flash_fp8_p_index(k, a, 0)],
+                                     S_ij[flash_fp8_p_index(k, a, 1)],
+                                     S_ij[flash_fp8_p_index(k, a, 2)],
+                                     S_ij[flash_fp8_p_index(k, a, 3)]);
+        }
+        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[Stages]);
+        kv.advance(Tc);
+        if (Tc > 0) {
+            wgmma_fence();
+            add_PV(kv.previous().stage());
+            wgmma_wait<0>(O_i);
+            if (threadIdx.x % 32 == 0) mbar_arrive(&empty[kv.previous().stage()]);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {  // O = descale_v P~ V / l; L = m + log(l / 256)
+            const int row = query + 8 * r;
+            const float l_row = quad_reduce(l[r], add);
+            if (row >= policy.q_len) continue;
+            const float inv = l_row > 0.f ? dv / l_row : 0.f;
+            TO* O_row = O + (size_t(bh) * policy.q_len + row) * D;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++)
+                *reinterpret_cast<uint32_t*>(O_row + 8 * n + 2 * t) =
+                    pair_bits<TO>(acc_at(O_i, r, 2 * n) * inv, acc_at(O_i, r, 2 * n + 1) * inv);
+            const float L_row =
+                l_row > 0.f ? (m[r] * scale + log2f(l_row) - kPOffsetLog2) * kLn2 : -INFINITY;
+            if (t == 0) L[size_t(bh) * policy.q_len + row] = L_row;
+        }
+    }
+}
+#undef HOPPER_ONLY
+
+// ---------------------------------------------------------------------------------------------
+// The launcher.
+template <int D>
+constexpr size_t fp8_shared_bytes() {
+    return shared_bytes_through(offsetof(Fp8Shared<D>, work) + sizeof(Fp8Shared<D>::work));
+}
+static_assert(fp8_shared_bytes<64>() <= 227 * 1024 && fp8_shared_bytes<128>() <= 227 * 1024 &&
+                  fp8_shared_bytes<256>() <= 227 * 1024,
+              "a block past 227 KiB");
+
+template <typename TO>
+static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V, TO* O, float* L,
+                        const AttentionShape& s, const Fp8Descales& descale, cudaStream_t stream) {
+    validate_shape(s, kFlashHopperHeadDims, 1);
+    validate_pointers(fn, {input_arg("Q", Q, q_elems(s)), input_arg("K", K, kv_elems(s)),
+                           input_arg("V", V, kv_elems(s)), output_arg("O", O, q_elems(s)),
+                           output_arg("L", L, l_elems(s))});
+    const size_t per_q = size_t(s.batch) * s.heads, per_kv = size_t(s.batch) * flash_kv_heads(s);
+    for (const Arg& d : {input_arg("descales.q", descale.q, per_q),
+                         input_arg("descales.k", descale.k, per_kv),
+                         input_arg("descales.v", descale.v, per_kv)})
+        if (d.ptr)  // (given: a device array no output overlaps)
+            validate_pointers(fn, {d, output_arg("O", O, q_elems(s)),
+                                   output_arg("L", L, l_elems(s))});
+    const cudaDeviceProp prop = flash_device_props();
+    if (prop.major != 9)
+        throw std::runtime_error(std::string(fn) + " needs a GPU of compute capability 9.0 (fp8 "
+                                 "wgmma, sm_90a: H100, H200); " + prop.name + " is " +
+                                 std::to_string(prop.major) + "." + std::to_string(prop.minor));
+    const int kvh = flash_kv_heads(s), len32 = (s.kv_len + 31) / 32 * 32;
+    const size_t vt_bytes = size_t(s.batch) * kvh * s.head_dim * len32;
+    const long long groups = (long long)s.batch * kvh * (len32 / 32);  // the transpose's blocks
+    if (groups > INT_MAX)
+        throw std::invalid_argument(std::string(fn) + ": batch * kv_heads * kv_len / 32 is "
+                                    "invalid past 2^31 - 1 (the transpose's grid)");
+    const Layout lay = contiguous_layout(s);
+    dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
+        constexpr int D = decltype(dim)::value;
+        constexpr size_t bytes = fp8_shared_bytes<D>();
+        const int tiles = grid_blocks(s, s.q_len, kFp8Br, "q_len");
+        const int blocks = std::min(tiles, prop.multiProcessorCount);
+        with_scratch(vt_bytes + 16, stream, [&](void* scratch) {
+            fp8* Vt = static_cast<fp8*>(scratch);
+            int* next = reinterpret_cast<int*>(static_cast<char*>(scratch) + vt_bytes);
+            cudaError_t err = cudaMemsetAsync(next, 0, sizeof(int), stream);
+            if (err != cudaSuccess) return err;
+            transpose_v<D><<<unsigned(groups), D, 0, stream>>>(V, Vt, s.kv_len, len32);
+            if ((err = cudaGetLastError()) != cudaSuccess) return err;
+            // V^T as a tensor of batch x kv_heads heads, D rows of len32 "columns" (keys).
+            Rows vt;
+            vt.heads = kvh, vt.row = len32, vt.head = (long long)D * len32;
+            vt.batch = vt.head * kvh;
+            const CUtensorMap Qm = tensor_map(Q, lay.Q, s.batch, s.q_len, D, kFp8Br),
+                              Km = tensor_map(K, lay.K, s.batch, s.kv_len, D, kFp8Bc),
+                              Vm = tensor_map<fp8>(Vt, vt, s.batch, D, len32, D);
+            const auto run = [&](auto policy) {
+                const auto kernel = flash_forward_fp8_kernel<D, TO, decltype(policy)>;
+                allow_shared(kernel, bytes);
+                kernel<<<blocks, kWarpgroup * (kFp8Consumers + 1), bytes, stream>>>(
+                    Qm, Km, Vm, O, L, lay, vt, policy, descale, (s.q_len + kFp8Br - 1) / kFp8Br,
+                    tiles,
+                    16, flash_kv_group(s), options_scale_log2(s, AttentionOptions{}), next);
+                return cudaGetLastError();
+            };
+            return run(PlainPolicy{s.q_len, s.kv_len, s.causal});
+        });
+    });
+}
+
+void flash_forward_fp8_hopper(const fp8* Q, const fp8* K, const fp8* V, __nv_bfloat16* O,
+                              float* L, const AttentionShape& shape, const Fp8Descales& descales,
+                              cudaStream_t stream) {
+    forward_fp8("flash_forward_fp8_hopper", Q, K, V, O, L, shape, descales, stream);
+}
+void flash_forward_fp8_hopper(const fp8* Q, const fp8* K, const fp8* V, __half* O, float* L,
+                              const AttentionShape& shape, const Fp8Descales& descales,
+                              cudaStream_t stream) {
+    forward_fp8("flash_forward_fp8_hopper", Q, K, V, O, L, shape, descales, stream);
+}
