@@ -55,13 +55,14 @@ __host__ __device__ constexpr int hopper_stages(int /* head_dim */) { return 3; 
 #define HOPPER_PERSISTENT 1
 #endif
 constexpr bool kPersistent = HOPPER_PERSISTENT;
-// Ping-pong (FlashAttention-3; an experiment, -DHOPPER_PINGPONG=1): with two consumers, each
-// issues its products only in its turn and then passes the turn (lib/hopper.cuh, Turns).
+// Ping-pong (FlashAttention-3): the two consumers take turns to issue S_ij = Q_i K_j^T (Turns,
+// lib/hopper.cuh), so that one's softmax runs while the other's product is on the tensor cores. At
+// d = 128 only, where it measured 1.03-1.10x; d = 64 runs three consumers, and at d = 256 it
+// measured the same as without. -DHOPPER_PINGPONG=0 turns it off.
 #ifndef HOPPER_PINGPONG
-#define HOPPER_PINGPONG 0
+#define HOPPER_PINGPONG 1
 #endif
-template <int Consumers>
-using HopperTurns = Turns<HOPPER_PINGPONG && Consumers == 2>;
+__host__ __device__ constexpr bool hopper_pingpong(int d) { return HOPPER_PINGPONG && d == 128; }
 // Heads whose Q tiles go together (line 3). Under GQA the query heads of a K/V head are
 // consecutive, so 16 of them read 16 / group K/V heads, which then stay in L2.
 constexpr int kHopperHeadGroup = 16;
@@ -144,7 +145,8 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     };
     if (threadIdx.x == 0) init_barriers(full, empty, Stages + 1, 4 * Consumers);
     __syncthreads();
-    HopperTurns<Consumers>::start(int(threadIdx.x / kWarpgroup) - 1);
+    using Turn = Turns<hopper_pingpong(D)>;
+    Turn::start(int(threadIdx.x / kWarpgroup) - 1);  // (consumer 1 gives 0 the first turn)
     if (threadIdx.x < kWarpgroup) {                    // the producer: lines 4 and 7
         setmaxnreg<false, producer_regs(Consumers)>();  // it needs few registers; the math, many
         if (threadIdx.x >= 32) return;                 // warp 0 runs the loop, lane 0 the copies
@@ -214,15 +216,15 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             mbar_wait(&full[read.stage()], read.phase());  // K_j and V_j are in
             const char* K_j = reinterpret_cast<const char*>(K_at(read.stage()));
             float S_ij[Bc / 2] = {}, alpha[2];         // line 8: S_ij = Q_i K_j^T, 16 of d a step
-            HopperTurns<Consumers>::take(wg);
+            Turn::take(wg);                            // (ping-pong: my turn for line 8)
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < D / 16; k++)
                 wgmma_ss<T, Bc>(S_ij, smem_desc(Q_w + k / 4 * Br * kRowBytes + k % 4 * 32, 0),
                                 smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
             wgmma_commit();
+            Turn::pass(wg);                            // (before line 10: after, ptxas serializes)
             // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
-            HopperTurns<Consumers>::pass(wg);            // (before line 10: after it, ptxas serializes)
             if (j > j0) add_PV(read.previous().stage());
             j > j0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);  // S_ij done (P~ V_{j-1}: not yet)
 #pragma unroll
