@@ -57,8 +57,8 @@ __host__ __device__ constexpr int hopper_stages(int /* head_dim */) { return 3; 
 constexpr bool kPersistent = HOPPER_PERSISTENT;
 // Ping-pong (FlashAttention-3): the two consumers take turns to issue S_ij = Q_i K_j^T (Turns,
 // lib/hopper.cuh), so that one's softmax runs while the other's product is on the tensor cores. At
-// d = 128 only, where it measured 1.03-1.10x; d = 64 runs three consumers, and at d = 256 it
-// measured the same as without. -DHOPPER_PINGPONG=0 turns it off.
+// d = 128 only, where it measured 1.00-1.07x; d = 64 runs three consumers, and at d = 256 it
+// measured 0.97-1.13x. -DHOPPER_PINGPONG=0 turns it off.
 #ifndef HOPPER_PINGPONG
 #define HOPPER_PINGPONG 1
 #endif

@@ -8,7 +8,7 @@
 //        build/backward_passes.o build/flash_hopper.o build/flash_hopper_backward.o \
 //        build/flash_hopper_fp8.o -o fp8_bench
 //   ./fp8_bench
-// Prints CSV: d,N,causal,fp8 TFLOP/s,fp16 TFLOP/s,ratio.
+// Prints CSV: d,N,causal,fp8_tflops,fp16_tflops,ratio (fp8 over fp16).
 #include "checks.h"
 #include "flash.h"
 
@@ -17,7 +17,7 @@
 #include "device-fill.cuh"  // fill, median_ms
 
 int main() {
-    printf("d,N,causal,fp8 TFLOP/s,fp16 TFLOP/s,ratio\n");
+    printf("d,N,causal,fp8_tflops,fp16_tflops,ratio\n");
     for (int d : {128, 256})
         for (int n : {4096, 8192, 16384})
             for (bool causal : {false, true}) {
