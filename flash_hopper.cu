@@ -94,95 +94,92 @@ struct FwdShared {
 };
 
 // ---------------------------------------------------------------------------------------------
-// The kernel. A persistent grid, one block an SM, each block running tiles (Q tile i, batch*head)
-// one after another: its first is blockIdx.x, then whichever the counter `next` hands out as it
-// nears the end of one (dynamic, so that long causal tiles and short ones even out), and the next
-// tile's Q_i and first K/V tiles load while the last one's O_i is written. Consumers + 1
-// warpgroups: warpgroup 0 is the producer (its first warp fetches tile numbers, one thread, the
-// issuer, issues every TMA copy), warpgroups 1..Consumers the consumers, 64 rows of Q_i each
-// (Br = 64 Consumers). K/V tiles of Bc keys pass through a ring of Stages stages (PipelineState,
-// above), each with two mbarriers: full (the copy engine's bytes are in) and empty (all 4
-// Consumers consumer warps have read it); Q_i has a pair too, a ring of one stage whose phase
-// also picks the slot of the tile numbers. A consumer thread's accumulators are read through
-// acc_at, as in chapter 2. Policy: the mask and the score, chapter 2's (lib/mask_policy.cuh):
-// which K/V tiles a Q tile loads, which scores are tested, each score's change. lay: where the
-// rows are (chapter 5's strides, a packed batch's sequences); the maps Q, K, V hold them too.
-template <typename T, int D, int Bc, int Consumers, typename Policy>
-__global__ void __launch_bounds__(kWarpgroup * (Consumers + 1), 1)
-flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
-                            const __grid_constant__ CUtensorMap K,
-                            const __grid_constant__ CUtensorMap V, T* __restrict__ O,
-                            float* __restrict__ L, const __grid_constant__ Layout lay,
-                            const Policy policy, int Tr, int tiles, int head_group, int group,
-                            float scale_log2, int* next) {
-    constexpr int Br = 64 * Consumers, Stages = hopper_stages(D);
-    auto& sh = shared_storage<FwdShared<T, D, Bc, Consumers>>();
-    T* Q_i = sh.Q_i;
-    uint64_t *full = sh.full, *empty = sh.empty;
-    int* work = sh.work;
-    // Head bh's policy: its sequence's (a packed batch's lengths, the layout's; else the
-    // shape's) and its head's (ALiBi's slope).
-    const auto policy_of = [&](int bh) {
-        const int q_len = lay.Q.len(bh, policy.q_len);
-        const int kv_len = lay.K.len(bh / group, policy.kv_len);
-        return policy.for_sequence(q_len, kv_len).for_head(bh);
-    };
-    const auto K_at = [&](int stage) { return sh.KV[stage].K_j; };  // the stage's K_j
-    const auto V_at = [&](int stage) { return sh.KV[stage].V_j; };  // and V_j
-    // Line 3: tile -> (Q tile i, head bh) and its K/V tiles j0 .. j0 + Tc - 1 (the policy's: all
-    // to the last row's last key under causal), as chapter 2: heads in groups of head_group, each
-    // group's Q tiles longest (causal) first, its heads taking turns.
+// Line 3, the producer's and the consumers' alike: tile -> (Q tile i, head bh) and its K/V tiles
+// j0 .. j0 + Tc - 1 (the policy's: all to the last row's last key under causal), as chapter 2:
+// heads in groups of head_group, each group's Q tiles longest (causal) first, its heads taking
+// turns. Head bh's policy: its sequence's (a packed batch's lengths, the layout's; else the
+// shape's) and its head's (ALiBi's slope).
+template <int Br, int Bc, typename Policy>
+struct FwdTiles {
+    const Layout& lay;
+    const Policy& policy;
+    int Tr, tiles, head_group, group;
     struct Work {
         int i, bh, j0, Tc;
     };
-    const auto decode = [&](int tile) {
+    __device__ Policy policy_of(int bh) const {
+        const int q_len = lay.Q.len(bh, policy.q_len);
+        const int kv_len = lay.K.len(bh / group, policy.kv_len);
+        return policy.for_sequence(q_len, kv_len).for_head(bh);
+    }
+    __device__ Work decode(int tile) const {
         const int head0 = tile / (head_group * Tr) * head_group;
         const int heads = min(head_group, tiles / Tr - head0), place = tile % (head_group * Tr);
         const int i = Tr - 1 - place / heads, bh = head0 + place % heads;
         const KeySpan keys = policy_of(bh).keys(i * Br, Br);
         const int j0 = keys.begin / Bc;
         return Work{i, bh, j0, keys.end > keys.begin ? (keys.end - 1) / Bc - j0 + 1 : 0};
-    };
-    if (threadIdx.x == 0) init_barriers(full, empty, Stages + 1, 4 * Consumers);
-    __syncthreads();
-    using Turn = Turns<hopper_pingpong(D)>;
-    Turn::start(int(threadIdx.x / kWarpgroup) - 1);  // (consumer 1 gives 0 the first turn)
-    if (threadIdx.x < kWarpgroup) {                    // the producer: lines 4 and 7
-        setmaxnreg<false, producer_regs(Consumers)>();  // it needs few registers; the math, many
-        if (threadIdx.x >= 32) return;                 // warp 0 runs the loop, lane 0 the copies
-        const bool issuer = threadIdx.x == 0;
-        PipelineState<Stages> kv;                      // the K/V tile it loads next
-        int tile = blockIdx.x;
-        for (PipelineState<1> q;; q.advance()) {       // Q_i's ring, of one stage
-            if (issuer) work[q.phase()] = tile;        // the next tile (past the end: none left)
-            if (tile >= tiles) break;
-            const auto [i, bh, j0, Tc] = decode(tile);
-            if (q.n > 0) mbar_wait(&empty[Stages], q.phase_before());  // the last Q_i is read
-            if (issuer) mbar_expect_bytes(&full[Stages], Br * D * sizeof(T));  // line 4: load Q_i
-            // Where the maps have head bh's row 0 (row, head, batch), and its K/V head's, bh /
-            // group: the group query heads of a K/V head (GQA) share it.
-            const int3 q0 = lay.Q.box_at(bh, i * Br), k0 = lay.K.box_at(bh / group, j0 * Bc);
-            if (issuer) load_tile<Br, D>(Q_i, Q, q0.x, q0.y, q0.z, &full[Stages]);
-            for (int j = 0; j < Tc; j++, kv.advance()) {  // line 7: K_j, V_j, in a free stage
-                if (j == Stages) handout<Consumers>();  // the consumers start this tile
-                if (kv.n >= Stages) mbar_wait(&empty[kv.stage()], kv.phase_before());
-                if (!issuer) continue;
-                mbar_expect_bytes(&full[kv.stage()], 2 * Bc * D * sizeof(T));
-                const int row = k0.x + j * Bc;         // tile j0 + j
-                load_tile<Bc, D>(K_at(kv.stage()), K, row, k0.y, k0.z, &full[kv.stage()]);
-                load_tile<Bc, D>(V_at(kv.stage()), V, row, k0.y, k0.z, &full[kv.stage()]);
-            }
-            if (Tc <= Stages) handout<Consumers>();    // (all of its tiles issued)
-            tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
-        }
-        handout<Consumers>();                          // the consumers learn that none is left
-        // It leaves only once the last tiles it filled are read: a producer that returns at once
-        // leaves blocks that never finish under compute-sanitizer's racecheck.
-        for (PipelineState<Stages> s{max(kv.n - Stages, 0)}; s.n < kv.n; s.advance())
-            mbar_wait(&empty[s.stage()], s.phase());
-        return;
     }
-    setmaxnreg<true, consumer_regs(Consumers)>();
+};
+
+// The producer (lines 4 and 7): its first warp fetches tile numbers and hands them out, its lane
+// 0, the issuer, copies Q_i and the K/V tiles by TMA into free stages.
+template <typename T, int D, int Bc, int Consumers, typename Tiles>
+__device__ __forceinline__ void fwd_produce(FwdShared<T, D, Bc, Consumers>& sh,
+                                            const CUtensorMap& Q, const CUtensorMap& K,
+                                            const CUtensorMap& V, const Tiles& map,
+                                            const Layout& lay, int* next) {
+    constexpr int Br = 64 * Consumers, Stages = hopper_stages(D);
+    T* Q_i = sh.Q_i;
+    uint64_t *full = sh.full, *empty = sh.empty;
+    int* work = sh.work;
+    const auto K_at = [&](int stage) { return sh.KV[stage].K_j; };  // the stage's K_j
+    const auto V_at = [&](int stage) { return sh.KV[stage].V_j; };  // and V_j
+    if (threadIdx.x >= 32) return;                 // warp 0 runs the loop, lane 0 the copies
+    const bool issuer = threadIdx.x == 0;
+    PipelineState<Stages> kv;                      // the K/V tile it loads next
+    int tile = blockIdx.x;
+    for (PipelineState<1> q;; q.advance()) {       // Q_i's ring, of one stage
+        if (issuer) work[q.phase()] = tile;        // the next tile (past the end: none left)
+        if (tile >= map.tiles) break;
+        const auto [i, bh, j0, Tc] = map.decode(tile);
+        if (q.n > 0) mbar_wait(&empty[Stages], q.phase_before());  // the last Q_i is read
+        if (issuer) mbar_expect_bytes(&full[Stages], Br * D * sizeof(T));  // line 4: load Q_i
+        // Where the maps have head bh's row 0 (row, head, batch), and its K/V head's, bh /
+        // group: the group query heads of a K/V head (GQA) share it.
+        const int3 q0 = lay.Q.box_at(bh, i * Br), k0 = lay.K.box_at(bh / map.group, j0 * Bc);
+        if (issuer) load_tile<Br, D>(Q_i, Q, q0.x, q0.y, q0.z, &full[Stages]);
+        for (int j = 0; j < Tc; j++, kv.advance()) {  // line 7: K_j, V_j, in a free stage
+            if (j == Stages) handout<Consumers>();  // the consumers start this tile
+            if (kv.n >= Stages) mbar_wait(&empty[kv.stage()], kv.phase_before());
+            if (!issuer) continue;
+            mbar_expect_bytes(&full[kv.stage()], 2 * Bc * D * sizeof(T));
+            const int row = k0.x + j * Bc;         // tile j0 + j
+            load_tile<Bc, D>(K_at(kv.stage()), K, row, k0.y, k0.z, &full[kv.stage()]);
+            load_tile<Bc, D>(V_at(kv.stage()), V, row, k0.y, k0.z, &full[kv.stage()]);
+        }
+        if (Tc <= Stages) handout<Consumers>();    // (all of its tiles issued)
+        tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
+    }
+    handout<Consumers>();                          // the consumers learn that none is left
+    // It leaves only once the last tiles it filled are read: a producer that returns at once
+    // leaves blocks that never finish under compute-sanitizer's racecheck.
+    for (PipelineState<Stages> s{max(kv.n - Stages, 0)}; s.n < kv.n; s.advance())
+        mbar_wait(&empty[s.stage()], s.phase());
+}
+
+// A consumer (lines 5-13): 64 rows of each tile's Q_i, the softmax under the product.
+template <typename T, int D, int Bc, int Consumers, typename Policy, typename Tiles>
+__device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, const Tiles& map,
+                                            T* __restrict__ O, float* __restrict__ L,
+                                            const Layout& lay, float scale_log2) {
+    constexpr int Br = 64 * Consumers, Stages = hopper_stages(D);
+    using Turn = Turns<hopper_pingpong(D)>;
+    T* Q_i = sh.Q_i;
+    uint64_t *full = sh.full, *empty = sh.empty;
+    int* work = sh.work;
+    const auto K_at = [&](int stage) { return sh.KV[stage].K_j; };
+    const auto V_at = [&](int stage) { return sh.KV[stage].V_j; };
     const int wg = threadIdx.x / kWarpgroup - 1;       // which consumer, 0 .. Consumers - 1
     const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     // The warpgroup's 64 rows of Q_i: in each 64-column block, after wg times 64 rows of 64.
@@ -192,9 +189,9 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     for (PipelineState<1> q;; q.advance()) {           // Q_i's ring, of one stage
         handout<Consumers>();                          // the producer has written work[q.phase()]
         const int tile = work[q.phase()];
-        if (tile >= tiles) break;
-        const auto [i, bh, j0, Tc] = decode(tile);
-        const Policy pol = policy_of(bh);
+        if (tile >= map.tiles) break;
+        const auto [i, bh, j0, Tc] = map.decode(tile);
+        const Policy pol = map.policy_of(bh);
         const int q_len = pol.q_len;
         mbar_wait(&full[Stages], q.phase());           // Q_i is in
         const int query = i * Br + 64 * wg + 16 * warp + g;  // this thread's rows: query + 8r
@@ -299,6 +296,41 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             if (t == 0) L[lay.L.at(bh, q_len) + row] = L_row;
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel. A persistent grid, one block an SM, each block running tiles (Q tile i, batch*head)
+// one after another: its first is blockIdx.x, then whichever the counter `next` hands out as it
+// nears the end of one (dynamic, so that long causal tiles and short ones even out), and the next
+// tile's Q_i and first K/V tiles load while the last one's O_i is written. Consumers + 1
+// warpgroups: warpgroup 0 is the producer (its first warp fetches tile numbers, one thread, the
+// issuer, issues every TMA copy), warpgroups 1..Consumers the consumers, 64 rows of Q_i each
+// (Br = 64 Consumers). K/V tiles of Bc keys pass through a ring of Stages stages (PipelineState,
+// above), each with two mbarriers: full (the copy engine's bytes are in) and empty (all 4
+// Consumers consumer warps have read it); Q_i has a pair too, a ring of one stage whose phase
+// also picks the slot of the tile numbers. A consumer thread's accumulators are read through
+// acc_at, as in chapter 2. Policy: the mask and the score, chapter 2's (lib/mask_policy.cuh):
+// which K/V tiles a Q tile loads, which scores are tested, each score's change. lay: where the
+// rows are (chapter 5's strides, a packed batch's sequences); the maps Q, K, V hold them too.
+template <typename T, int D, int Bc, int Consumers, typename Policy>
+__global__ void __launch_bounds__(kWarpgroup * (Consumers + 1), 1)
+flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
+                            const __grid_constant__ CUtensorMap K,
+                            const __grid_constant__ CUtensorMap V, T* __restrict__ O,
+                            float* __restrict__ L, const __grid_constant__ Layout lay,
+                            const Policy policy, int Tr, int tiles, int head_group, int group,
+                            float scale_log2, int* next) {
+    auto& sh = shared_storage<FwdShared<T, D, Bc, Consumers>>();
+    const FwdTiles<64 * Consumers, Bc, Policy> map{lay, policy, Tr, tiles, head_group, group};
+    if (threadIdx.x == 0) init_barriers(sh.full, sh.empty, hopper_stages(D) + 1, 4 * Consumers);
+    __syncthreads();
+    Turns<hopper_pingpong(D)>::start(int(threadIdx.x / kWarpgroup) - 1);  // (consumer 1: 0 first)
+    if (threadIdx.x < kWarpgroup) {                    // the producer: lines 4 and 7
+        setmaxnreg<false, producer_regs(Consumers)>();  // it needs few registers; the math, many
+        return fwd_produce(sh, Q, K, V, map, lay, next);
+    }
+    setmaxnreg<true, consumer_regs(Consumers)>();
+    fwd_consume<T, D, Bc, Consumers, Policy>(sh, map, O, L, lay, scale_log2);
 }
 #undef HOPPER_ONLY
 
