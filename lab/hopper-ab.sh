@@ -6,7 +6,7 @@
 # `make build/checks.o ARCH=sm_90`. Extra nvcc flags for every variant: HOPPER_AB_FLAGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-objs=()
+objs=() pids=()
 {
     for arg in "$@"; do echo "DECL(${arg%%=*})"; done
     printf '#define VARIANT_LIST'
@@ -26,8 +26,10 @@ for arg in "$@"; do
     defs=()
     for s in "${names[@]}"; do defs+=("-D$s=${s}_$n"); done
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I. -Ilib "${defs[@]}" \
-        ${HOPPER_AB_FLAGS:-} -c "$src" -o "hopper_ab_$n.o"
+        ${HOPPER_AB_FLAGS:-} -c "$src" -o "hopper_ab_$n.o" &  # the variants compile at once
+    pids+=($!)
     objs+=("hopper_ab_$n.o")
 done
+for pid in "${pids[@]}"; do wait "$pid"; done  # (set -e: a variant that fails to compile stops it)
 nvcc -O3 -std=c++17 -arch=sm_90 -I. -Ilib -Ilab lab/hopper-ab.cu "${objs[@]}" build/checks.o -o hopper_ab
 rm -f lab/hopper-ab-variants.h
