@@ -96,7 +96,8 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
     return r;
 }
 
-// The kernel: flash_hopper.cu's, step for step (its comments hold here), with the changes above.
+// The kernel: flash_hopper.cu's fwd_produce and fwd_consume, step for step (their comments hold
+// here), in one function, with the changes above.
 template <int D, typename TO, typename Policy>
 __global__ void __launch_bounds__(kWarpgroup * (kFp8Consumers + 1), 1)
 flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
