@@ -4,8 +4,18 @@
 # `git show COMMIT:flash_hopper.cu > old.cu`), compiled for sm_90a with its exported names
 # suffixed by NAME so that all of them link into one binary. Run from the repository root after
 # `make build/checks.o ARCH=sm_90`. Extra nvcc flags for every variant: HOPPER_AB_FLAGS.
+# AB_KIND=fp8: the same for versions of flash_hopper_fp8.cu, into ./fp8_ab (lab/fp8-ab.cu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${AB_KIND:-fp16}" = fp8 ]; then
+    call=flash_forward_fp8_hopper driver=lab/fp8-ab.cu out=fp8_ab
+    names=(flash_forward_fp8_hopper flash_forward_fp8_kernel transpose_v)
+else
+    call=flash_forward_fp16_hopper driver=lab/hopper-ab.cu out=hopper_ab
+    names=(flash_forward_fp16_hopper flash_forward_bf16_hopper flash_forward_hopper_launch
+           flash_forward_hopper_kernel hopper_consumers hopper_Br hopper_Bc hopper_stages
+           producer_regs consumer_regs registers_fit)
+fi
 objs=() pids=()
 {
     for arg in "$@"; do echo "DECL(${arg%%=*})"; done
@@ -13,16 +23,13 @@ objs=() pids=()
     sep=' '
     for arg in "$@"; do
         n=${arg%%=*}
-        printf '%s{"%s", flash_forward_fp16_hopper_%s}' "$sep" "$n" "$n"
+        printf '%s{"%s", %s_%s}' "$sep" "$n" "$call" "$n"
         sep=', '
     done
     echo
 } > lab/hopper-ab-variants.h
 for arg in "$@"; do
     n=${arg%%=*} src=${arg#*=}
-    names=(flash_forward_fp16_hopper flash_forward_bf16_hopper flash_forward_hopper_launch
-           flash_forward_hopper_kernel hopper_consumers hopper_Br hopper_Bc hopper_stages producer_regs
-           consumer_regs registers_fit)
     defs=()
     for s in "${names[@]}"; do defs+=("-D$s=${s}_$n"); done
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I. -Ilib "${defs[@]}" \
@@ -31,5 +38,5 @@ for arg in "$@"; do
     objs+=("hopper_ab_$n.o")
 done
 for pid in "${pids[@]}"; do wait "$pid"; done  # (set -e: a variant that fails to compile stops it)
-nvcc -O3 -std=c++17 -arch=sm_90 -I. -Ilib -Ilab lab/hopper-ab.cu "${objs[@]}" build/checks.o -o hopper_ab
+nvcc -O3 -std=c++17 -arch=sm_90 -I. -Ilib -Ilab "$driver" "${objs[@]}" build/checks.o -o "$out"
 rm -f lab/hopper-ab-variants.h
