@@ -391,7 +391,8 @@ __device__ __forceinline__ void scores(float (&S)[kUnroll][kR], float (&Kf)[8],
                 dot += __shfl_xor_sync(0xffffffffu, dot, off);
             float du;  // (a derivative only the backward needs)
             const bool seen = j < end[r] && (!Policy::kLeftEdge || j >= begin[r]);
-            S[u][r] = seen ? rp[r].score(dot, i[r], j, du) : -INFINITY;
+            const float s = rp[r].at(i[r], base + me.g).score(dot, -u * Lanes::kKeysPerLoad, du);
+            S[u][r] = seen ? s : -INFINITY;            // (at: the same for every u, taken once)
         }
     }
 }

@@ -178,9 +178,10 @@ flash_forward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         for (int r = 0; r < 2 * M; r++) {              // line 9 for query + 8r: mask, max
             const float m_old = m[r];
             float du;                                  // (a derivative only the backward needs)
+            const auto near = pol.at(query + 8 * r, j * Bc + acc_col(0, t));
             for (int c = 0; c < Bc / 4; c++) {         // column c is key j Bc + acc_col(c, t):
                 float& s = acc_at(S, r, c);            // its score changed, if the policy does
-                s = pol.score(s, query + 8 * r, j * Bc + acc_col(c, t), du);
+                s = near.score(s, acc_col(0, t) - acc_col(c, t), du);  // (a constant distance)
             }
             // The mask, in a tile where a row misses one of the keys.
             if (j * Bc < keys.all_begin || (j + 1) * Bc > keys.all_end) {
@@ -431,17 +432,20 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         // The mask only where the tile reaches past kv_len, q_len or a key's queries.
         const bool edge = (j + 1) * Bc > kv_len || q0 + Br > q_len ||
                           !pol.full(q0, q0 + Br, j * Bc, (j + 1) * Bc);
+        // The scores' distances from query q0 + q_w + 2t, key j Bc + k_w + g: constants below.
+        const auto near = pol.at(q0 + q_w + acc_col(0, t), j * Bc + k_w + g);
 #pragma unroll  // (S and dP stay in registers: with a score change nvcc would not unroll)
         for (int c = 0; c < TS::cols / 4; c++) {       // column c: query q0 + qi
             const int qi = q_w + acc_col(c, t);
             const float L_q = L_i[fstage + qi] * kLog2e, D_q = D_i[fstage + qi];
 #pragma unroll
             for (int r = 0; r < 2 * TS::M; r++) {
-                const int key = j * Bc + k_w + 16 * (r / 2) + g + 8 * (r % 2);
                 float& p = S[r / 2][c / 2][2 * (r % 2) + c % 2];  // acc_at(S, r, c)
                 float du;                              // d(changed score) / d(Q_i . K_j)
-                // Line 11: P^T = exp(S^T - L_i), of the changed scores, masked.
-                p = exp2_ftz(pol.score(p, q0 + qi, key, du) * scale_log2 - L_q);
+                // Line 11: P^T = exp(S^T - L_i), of the changed scores, masked. (Key
+                // j Bc + k_w + g + 16(r / 2) + 8(r % 2).)
+                const int k = (acc_col(c, t) - acc_col(0, t)) - (16 * (r / 2) + 8 * (r % 2));
+                p = exp2_ftz(near.score(p, k, du) * scale_log2 - L_q);
                 if (edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last)) p = 0.f;
                 float& ds = dP[r / 2][c / 2][2 * (r % 2) + c % 2];  // acc_at(dP, r, c)
                 ds = p * (ds - D_q) * du;              // line 14: dS^T = P^T o (dP^T - D_i), du

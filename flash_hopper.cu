@@ -227,10 +227,11 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
 #pragma unroll
             for (int r = 0; r < 2; r++) {              // line 9 for row query + 8r
                 float du;                              // (a derivative only the backward needs)
+                const auto near = pol.at(query + 8 * r, j * Bc + 2 * t);  // key j Bc + 2t + k:
 #pragma unroll
                 for (int c = 0; c < Bc / 4; c++) {     // the score changed, if the policy does
                     float& s = acc_at(S_ij, r, c);
-                    s = pol.score(s, query + 8 * r, j * Bc + 2 * t + 8 * (c / 2) + c % 2, du);
+                    s = near.score(s, -(8 * (c / 2) + c % 2), du);  // at distance -k
                 }
                 // acc_at(S_ij, r, c) is key j Bc + 2t + 8 (c / 2) + c % 2: masked outside the
                 // row's keys, only in a tile that reaches past them (a branch, not a select on

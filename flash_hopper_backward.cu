@@ -347,11 +347,12 @@ __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du
     for (int r = 0; r < 2; r++) {
         const int key = j * Bc + me.kw + 16 * me.warp + me.g + 8 * r;
         const Span seen = pol.key_queries(key);        // the key's queries (none past kv_len)
+        const auto near = pol.at(q0 + 2 * me.t, key);  // query q0 + qi = q0 + 2t + (qi - 2t)
 #pragma unroll
         for (int c = 0; c < Br / 4; c++) {
             const int qi = 8 * (c / 2) + 2 * me.t + c % 2;
             float& p = acc_at(S, r, c);
-            p = exp2_ftz(pol.score(p, q0 + qi, key, acc_at(du, r, c)) * scale_log2 -
+            p = exp2_ftz(near.score(p, 8 * (c / 2) + c % 2, acc_at(du, r, c)) * scale_log2 -
                          L_i[qi] * kLog2e);
             if (edge && (q0 + qi < seen.first || q0 + qi > seen.last)) p = 0.f;
         }

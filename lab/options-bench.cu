@@ -9,15 +9,20 @@
 //   make test_flash
 //   nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/options-bench.cu build/flash.o \
 //        build/flash_fp16.o build/backward_passes.o build/flash_decode.o build/flash_hopper.o \
-//        build/flash_hopper_backward.o build/checks.o build/dispatch.o -o options_bench
+//        build/flash_hopper_backward.o build/flash_hopper_fp8.o build/checks.o build/dispatch.o \
+//        -o options_bench
 //   ./options_bench
 // Each figure: the median of 10 CUDA-event-timed calls after 3 warm-ups. Prints CSV rows:
-// case,call,seq,window,ms_fwd,ms_bwd,tflops_fwd,tflops_fwd_bwd.
+// case,call,seq,window,ms_fwd,ms_bwd,tflops_fwd,tflops_fwd_bwd. With OPTIONS_BENCH_ONLY=NAME
+// only the rows of the public and options calls whose case starts with NAME, and no decode (for
+// a profiler: lab/options-ab.sh).
 #include "checks.h"
 #include "flash.h"
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <vector>
@@ -76,6 +81,8 @@ struct Buffers {
 static void row(const char* what, const char* call, const AttentionShape& s, int left,
                 const AttentionOptions& o, Buffers& b) {
     const std::string c = call;
+    const char* only = std::getenv("OPTIONS_BENCH_ONLY");
+    if (only && (c == "ch2" || std::strncmp(what, only, std::strlen(only)) != 0)) return;
     const auto fwd = [&] {
         if (c == "plain") flash_forward_fp16(b.Q, b.K, b.V, b.O, b.L, s);
         else if (c == "ch2") flash_forward_fp16_ampere(b.Q, b.K, b.V, b.O, b.L, s);
@@ -120,7 +127,8 @@ int main() {
         row("alibi", "options", s, -1, alibi, b);
         row("scale 0.1", "options", s, -1, scale, b);
     }
-    {   // The decode (chapter 4): one query row against 32k keys, 32 query heads over 8 K/V heads,
+    if (!std::getenv("OPTIONS_BENCH_ONLY")) {
+        // The decode (chapter 4): one query row against 32k keys, 32 query heads over 8 K/V heads,
         // d = 128, batch 8, forward alone. GB/s counts the K and V bytes of the keys the rows see
         // (a window's 4097, else all), so that a window's figure is comparable with the plain one.
         const AttentionShape s{8, 32, 1, 32768, 128, true, 8};

@@ -122,8 +122,9 @@ struct ScoreMod {
         m.slope_u = slope / scale;
         return m;
     }
-    // d = i' - j, the query's distance from the key (ALiBi's |i' - j|).
-    POLICY_FN float score(float dot, int d, float& du) const {
+    // d = i' - j, the query's distance from the key (ALiBi's |i' - j|), in float (exact below
+    // 2^24; see ModelPolicy::at).
+    POLICY_FN float score(float dot, float d, float& du) const {
         float u = dot;
         du = 1.f;
         if (cap_u > 0) {
@@ -131,7 +132,7 @@ struct ScoreMod {
             u = cap_u * t;
             du = 1.f - t * t;                           // d/dx of c tanh(x / c)
         }
-        if (slope_u != 0) u -= slope_u * fabsf(float(d));
+        if (slope_u != 0) u -= slope_u * fabsf(d);
         return u;
     }
 };
@@ -149,6 +150,8 @@ struct ScoreMod {
 //   queries(k0, k1)                    the rows that see any of keys k0 .. k1 - 1 (k1 <= kv_len)
 //   full(q0, q1, k0, k1)               every score of the pair is visible (q1, k1 inside the shape)
 //   score(dot, i, j, du)               the changed score in units of the scale, and du (above)
+//   at(i, j).score(dot, k, du)         the same for the pair at distance i' - j + k, k a constant
+//                                      of the kernel's unrolled loop (below: what it saves)
 //   from_left()                        the backward's order: keys bounded on the right (causal)
 //                                      start from the left
 //   in_units(c)                        the policy for scores that carry a factor c already (the
@@ -192,9 +195,15 @@ struct PlainPolicy {
     POLICY_FN bool full(int q0, int, int, int k1) const {
         return !causal || q0 >= flash_first_query(k1 - 1, q_len, kv_len);
     }
+    struct Near {                                      // (at: nothing to keep)
+        POLICY_FN float score(float dot, int, float& du) const {
+            du = 1.f;
+            return dot;
+        }
+    };
+    POLICY_FN Near at(int, int) const { return {}; }
     POLICY_FN float score(float dot, int, int, float& du) const {
-        du = 1.f;
-        return dot;
+        return at(0, 0).score(dot, 0, du);
     }
 };
 
@@ -244,11 +253,24 @@ struct ModelPolicy : WindowMask {
     POLICY_FN bool full(int q0, int q1, int k0, int k1) const {
         return tile(q0, q1, k0, k1) == TileKind::full;
     }
+    // The scores near query i and key j: the distance i' - j taken once, in int (no overflow),
+    // then in float, so that each score adds its loop's constant k in float. In the kernels'
+    // unrolled loops ALiBi's term then costs an add and an fma a score; a conversion from int to
+    // float a score would run on the XU pipe, with exp2 and tanh, at 16 a clock an SM. (Exact
+    // below 2^24 in distance: the same bits as float(i' - j + k).)
+    struct Near {
+        ScoreMod mod;
+        float d0;
+        POLICY_FN float score(float dot, int k, float& du) const {
+            const float d = d0 + float(k);
+            if (kSoftcap) return mod.score(dot, d, du);
+            du = 1.f;
+            return dot - mod.slope_u * fabsf(d);       // (ALiBi's term: 0 without slopes)
+        }
+    };
+    POLICY_FN Near at(int i, int j) const { return {mod, float((i - q_len) + (kv_len - j))}; }
     POLICY_FN float score(float dot, int i, int j, float& du) const {
-        const int d = (i - q_len) + (kv_len - j);  // i' - j, in int: no overflow
-        if (kSoftcap) return mod.score(dot, d, du);
-        du = 1.f;
-        return dot - mod.slope_u * fabsf(float(d));  // (ALiBi's term: 0 without slopes)
+        return at(i, j).score(dot, 0, du);
     }
 };
 
