@@ -65,7 +65,6 @@ endif
 TEST_OBJS := $(B)/test_flash.o $(patsubst tests/%.cpp,$(B)/%.o,$(filter-out tests/test_docs.cpp,$(wildcard tests/test_*.cpp))) \
              $(B)/spin.o
 DOCS_OBJS := $(B)/test_docs.o $(B)/test_util.o
-HEADERS   := flash.h reference.h $(wildcard lib/*.h lib/*.cuh tests/*.h bench/*.h)
 
 # Catch2 v2 (the tests' framework): looked for before anything is compiled, so that a machine
 # without it gets one line saying what to do rather than a compiler error.
@@ -111,34 +110,43 @@ $(B):
 $(B)/flags: FORCE | $(B)
 	@printf '%s\n' '$(COMPILE)' | cmp -s - $@ || printf '%s\n' '$(COMPILE)' >$@
 FORCE:
-$(B)/%.o: %.cu $(HEADERS) $(B)/flags | $(B)
-	$(COMPILE) -c $< -o $@
-$(B)/%.o: %.cpp $(HEADERS) $(B)/flags | $(B)
-	$(COMPILE) -c $< -o $@
-$(B)/%.o: lib/%.cpp $(HEADERS) $(B)/flags | $(B)
-	$(COMPILE) -c $< -o $@
-$(B)/%.o: lib/%.cu $(HEADERS) $(B)/flags | $(B)
-	$(COMPILE) -c $< -o $@
-$(B)/%.o: tests/%.cpp $(HEADERS) $(B)/flags | $(B)
-	$(COMPILE) -c $< -o $@
-$(B)/%.o: tests/%.cu $(HEADERS) $(B)/flags | $(B)
-	$(COMPILE) -c $< -o $@
-$(B)/%.o: bench/%.cu $(HEADERS) $(B)/flags | $(B)
-	$(COMPILE) -c $< -o $@
+# Which headers each object includes, as the compiler finds them while it compiles (build/NAME.d,
+# -MMD): a change to lib/hopper.cuh recompiles chapter 3 only, not every test. An object whose .d
+# is missing (a first build, or one by an older Makefile) is compiled again (the rule without a
+# recipe below stands in for the .d, so make counts it as just made).
+DEPFLAGS = -MMD -MP -MF $(@:.o=.d)
+DEPS := $(patsubst %.o,%.d,$(LIB_OBJS) $(TEST_OBJS) $(DOCS_OBJS) $(B)/reference.o $(B)/bench.o \
+          $(B)/standard.o $(B)/decode.o $(B)/flash_fp16_forward.o $(B)/flash_fp16_backward.o)
+$(DEPS):
+-include $(wildcard $(DEPS))
+$(B)/%.o: %.cu $(B)/%.d $(B)/flags | $(B)
+	$(COMPILE) $(DEPFLAGS) -c $< -o $@
+$(B)/%.o: %.cpp $(B)/%.d $(B)/flags | $(B)
+	$(COMPILE) $(DEPFLAGS) -c $< -o $@
+$(B)/%.o: lib/%.cpp $(B)/%.d $(B)/flags | $(B)
+	$(COMPILE) $(DEPFLAGS) -c $< -o $@
+$(B)/%.o: lib/%.cu $(B)/%.d $(B)/flags | $(B)
+	$(COMPILE) $(DEPFLAGS) -c $< -o $@
+$(B)/%.o: tests/%.cpp $(B)/%.d $(B)/flags | $(B)
+	$(COMPILE) $(DEPFLAGS) -c $< -o $@
+$(B)/%.o: tests/%.cu $(B)/%.d $(B)/flags | $(B)
+	$(COMPILE) $(DEPFLAGS) -c $< -o $@
+$(B)/%.o: bench/%.cu $(B)/%.d $(B)/flags | $(B)
+	$(COMPILE) $(DEPFLAGS) -c $< -o $@
 # Chapter 2 in two halves compiled at once, its forward's and its backward's host code (its
 # kernels' instances are most of the build: flash_fp16.cu says how), joined into one object.
-$(B)/flash_fp16_forward.o: flash_fp16.cu $(HEADERS) $(B)/flags | $(B)
-	$(COMPILE) -DFLASH_FP16_FORWARD -c $< -o $@
-$(B)/flash_fp16_backward.o: flash_fp16.cu $(HEADERS) $(B)/flags | $(B)
-	$(COMPILE) -DFLASH_FP16_BACKWARD -c $< -o $@
+$(B)/flash_fp16_forward.o: flash_fp16.cu $(B)/flash_fp16_forward.d $(B)/flags | $(B)
+	$(COMPILE) $(DEPFLAGS) -DFLASH_FP16_FORWARD -c $< -o $@
+$(B)/flash_fp16_backward.o: flash_fp16.cu $(B)/flash_fp16_backward.d $(B)/flags | $(B)
+	$(COMPILE) $(DEPFLAGS) -DFLASH_FP16_BACKWARD -c $< -o $@
 $(B)/flash_fp16.o: $(B)/flash_fp16_forward.o $(B)/flash_fp16_backward.o
 	ld -r $^ -o $@
 # Chapter 3: wgmma exists only in the sm_90a target, whatever ARCH says (on another GPU its
 # launcher refuses to run, and the kernel traps if it ever did).
-$(B)/flash_hopper.o $(B)/flash_hopper_backward.o $(B)/flash_hopper_fp8.o: $(B)/%.o: %.cu $(HEADERS) \
+$(B)/flash_hopper.o $(B)/flash_hopper_backward.o $(B)/flash_hopper_fp8.o: $(B)/%.o: %.cu $(B)/%.d \
     $(B)/flags | $(B)
 	$(NVCC) $(CPPFLAGS) $(INCLUDES) $(filter-out -arch=%,$(NVCCFLAGS)) $(DEFINES) \
-	    -gencode=arch=compute_90a,code=sm_90a -c $< -o $@
+	    -gencode=arch=compute_90a,code=sm_90a $(DEPFLAGS) -c $< -o $@
 
 test_flash: $(TEST_OBJS) $(LIB_OBJS) $(B)/reference.o
 	$(NVCC) $(NVCCFLAGS) $^ -o $@
