@@ -3,9 +3,10 @@
 # trees, timed in turns, for an A/B of one change at a time (lab/chapter5.md). BASE: the tree
 # before the change (e.g. from `git archive`), "base"; this tree, "new"; each NAME=TREE one more
 # variant. All the trees' libraries are built at once. ROUNDS (default 2) rounds, each running
-# every tree in that order. With NCU=1, Nsight Compute on this tree's chapter 3 kernels for plain,
-# softcap and ALiBi calls (N = 4096, d = 128, causal: the bench's shape): the pipes' use (tensor,
-# XU, FMA, ALU) and the issue slots. With SUITE=1, this tree's default suite. Logs under OUT; a
+# every tree in that order. With NCU=1, Nsight Compute on this tree's chapter 3 kernels for the
+# bench's cases NCU_CASES names (default "plain softcap alibi": N = 4096, d = 128, causal; also
+# "dense" and "window", the N = 32k pair): the pipes' use (XU, FMA, ALU), the issue slots, and
+# with NCU_STALLS=1 where the warps wait (WarpStateStats). With SUITE=1, this tree's default suite. Logs under OUT; a
 # short table last: each case's ms forward and backward, tree after tree.
 set -uo pipefail
 out=${1:?usage: lab/options-ab.sh OUT BASE [NAME=TREE ...]}
@@ -45,14 +46,15 @@ if [ "${NCU:-0}" = 1 ]; then
     m=$m,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active
     m=$m,sm__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed.sum
     m=$m,sm__inst_executed_pipe_xu.sum,launch__registers_per_thread
-    for only in plain softcap alibi; do
+    sections=""; [ "${NCU_STALLS:-0}" = 1 ] && sections="--section WarpStateStats"
+    for only in ${NCU_CASES:-plain softcap alibi}; do
         for k in forward backward; do
             OPTIONS_BENCH_ONLY=$only timeout 120 ncu --clock-control none \
-                -k "regex:flash_${k}_hopper_kernel" -s 2 -c 1 --metrics "$m" ./options_bench \
-                >"$out/ncu-$only-$k.txt" 2>&1
+                -k "regex:flash_${k}_hopper_kernel" -s 2 -c 1 --metrics "$m" $sections \
+                ./options_bench >"$out/ncu-$only-$k.txt" 2>&1
             echo "== ncu $only $k: exit $?"
-            grep -E "flash_${k}|gpu__|sm__|launch__" "$out/ncu-$only-$k.txt" | sed 's/  */ /g' |
-                cut -c1-110
+            grep -E "flash_${k}|gpu__|sm__|launch__|[Ss]tall|Warp Cycles" "$out/ncu-$only-$k.txt" |
+                sed 's/  */ /g' | cut -c1-110
         done
     done
 fi
