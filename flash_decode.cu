@@ -464,11 +464,13 @@ __device__ __forceinline__ void merge_groups(float (&o)[kR][8], float (&m)[kR], 
 // shared memory over the rings, once every warp is done with its ring (no copy is in flight: the
 // last groups are empty): [kSplitWarps][kR][D] O, then [kSplitWarps][kR] m and l. The warps then
 // merge, in warp order, and the split's results are written: O_s = O / l (0 where the rows saw no
-// key of this split: l = 0), L_s = (m + log2 l) ln 2 in natural log (-inf there).
-template <int D, int kR>
+// key of this split: l = 0), L_s = (m + log2 l) ln 2 in natural log (-inf there). A split alone
+// (alone: splits = 1) writes them as O, in T, and L: the merge would weigh it by exp(0) = 1.
+template <typename T, int D, int kR>
 __device__ __forceinline__ void write_split(const float (&o)[kR][8], const float (&m)[kR],
                                             const float (&l)[kR], const KeyLanes<D>& me,
-                                            const SplitBlock& blk, float* Os, float* Ls) {
+                                            const SplitBlock& blk, float* Os, float* Ls, T* O,
+                                            float* L, bool alone) {
     float* Ow = reinterpret_cast<float*>(shared);
     float* mw = Ow + kSplitWarps * kR * D;
     float* lw = mw + kSplitWarps * kR;
@@ -484,22 +486,30 @@ __device__ __forceinline__ void write_split(const float (&o)[kR][8], const float
         }
     }
     __syncthreads();
-    for (int x = threadIdx.x; x < blk.R * D; x += kSplitThreads) {
-        const int r = x / D, c = x % D;
+    for (int x = threadIdx.x; x < blk.R * D / 2; x += kSplitThreads) {  // columns c, c + 1
+        const int r = x / (D / 2), c = 2 * (x % (D / 2));
         float m_all = -INFINITY;
 #pragma unroll
         for (int w = 0; w < kSplitWarps; ++w) m_all = fmaxf(m_all, mw[w * kR + r]);
         const float m_use = m_all == -INFINITY ? 0.f : m_all;
-        float l_all = 0.f, o_all = 0.f;
+        float l_all = 0.f, o0 = 0.f, o1 = 0.f;
 #pragma unroll
         for (int w = 0; w < kSplitWarps; ++w) {
             const float a = exp2_ftz(mw[w * kR + r] - m_use);
             l_all += a * lw[w * kR + r];
-            o_all += a * Ow[(w * kR + r) * D + c];
+            o0 += a * Ow[(w * kR + r) * D + c], o1 += a * Ow[(w * kR + r) * D + c + 1];
         }
-        const size_t out = size_t(blk.split) * blk.rows_total + blk.first_row + r;
-        Os[out * D + c] = l_all > 0.f ? o_all / l_all : 0.f;
-        if (c == 0) Ls[out] = l_all > 0.f ? (m_all + log2f(l_all)) * kLn2 : -INFINITY;
+        const float v0 = l_all > 0.f ? o0 / l_all : 0.f, v1 = l_all > 0.f ? o1 / l_all : 0.f;
+        const float Lv = l_all > 0.f ? (m_all + log2f(l_all)) * kLn2 : -INFINITY;
+        const size_t row = blk.first_row + r;
+        if (alone) {
+            store_pair(O + row * D + c, v0, v1);
+            if (c == 0) L[row] = Lv;
+        } else {
+            const size_t out = size_t(blk.split) * blk.rows_total + row;
+            *reinterpret_cast<float2*>(Os + out * D + c) = make_float2(v0, v1);
+            if (c == 0) Ls[out] = Lv;
+        }
     }
 }
 
@@ -628,7 +638,8 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         add_PV<T>(o, Vf, S, Vraw);                    // line 10
     }
     merge_groups<D>(o, m, l);                  // the warp's groups, then its warps, and
-    write_split<D>(o, m, l, me, blk, Os, Ls);  // lines 12-13: O_s, L_s
+    write_split<T, D>(o, m, l, me, blk, Os, Ls, O, L, splits == 1);  // lines 12-13: O_s, L_s
+    if (splits == 1) return;                   // (alone: its O and L are written)
     // The splits' merge, by the last of them to arrive: every thread's O_s and L_s before the
     // arrival (fence, barrier), the arrival by one thread, its answer to all through shared
     // memory (write_split is done with it), then a fence before reading the other splits'.
