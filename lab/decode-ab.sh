@@ -4,7 +4,8 @@
 # another tree takes that tree's includes: DIR/flash_decode.cu is compiled with -IDIR -IDIR/lib),
 # two rounds, the variants in turns within each. The rest of the library is this tree's, built
 # once (make flash_decode_bench); each variant is one object and one link, compiled in parallel.
-# Logs under OUT; the bench's table for each round and variant last.
+# DECODE_ARGS: the bench's shapes instead (e.g. "--batch 32 --kv-len 4096,8192"). Logs under
+# OUT; the bench's table for each round and variant last.
 #   lab/decode-ab.sh $OUT/ab .ab-base/flash_decode.cu flash_decode.cu
 set -uo pipefail
 out=${1:?usage: lab/decode-ab.sh OUT VARIANT...}
@@ -33,8 +34,9 @@ for round in 1 2; do
     i=0
     for v in "$@"; do
         echo "== round $round, $v"
-        [ -x "$out/bench$i" ] && timeout 60 "$out/bench$i" --kv-len 8192,32768 --batch 1,8,32 |
-            tail -n 7
+        [ -x "$out/bench$i" ] &&
+            timeout 60 "$out/bench$i" ${DECODE_ARGS:---kv-len 8192,32768 --batch 1,8,32} |
+            grep -A 99 time_us
         i=$((i + 1))
     done
 done | tee "$out/decode-ab.txt"
