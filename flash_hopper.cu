@@ -368,7 +368,7 @@ static_assert(every_head_dim([](int d) { return registers_fit(hopper_consumers(d
 
 // The launch alone (checks.h: flash_forward_hopper_launch), for callers that have run every check.
 // The policy: with_policy's (lib/mask_policy.cuh), the plain one where it serves the options
-// (none, strides, a packed batch, a scale).
+// (none, strides, a packed batch, a scale), and ALiBi's term only where slopes are (<true>).
 template <typename T>
 static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, float* L,
                                   const AttentionShape& s, const Layout& lay, cudaStream_t stream,
@@ -400,7 +400,7 @@ static void launch_forward_hopper(const T* Q, const T* K, const T* V, T* O, floa
         };
         const AttentionOptions o = options ? *options : AttentionOptions{};
         const float scale_log2 = options_scale_log2(s, o);  // the options', or 1/sqrt(d)'s
-        with_policy(s, o, [&](auto policy) { run(policy, scale_log2); });
+        with_policy<true>(s, o, [&](auto policy) { run(policy, scale_log2); });
     });
 }
 

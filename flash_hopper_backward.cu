@@ -306,6 +306,7 @@ struct ConsumerThread {
     __device__ ConsumerThread()
         : wg(threadIdx.x / kWarpgroup - 1), warp(threadIdx.x % kWarpgroup / 32),
           g(threadIdx.x % 32 / 4), t(threadIdx.x % 4), kw(wg / Split * 64), cw(wg % Split * Dw) {}
+    __device__ int key(int j, int r) const { return j * bwd_Bc(D) + kw + 16 * warp + g + 8 * r; }
 };
 
 // Line 10: S^T = K_j Q_i^T; line 13: dP^T = V_j dO_i^T (the warpgroup's 64 keys), 16 of d a step,
@@ -335,26 +336,25 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
 
 // Line 11: P^T = exp(S^T - L_i) of the changed scores (pol: the tile's head's policy) in S's
 // registers, masked where the tile is an edge one (edge: it reaches past a key's queries, kv_len
-// or q_len); du: each score's derivative (1 without a softcap: the compiler then keeps none).
-// acc_at(S, r, c): key kw + 16 warp + g + 8r, query 8(c/2)+2t+c%2 of the Q tile at row q0.
+// or q_len; seen[r]: key r's queries, none past kv_len); du: each score's derivative (1 without a
+// softcap: the compiler then keeps none). acc_at(S, r, c): key kw + 16 warp + g + 8r (me.key(j,
+// r)), query 8(c/2)+2t+c%2 of the Q tile at row q0.
 template <int D, typename Policy>
 __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du)[kBwdBr / 2],
-                                              const float* L_i, int q0, bool edge, int j,
-                                              const Policy& pol, const ConsumerThread<D> me,
-                                              float scale_log2) {
-    constexpr int Br = kBwdBr, Bc = bwd_Bc(D);
+                                              const float* L_i, int q0, bool edge,
+                                              const Span (&seen)[2], int j, const Policy& pol,
+                                              const ConsumerThread<D> me, float scale_log2) {
+    constexpr int Br = kBwdBr;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const int key = j * Bc + me.kw + 16 * me.warp + me.g + 8 * r;
-        const Span seen = pol.key_queries(key);        // the key's queries (none past kv_len)
-        const auto near = pol.at(q0 + 2 * me.t, key);  // query q0 + qi = q0 + 2t + (qi - 2t)
+        const auto near = pol.at(q0 + 2 * me.t, me.key(j, r));  // query q0 + 2t + (qi - 2t)
 #pragma unroll
         for (int c = 0; c < Br / 4; c++) {
             const int qi = 8 * (c / 2) + 2 * me.t + c % 2;
             float& p = acc_at(S, r, c);
             p = exp2_ftz(near.score(p, 8 * (c / 2) + c % 2, acc_at(du, r, c)) * scale_log2 -
                          L_i[qi] * kLog2e);
-            if (edge && (q0 + qi < seen.first || q0 + qi > seen.last)) p = 0.f;
+            if (edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last)) p = 0.f;
         }
     }
 }
@@ -495,7 +495,7 @@ __device__ __forceinline__ void store_dK_dV(T* dK, T* dV, const Rows dk, const R
     constexpr int Bc = bwd_Bc(D), Dw = D / bwd_split(D);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const int key = blk.j * Bc + me.kw + 16 * me.warp + me.g + 8 * r;
+        const int key = me.key(blk.j, r);
         T* dK_at = dK + dk.at(blk.kvh) + key * dk.row + me.cw + 2 * me.t;
         T* dV_at = dV + dv.at(blk.kvh) + key * dv.row + me.cw + 2 * me.t;
 #pragma unroll
@@ -519,6 +519,9 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
     const ConsumerThread<D> me;
     float dK_j[D / Split / 2] = {}, dV_j[D / Split / 2] = {};  // line 7
     mbar_wait(&sh.kv_full, 0);                         // K_j and V_j are in
+    const int j = blk.j;                               // (line 11's mask: once a block)
+    const Span all = blk.pol.all_queries(j * Bc, (j + 1) * Bc);  // the rows that see every key
+    const Span seen[2] = {blk.pol.key_queries(me.key(j, 0)), blk.pol.key_queries(me.key(j, 1))};
     PipelineState<Stages> st;
     for (int n = 0; n < blk.tiles; n++, st.advance()) {  // line 8: for each Q_i
         const auto [bh, i] = blk.tile_at(n);
@@ -527,10 +530,9 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
         float S[Br / 2] = {}, dP[Br / 2] = {}, du[Br / 2];
         products_S_dP(S, dP, sh, s, me.kw);            // lines 10, 13
         // Line 11 masks only where the tile reaches past a key's queries, kv_len or q_len.
-        const int j = blk.j;
-        const bool edge = (j + 1) * Bc > blk.kv_len || q0 + Br > blk.q_len ||
-                          !blk.pol.full(q0, q0 + Br, j * Bc, (j + 1) * Bc);
-        probabilities(S, du, sh.LD[s].L_i, q0, edge, j, blk.pol.for_head(bh), me,
+        const bool edge = (j + 1) * Bc > blk.kv_len || q0 + Br > blk.q_len || q0 < all.first ||
+                          q0 + Br - 1 > all.last;
+        probabilities(S, du, sh.LD[s].L_i, q0, edge, seen, j, blk.pol.for_head(bh), me,
                       scale_log2);                     // line 11
         wgmma_wait<0>(dP);                             // dP^T is done
         uint32_t P[Br / 16][4], dS[Br / 16][4];        // P^T and dS^T in T, as A fragments
@@ -646,14 +648,14 @@ static void run_backward_hopper(const T* Q, const T* K, const T* V, const T* O, 
     });
 }
 // The policy: with_policy's (lib/mask_policy.cuh), the plain one where it serves the options
-// (none, strides, a packed batch, a scale).
+// (none, strides, a packed batch, a scale), and ALiBi's term only where slopes are (<true>).
 template <typename T>
 static void launch_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                    const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
                                    const Layout& lay, cudaStream_t stream,
                                    const AttentionOptions* options = nullptr) {
     const AttentionOptions o = options ? *options : AttentionOptions{};
-    with_policy(s, o, [&](auto policy) {
+    with_policy<true>(s, o, [&](auto policy) {
         run_backward_hopper(Q, K, V, O, dO, L, dQ, dK, dV, s, lay, stream, o, policy);
     });
 }

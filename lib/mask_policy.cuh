@@ -8,7 +8,8 @@
 // reference.h states them; tests/test_policy.cpp checks them against those rules, score by score.
 // Every tensor-core kernel and the decode take one of the kernel policies at the end as a
 // template argument, with_policy's choice: PlainPolicy (causal or no mask, scores unchanged: the
-// chapters as they were) or ModelPolicy (a window, ALiBi; softcap as a second instance).
+// chapters as they were) or ModelPolicy (a window, ALiBi, softcap: an instance with softcap's
+// derivative or without, and in chapter 3 each of them with ALiBi's term or without).
 #pragma once
 
 #include "checks.h"  // flash_kv_end, flash_first_query
@@ -127,14 +128,17 @@ struct ScoreMod {
     POLICY_FN float score(float dot, float d, float& du) const {
         float u = dot;
         du = 1.f;
-        if (cap_u > 0) {
-            const float t = fast_tanh(dot * inv_cap);
-            u = cap_u * t;
-            du = 1.f - t * t;                           // d/dx of c tanh(x / c)
-        }
-        if (slope_u != 0) u -= slope_u * fabsf(d);
+        if (cap_u > 0) u = capped(dot, du);
+        if (slope_u != 0) u = biased(u, d);
         return u;
     }
+    // Its two terms, for the kernels' policies, which know at compile time which a call has.
+    POLICY_FN float capped(float dot, float& du) const {
+        const float t = fast_tanh(dot * inv_cap);
+        du = 1.f - t * t;                               // d/dx of c tanh(x / c)
+        return cap_u * t;
+    }
+    POLICY_FN float biased(float u, float d) const { return u - slope_u * fabsf(d); }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -148,7 +152,9 @@ struct ScoreMod {
 //                                      end), and those every row sees, [all_begin, all_end)
 //   row_keys(i), key_queries(j)        one score's test, from the row's side and from the key's
 //   queries(k0, k1)                    the rows that see any of keys k0 .. k1 - 1 (k1 <= kv_len)
-//   full(q0, q1, k0, k1)               every score of the pair is visible (q1, k1 inside the shape)
+//   all_queries(k0, k1)                the rows that see every one of them
+//   full(q0, q1, k0, k1)               every score of the pair is visible (q1, k1 inside the shape):
+//                                      rows q0 .. q1 - 1 are all_queries(k0, k1)
 //   score(dot, i, j, du)               the changed score in units of the scale, and du (above)
 //   at(i, j).score(dot, k, du)         the same for the pair at distance i' - j + k, k a constant
 //                                      of the kernel's unrolled loop (below: what it saves)
@@ -192,7 +198,10 @@ struct PlainPolicy {
         const int first = causal ? flash_first_query(k0, q_len, kv_len) : 0;
         return {first < 0 ? 0 : first, q_len - 1};
     }
-    POLICY_FN bool full(int q0, int, int, int k1) const {
+    POLICY_FN Span all_queries(int, int k1) const {
+        return {causal ? flash_first_query(k1 - 1, q_len, kv_len) : 0, q_len - 1};
+    }
+    POLICY_FN bool full(int q0, int, int, int k1) const {  // (all_queries: q1 <= q_len here)
         return !causal || q0 >= flash_first_query(k1 - 1, q_len, kv_len);
     }
     struct Near {                                      // (at: nothing to keep)
@@ -210,8 +219,10 @@ struct PlainPolicy {
 // Chapter 5: a sliding window with causal (WindowMask) and the score changes (ScoreMod), with
 // ALiBi's slopes per head (slopes: [heads], or [batch][heads] where per_batch; none: nullptr).
 // kSoftcap: whether a softcap is given. Without one every du is 1, a constant: the backward then
-// keeps no array of derivatives (which would spill registers in chapter 3's backward).
-template <bool kSoftcap>
+// keeps no array of derivatives (which would spill registers in chapter 3's backward). kAlibi:
+// whether slopes are given. Without them a score costs no ALiBi term (an add and an fma): a window
+// alone, or a softcap alone, pays only for what it changes.
+template <bool kSoftcap, bool kAlibi = true>
 struct ModelPolicy : WindowMask {
     static constexpr bool kLeftEdge = true;  // a window's rows start past key 0
     ScoreMod mod;
@@ -250,8 +261,14 @@ struct ModelPolicy : WindowMask {
     POLICY_FN Span queries(int k0, int k1) const {
         return {int(first_query(k0)), int(last_query(k1 - 1))};
     }
+    // Every key of k0 .. k1 - 1 from the key's side: rows from the last key's first query (its
+    // right side) to the first key's last query (its left side), both bounds non-decreasing.
+    POLICY_FN Span all_queries(int k0, int k1) const {
+        return {int(first_query(k1 - 1)), int(last_query(k0))};
+    }
     POLICY_FN bool full(int q0, int q1, int k0, int k1) const {
-        return tile(q0, q1, k0, k1) == TileKind::full;
+        const Span all = all_queries(k0, k1);
+        return q0 >= all.first && q1 - 1 <= all.last;
     }
     // The scores near query i and key j: the distance i' - j taken once, in int (no overflow),
     // then in float, so that each score adds its loop's constant k in float. In the kernels'
@@ -262,10 +279,10 @@ struct ModelPolicy : WindowMask {
         ScoreMod mod;
         float d0;
         POLICY_FN float score(float dot, int k, float& du) const {
-            const float d = d0 + float(k);
-            if (kSoftcap) return mod.score(dot, d, du);
+            if (kSoftcap && kAlibi) return mod.score(dot, d0 + float(k), du);
             du = 1.f;
-            return dot - mod.slope_u * fabsf(d);       // (ALiBi's term: 0 without slopes)
+            if (kSoftcap) return mod.capped(dot, du);
+            return kAlibi ? mod.biased(dot, d0 + float(k)) : dot;  // (a slope of 0: the same bits)
         }
     };
     POLICY_FN Near at(int i, int j) const { return {mod, float((i - q_len) + (kv_len - j))}; }
@@ -298,25 +315,33 @@ inline bool scores_plain(const AttentionOptions& o, const AttentionShape& s) {
     return scale && plain_policy_serves(o, s);
 }
 // The policy of a call with options (checked: lib/checks.h's validate_options); kSoftcap: o's
-// softcap > 0.
-template <bool kSoftcap>
-inline ModelPolicy<kSoftcap> model_policy(const AttentionShape& s, const AttentionOptions& o) {
+// softcap > 0; kAlibi: o has slopes (with kAlibi false they are not read).
+template <bool kSoftcap, bool kAlibi = true>
+inline ModelPolicy<kSoftcap, kAlibi> model_policy(const AttentionShape& s,
+                                                  const AttentionOptions& o) {
     const float scale = options_scale(s, o);
-    ModelPolicy<kSoftcap> p;
+    ModelPolicy<kSoftcap, kAlibi> p;
     static_cast<WindowMask&>(p) =
         WindowMask::of(s.q_len, s.kv_len, s.causal, o.window_left, o.window_right);
     p.mod = ScoreMod::of(scale, o.softcap, 0.f);
-    p.slopes = o.alibi_slopes, p.heads = s.heads, p.per_batch = o.alibi_per_batch;
+    p.slopes = kAlibi ? o.alibi_slopes : nullptr, p.heads = s.heads;
+    p.per_batch = o.alibi_per_batch;
     p.inv_scale = 1.0f / scale;
     return p;
 }
 // The policy a call with options runs, handed to run (a generic lambda): PlainPolicy where it
-// serves them, else ModelPolicy, with softcap's derivative only where a softcap is given.
-template <typename Run>
+// serves them, else ModelPolicy, with softcap's derivative only where a softcap is given. ALiBi's
+// term: with kAlibiApart, only where slopes are (chapter 3, whose speed chapter 5's floors
+// measure: four instances); without, in every ModelPolicy (chapter 2 and the decode: two, which
+// compile in about 40% less time). A slope of 0 changes no bit.
+template <bool kAlibiApart = false, typename Run>
 inline void with_policy(const AttentionShape& s, const AttentionOptions& o, Run&& run) {
+    const bool cap = o.softcap > 0, alibi = !kAlibiApart || o.alibi_slopes;
     if (plain_policy_serves(o, s)) run(PlainPolicy{s.q_len, s.kv_len, s.causal});
-    else if (o.softcap > 0) run(model_policy<true>(s, o));
-    else run(model_policy<false>(s, o));
+    else if (cap && alibi) run(model_policy<true, true>(s, o));
+    else if (cap) run(model_policy<true, false>(s, o));
+    else if (alibi) run(model_policy<false, true>(s, o));
+    else run(model_policy<false, false>(s, o));
 }
 
 #undef POLICY_FN
