@@ -90,7 +90,7 @@ help:
 	@echo "  make run       the demo: one shape on the GPU, timed and checked against the CPU reference"
 	@echo "  make all       build test_flash and flash_bench, run nothing"
 	@echo "  make check     the documentation checks: README's figures, NOTES' quotes, cited data, exercises"
-	@echo "  make check-exercises  whether every exercise log is current with its sources (remake: exercises/run.sh)"
+	@echo "  make check-exercises  whether every exercise log is current with its sources (remake: exercises/run.sh --stale)"
 	@echo "  make stress    the exhaustive grids, long sequences and 100k keys (before a kernel change is done)"
 	@echo "  make sanitize  the [sanitize] tests under compute-sanitizer's four tools"
 	@echo "  make bench     the FlashAttention-2 benchmark protocol, into bench.csv; make plot draws it"
@@ -188,7 +188,7 @@ check:
 	@$(MAKE) --no-print-directory check_docs
 	./check_docs
 # The maintainer's check: every exercise log still current with the sources it ran (remake the
-# stale ones with exercises/run.sh on a GPU).
+# stale ones with exercises/run.sh --stale on a GPU).
 check-exercises: check_docs
 	./check_docs "[freshness]"
 stress: test_flash

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# exercises/run.sh [ID ...]: runs the breakage exercises of NOTES.md on this machine's GPU and
-# writes each one's log, exercises/ID.log, which NOTES.md quotes and `make check` checks.
+# exercises/run.sh [ID ... | --stale]: runs the breakage exercises of NOTES.md on this machine's
+# GPU and writes each one's log, exercises/ID.log, which NOTES.md quotes and `make check` checks.
 # Run from anywhere in the tree, on a machine with an NVIDIA GPU (compute-sanitizer for the
-# exercises whose command uses it). With no ID, every exercises/*.patch. Environment:
+# exercises whose command uses it). With no ID, every exercises/*.patch; with --stale, those whose
+# log is not current with its sources (below; --stale --list: only name them). Environment:
 # CPPFLAGS (where Catch2 is, as for make: e.g. CPPFLAGS=-I.deps/include), ARCH, JOBS.
 #
 # An exercise is ID.patch: '#' lines (the header), then a diff that `git apply` takes:
@@ -40,11 +41,22 @@ sources() {
         ls tests/*.cpp tests/*.h | grep -vx tests/test_docs.cpp
     } | LC_ALL=C sort -u
 }
+# sources_sha1 ID: the sha1 that exercise ID's log header must carry to be current.
+sources_sha1() { sources "$1" | while read -r f; do sha1sum "$f"; done | sha1sum | cut -c1-40; }
 # header_field ID NAME: the value of the patch header's "# NAME: " line.
 header_field() { sed -n "s/^# $2: //p" "exercises/$1.patch" | head -n 1; }
 
-if [ $# -gt 0 ]; then ids=("$@")
-else ids=($(ls exercises/*.patch | sed 's|.*/||; s|\.patch$||' | sort -t. -k1,1n -k2,2n)); fi
+all=($(ls exercises/*.patch | sed 's|.*/||; s|\.patch$||' | sort -t. -k1,1n -k2,2n))
+if [ "${1:-}" = --stale ]; then
+    ids=()
+    for id in "${all[@]}"; do
+        grep -qx "# sources sha1: $(sources_sha1 "$id")" "exercises/$id.log" 2>/dev/null ||
+            ids+=("$id")
+    done
+    [ "${2:-}" = --list ] && { echo "${ids[*]}"; exit 0; }
+    [ ${#ids[@]} -gt 0 ] || { echo "every exercise log is current"; exit 0; }
+elif [ $# -gt 0 ]; then ids=("$@")
+else ids=("${all[@]}"); fi
 for id in "${ids[@]}"; do
     [ -f "exercises/$id.patch" ] || { echo "no exercises/$id.patch" >&2; exit 2; }
 done
@@ -100,7 +112,7 @@ for id in "${ids[@]}"; do
     rc=$?
     secs=$((SECONDS - start))
     total=$(wc -l <"$work/$id.out")
-    sum=$(sources "$id" | while read -r f; do sha1sum "$f"; done | sha1sum | cut -c1-40)
+    sum=$(sources_sha1 "$id")
     {
         echo "# exercise $id: $(sed -n 's/^# exercise [^:]*: //p' "exercises/$id.patch" | head -n 1)"
         echo "# patch: exercises/$id.patch"

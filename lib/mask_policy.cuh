@@ -153,8 +153,8 @@ struct ScoreMod {
 //   row_keys(i), key_queries(j)        one score's test, from the row's side and from the key's
 //   queries(k0, k1)                    the rows that see any of keys k0 .. k1 - 1 (k1 <= kv_len)
 //   all_queries(k0, k1)                the rows that see every one of them
-//   full(q0, q1, k0, k1)               every score of the pair is visible (q1, k1 inside the shape):
-//                                      rows q0 .. q1 - 1 are all_queries(k0, k1)
+//   full(q0, q1, k0, k1)               every score of the pair is visible (q1, k1 inside the
+//                                      shape): rows q0 .. q1 - 1 are all_queries(k0, k1)
 //   score(dot, i, j, du)               the changed score in units of the scale, and du (above)
 //   at(i, j).score(dot, k, du)         the same for the pair at distance i' - j + k, k a constant
 //                                      of the kernel's unrolled loop (below: what it saves)

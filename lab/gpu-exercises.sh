@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# lab/gpu-exercises.sh OUT [ID ...]: one device call's exercises: exercises/run.sh for the IDs
+# (default: --stale, those whose log is not current), then every log it wrote in one archive,
+# OUT/exercise-logs.tgz, with its summary in OUT/exercises.txt. The device returns a limited
+# number of files, and its next call's copy of the working tree puts this checkout's logs back:
+# fetch the logs from the archive (tar xzf OUT/exercise-logs.tgz at the repository's root) before
+# anything else. Catch2 from CPPFLAGS (e.g. CPPFLAGS=-I.deps/include), as for make.
+set -uo pipefail
+out=${1:?usage: lab/gpu-exercises.sh OUT [ID ...]}
+shift
+cd "$(dirname "$0")/.." || exit 1
+mkdir -p "$out"
+ids=("$@")
+[ ${#ids[@]} -gt 0 ] || ids=($(exercises/run.sh --stale --list))
+[ ${#ids[@]} -gt 0 ] || { echo "every exercise log is current" | tee "$out/exercises.txt"; exit 0; }
+exercises/run.sh "${ids[@]}" >"$out/exercises.txt" 2>&1
+rc=$?
+logs=(); for id in "${ids[@]}"; do [ -f "exercises/$id.log" ] && logs+=("exercises/$id.log"); done
+tar czf "$out/exercise-logs.tgz" "${logs[@]}"
+tail -n $((2 * ${#ids[@]} + 2)) "$out/exercises.txt"
+exit $rc
