@@ -260,6 +260,23 @@ int check_kernel_policy(const Policy& p, const Sees& sees, int Br, int Bc, const
             if (k1 <= kv_len && q0 + Br <= q_len && p.full(q0, q0 + Br, k0, k1) &&
                 seen[ti][tj] != Br * Bc)
                 fail("backward leaves a tile unmasked that has a hidden score");
+            if (ti == 0 && k1 <= kv_len) {             // (once a K/V tile) the rows that see all
+                int first = q_len, last = -1, rows = 0;  // its keys: a span, all_queries'
+                for (int i = 0; i < q_len; ++i) {
+                    bool all = true;
+                    for (int j = k0; j < k1; ++j) all = all && sees(i, j);
+                    if (all) first = std::min(first, i), last = i, ++rows;
+                }
+                const Span a = p.all_queries(k0, k1);
+                const bool same = rows == 0 ? a.last < a.first
+                                            : a.first == first && a.last == last &&
+                                                  rows == last - first + 1;
+                if (!same)
+                    fail("all_queries of keys " + std::to_string(k0) + " .. " +
+                         std::to_string(k1 - 1) + ": " + std::to_string(a.first) + " .. " +
+                         std::to_string(a.last) + ", the rule's " + std::to_string(first) +
+                         " .. " + std::to_string(last));
+            }
         }
         // The ordered add: dQ_i's adds come from the tiles keys.begin / Bc .. (keys.end - 1) / Bc,
         // each exactly one (the turn a block waits for counts them).
