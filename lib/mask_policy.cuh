@@ -199,7 +199,8 @@ struct PlainPolicy {
         return {first < 0 ? 0 : first, q_len - 1};
     }
     POLICY_FN Span all_queries(int, int k1) const {
-        return {causal ? flash_first_query(k1 - 1, q_len, kv_len) : 0, q_len - 1};
+        const int first = causal ? flash_first_query(k1 - 1, q_len, kv_len) : 0;
+        return {first < 0 ? 0 : first, q_len - 1};
     }
     POLICY_FN bool full(int q0, int, int, int k1) const {  // (all_queries: q1 <= q_len here)
         return !causal || q0 >= flash_first_query(k1 - 1, q_len, kv_len);

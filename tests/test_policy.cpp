@@ -169,6 +169,45 @@ TEST_CASE("Without a softcap the policy instance with no derivative scores the s
             }
 }
 
+TEST_CASE("A score taken near another (at(i, j).score(x, k)) has the bits of the pair at that "
+          "distance, for distances below 2^24", "[cpu][policy]") {
+    // The kernels take ALiBi's distance once a row in float and add each score's constant k in
+    // float (lib/mask_policy.cuh, ModelPolicy::Near): exact while every distance is below 2^24,
+    // so the same bits as the pair's own distance, converted once. Checked with and without a
+    // softcap, from short sequences to distances just under 2^24, for k on both sides.
+    const float slopes[] = {0.75f};
+    for (int kv_len : {20, 4096, (1 << 24) - 48}) {
+        const AttentionShape s{1, 1, 3, kv_len, 64, false};
+        AttentionOptions o;
+        o.alibi_slopes = slopes;
+        AttentionOptions capped = o;
+        capped.softcap = 7.f;
+        for (bool cap : {false, true}) {
+            const auto p = cap ? model_policy<true>(s, capped).for_head(0)
+                               : model_policy<true>(s, o).for_head(0);
+            const auto q = model_policy<false>(s, o).for_head(0);
+            for (int i = 0; i < s.q_len; ++i)
+                for (int j : {0, 5, kv_len / 2, kv_len - 1})
+                    for (int k = -40; k <= 40; k += 3)
+                        for (float x : {-3.5f, 0.25f, 9.f}) {
+                            if (j - k < 0 || j - k >= kv_len) continue;  // (a key of the shape)
+                            CAPTURE(kv_len, cap, i, j, k, x);
+                            float du0 = 0, du1 = 0;
+                            // Key j - k is at distance (i' - j) + k: its own at(), k = 0.
+                            const float near = p.at(i, j).score(x, k, du0);
+                            const float own = p.at(i, j - k).score(x, 0, du1);
+                            CHECK(std::memcmp(&near, &own, sizeof near) == 0);
+                            CHECK(std::memcmp(&du0, &du1, sizeof du0) == 0);
+                            if (!cap) {
+                                const float a = q.at(i, j).score(x, k, du0);
+                                const float b = q.at(i, j - k).score(x, 0, du1);
+                                CHECK(std::memcmp(&a, &b, sizeof a) == 0);
+                            }
+                        }
+        }
+    }
+}
+
 namespace {
 // One kernel policy against the visibility rule, on one shape and tile: what chapter 2's forward
 // and backward ask of it (lib/mask_policy.cuh's list). Returns the number of mismatches, each
@@ -221,6 +260,23 @@ int check_kernel_policy(const Policy& p, const Sees& sees, int Br, int Bc, const
             if (k1 <= kv_len && q0 + Br <= q_len && p.full(q0, q0 + Br, k0, k1) &&
                 seen[ti][tj] != Br * Bc)
                 fail("backward leaves a tile unmasked that has a hidden score");
+            if (ti == 0 && k1 <= kv_len) {             // (once a K/V tile) the rows that see all
+                int first = q_len, last = -1, rows = 0;  // its keys: a span, all_queries'
+                for (int i = 0; i < q_len; ++i) {
+                    bool all = true;
+                    for (int j = k0; j < k1; ++j) all = all && sees(i, j);
+                    if (all) first = std::min(first, i), last = i, ++rows;
+                }
+                const Span a = p.all_queries(k0, k1);
+                const bool same = rows == 0 ? a.last < a.first
+                                            : a.first == first && a.last == last &&
+                                                  rows == last - first + 1;
+                if (!same)
+                    fail("all_queries of keys " + std::to_string(k0) + " .. " +
+                         std::to_string(k1 - 1) + ": " + std::to_string(a.first) + " .. " +
+                         std::to_string(a.last) + ", the rule's " + std::to_string(first) +
+                         " .. " + std::to_string(last));
+            }
         }
         // The ordered add: dQ_i's adds come from the tiles keys.begin / Bc .. (keys.end - 1) / Bc,
         // each exactly one (the turn a block waits for counts them).
