@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# lab/fp8-variants-ab.sh OUT: the fp8 forward's prepared variants (lab/chapter3.md, "Next" of the
+# fp8 part) timed against flash_hopper_fp8.cu as it is, in one process (lab/fp8-ab.cu through
+# lab/hopper-ab.sh), on a GPU with sm_90a:
+#   base   the file as it is
+#   e4, e2 lab/patches/exp2-fma.patch's fp8 hunk: one exponential in 4, or in 2, on the FMA pipe
+#   tree   lab/patches/fp8-tree-reductions.patch: a row's max and sum in four chains
+#   skip   lab/patches/fp8-rescale-skip.patch: O's rescale skipped when no max of the warp moved
+# Each variant is made from its patch's hunks for flash_hopper_fp8.cu in a scratch folder (for e4
+# and e2, with the lines the patch adds to lib/log2_units.h, exp2_fma and exp2_mixed, pasted after
+# the file's includes); the tree is not changed. With SOURCES_ONLY=1 it writes the variants'
+# sources to OUT and stops (no GPU needed: to read them, or compile them with lab/ptxas-spills.sh).
+# Needs build/checks.o (made here if missing: CPPFLAGS as for make). ROUNDS (default 3). Logs
+# under OUT; the table last (TFLOP/s; max|dO| against base).
+set -euo pipefail
+out=${1:?usage: lab/fp8-variants-ab.sh OUT}
+cd "$(dirname "$0")/.."
+export PATH="$PATH:/usr/local/cuda/bin"
+mkdir -p "$out"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# hunks PATCH FILE...: PATCH's diffs of those files only (its '#' header and other files dropped)
+hunks() {
+    local patch=$1; shift
+    awk -v want=" $* " '/^diff --git /{keep = index(want, " " substr($3, 3) " ") > 0} keep' \
+        "lab/patches/$patch"
+}
+# variant NAME PATCH [DEFINE]: flash_hopper_fp8.cu with PATCH's hunks, as $tmp/NAME.cu
+variant() {
+    local name=$1 patch=$2 define=${3:-}
+    mkdir -p "$tmp/$name"
+    cp flash_hopper_fp8.cu "$tmp/$name/"
+    hunks "$patch" flash_hopper_fp8.cu | patch -s -p1 -d "$tmp/$name"
+    # what the patch adds to lib/log2_units.h, after the file's last include
+    hunks "$patch" lib/log2_units.h | sed -n 's/^+\([^+]\|$\)/\1/p' >"$tmp/$name/helpers.h"
+    awk -v h="$tmp/$name/helpers.h" '{print} /^#include "mask_policy.cuh"/ {
+        while ((getline line < h) > 0) print line }' "$tmp/$name/flash_hopper_fp8.cu" \
+        >"$tmp/$name.cu"
+    [ -z "$define" ] || sed -i "1i #define $define" "$tmp/$name.cu"
+}
+variant e4 exp2-fma.patch "EXP_FMA_EVERY 4"
+variant e2 exp2-fma.patch "EXP_FMA_EVERY 2"
+variant tree fp8-tree-reductions.patch
+variant skip fp8-rescale-skip.patch
+[ "${SOURCES_ONLY:-0}" = 1 ] && { cp "$tmp"/*.cu "$out"/; exit 0; }
+[ -f build/checks.o ] || make build/checks.o ARCH=sm_90 >"$out/checks-build.log" 2>&1
+t0=$SECONDS
+AB_KIND=fp8 lab/hopper-ab.sh base=flash_hopper_fp8.cu e4="$tmp/e4.cu" \
+    e2="$tmp/e2.cu" tree="$tmp/tree.cu" \
+    skip="$tmp/skip.cu" >"$out/build.log" 2>&1 ||
+    { tail -n 30 "$out/build.log"; exit 1; }
+echo "built 5 variants in $((SECONDS - t0)) s"
+./fp8_ab "${ROUNDS:-3}" | tee "$out/fp8-variants.txt"
