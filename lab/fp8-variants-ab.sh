@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# lab/fp8-variants-ab.sh OUT: the fp8 forward's prepared variants (lab/chapter3.md, "Next" of the
-# fp8 part) timed against flash_hopper_fp8.cu as it is, in one process (lab/fp8-ab.cu through
-# lab/hopper-ab.sh), on a GPU with sm_90a:
+# lab/fp8-variants-ab.sh OUT [NAME=SOURCE ...]: the fp8 forward's prepared variants
+# (lab/chapter3.md, "Next" of the fp8 part) timed against flash_hopper_fp8.cu as it is, in one
+# process (lab/fp8-ab.cu through lab/hopper-ab.sh), on a GPU with sm_90a:
 #   base   the file as it is
 #   e4, e2 lab/patches/exp2-fma.patch's fp8 hunk: one exponential in 4, or in 2, on the FMA pipe
 #   tree   lab/patches/fp8-tree-reductions.patch: a row's max and sum in four chains
 #   skip   lab/patches/fp8-rescale-skip.patch: O's rescale skipped when no max of the warp moved
+# and each NAME=SOURCE after OUT, one more version of flash_hopper_fp8.cu (e.g. another tree's),
+# copied to the scratch folder first so that it is built against this tree's headers.
 # Each variant is made from its patch's hunks for flash_hopper_fp8.cu in a scratch folder (for e4
 # and e2, with the lines the patch adds to lib/log2_units.h, exp2_fma and exp2_mixed, pasted after
 # the file's includes); the tree is not changed. With SOURCES_ONLY=1 it writes the variants'
@@ -42,12 +44,17 @@ variant e4 exp2-fma.patch "EXP_FMA_EVERY 4"
 variant e2 exp2-fma.patch "EXP_FMA_EVERY 2"
 variant tree fp8-tree-reductions.patch
 variant skip fp8-rescale-skip.patch
+extra=()
+for arg in "${@:2}"; do
+    n=${arg%%=*}
+    cp "${arg#*=}" "$tmp/x-$n.cu" && extra+=("$n=$tmp/x-$n.cu")
+done
 [ "${SOURCES_ONLY:-0}" = 1 ] && { cp "$tmp"/*.cu "$out"/; exit 0; }
 [ -f build/checks.o ] || make build/checks.o ARCH=sm_90 >"$out/checks-build.log" 2>&1
 t0=$SECONDS
 AB_KIND=fp8 lab/hopper-ab.sh base=flash_hopper_fp8.cu e4="$tmp/e4.cu" \
     e2="$tmp/e2.cu" tree="$tmp/tree.cu" \
-    skip="$tmp/skip.cu" >"$out/build.log" 2>&1 ||
+    skip="$tmp/skip.cu" "${extra[@]}" >"$out/build.log" 2>&1 ||
     { tail -n 30 "$out/build.log"; exit 1; }
-echo "built 5 variants in $((SECONDS - t0)) s"
+echo "built $((5 + ${#extra[@]})) variants in $((SECONDS - t0)) s"
 ./fp8_ab "${ROUNDS:-3}" | tee "$out/fp8-variants.txt"
