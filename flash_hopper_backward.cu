@@ -484,24 +484,8 @@ __device__ __forceinline__ void send_dq(BwdShared<T, D>& sh, float (&dQ_i)[32], 
     }
 }
 
-// Thread t's v[k] becomes thread k's v[t] across its quad (the 4 threads of one row g): a 4 x 4
-// transpose in two butterfly steps, each swapping the pairs whose index differs from the thread's
-// in one bit. Before, a thread holds 2 columns of each of 4 blocks of 8; after, one block whole.
-__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int t) {
-#pragma unroll
-    for (int bit = 1; bit <= 2; bit *= 2)
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            if (k & bit) continue;                     // the pair (k, k + bit)
-            const bool hi = t & bit;                   // it gives the one its partner keeps
-            const uint32_t y = __shfl_xor_sync(0xffffffffu, hi ? v[k] : v[k + bit], bit);
-            v[k] = hi ? y : v[k], v[k + bit] = hi ? v[k + bit] : y;
-        }
-}
-
 // Line 18: dK_j scale (S was unscaled: 1/sqrt(d), or the options'), dV_j, rows past kv_len left
-// out; dk, dv: where their rows are (chapter 5's strides). 16 bytes a store: the quad's four
-// threads trade their pairs (quad_transpose) so that each writes 8 whole columns.
+// out; dk, dv: where their rows are (chapter 5's strides). 16 bytes a store (store_row).
 template <typename T, int D, typename Blk>
 __device__ __forceinline__ void store_dK_dV(T* dK, T* dV, const Rows dk, const Rows dv,
                                             float (&dK_j)[D / bwd_split(D) / 2],
@@ -512,22 +496,9 @@ __device__ __forceinline__ void store_dK_dV(T* dK, T* dV, const Rows dk, const R
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int key = me.key(blk.j, r);
-        T* dK_at = dK + dk.at(blk.kvh) + key * dk.row + me.cw;
-        T* dV_at = dV + dv.at(blk.kvh) + key * dv.row + me.cw;
-#pragma unroll
-        for (int q = 0; q < Dw / 32; q++) {            // blocks 4q .. 4q + 3 of 8 columns
-            uint32_t k4[4], v4[4];                     // its pairs: columns 8 (4q + b) + 2t, + 1
-#pragma unroll
-            for (int b = 0; b < 4; b++) {
-                const int c = 8 * q + 2 * b;
-                k4[b] = pair_bits<T>(acc_at(dK_j, r, c) * scale, acc_at(dK_j, r, c + 1) * scale);
-                v4[b] = pair_bits<T>(acc_at(dV_j, r, c), acc_at(dV_j, r, c + 1));
-            }
-            quad_transpose(k4, me.t), quad_transpose(v4, me.t);  // now block 4q + t's 8 columns
-            if (key >= blk.kv_len) continue;           // (after the shuffles: every lane takes part)
-            *reinterpret_cast<uint4*>(dK_at + 8 * (4 * q + me.t)) = {k4[0], k4[1], k4[2], k4[3]};
-            *reinterpret_cast<uint4*>(dV_at + 8 * (4 * q + me.t)) = {v4[0], v4[1], v4[2], v4[3]};
-        }
+        const bool in = key < blk.kv_len;
+        store_row<T, Dw>(dK + dk.at(blk.kvh) + key * dk.row + me.cw, dK_j, r, scale, me.t, in);
+        store_row<T, Dw>(dV + dv.at(blk.kvh) + key * dv.row + me.cw, dV_j, r, 1.f, me.t, in);
     }
 }
 
