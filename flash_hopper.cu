@@ -286,13 +286,9 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
         for (int r = 0; r < 2; r++) {                  // lines 12-13: O_i / l, L = m + log l
             const int row = query + 8 * r;
             const float l_row = quad_reduce(l[r], add);  // the sum over the row's 4 threads
-            if (row >= q_len) continue;
             const float inv = l_row > 0.f ? 1.f / l_row : 0.f;  // a row that sees no key: O = 0
-            T* O_row = O + lay.O.at(bh) + row * lay.O.row;  // (its place, once: O may alias)
-#pragma unroll
-            for (int n = 0; n < D / 8; n++)
-                *reinterpret_cast<uint32_t*>(O_row + 8 * n + 2 * t) =
-                    pair_bits<T>(acc_at(O_i, r, 2 * n) * inv, acc_at(O_i, r, 2 * n + 1) * inv);
+            store_row<T, D>(O + lay.O.at(bh) + row * lay.O.row, O_i, r, inv, t, row < q_len);
+            if (row >= q_len) continue;
             const float L_row = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
             if (t == 0) L[lay.L.at(bh, q_len) + row] = L_row;
         }

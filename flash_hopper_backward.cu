@@ -485,26 +485,20 @@ __device__ __forceinline__ void send_dq(BwdShared<T, D>& sh, float (&dQ_i)[32], 
 }
 
 // Line 18: dK_j scale (S was unscaled: 1/sqrt(d), or the options'), dV_j, rows past kv_len left
-// out; dk, dv: where their rows are (chapter 5's strides).
+// out; dk, dv: where their rows are (chapter 5's strides). 16 bytes a store (store_row).
 template <typename T, int D, typename Blk>
 __device__ __forceinline__ void store_dK_dV(T* dK, T* dV, const Rows dk, const Rows dv,
                                             float (&dK_j)[D / bwd_split(D) / 2],
                                             float (&dV_j)[D / bwd_split(D) / 2],
                                             const Blk& blk, const ConsumerThread<D> me,
                                             float scale) {
-    constexpr int Bc = bwd_Bc(D), Dw = D / bwd_split(D);
+    constexpr int Dw = D / bwd_split(D);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int key = me.key(blk.j, r);
-        T* dK_at = dK + dk.at(blk.kvh) + key * dk.row + me.cw + 2 * me.t;
-        T* dV_at = dV + dv.at(blk.kvh) + key * dv.row + me.cw + 2 * me.t;
-#pragma unroll
-        for (int b = 0; b < Dw / 8 && key < blk.kv_len; b++) {
-            *reinterpret_cast<uint32_t*>(dK_at + 8 * b) = pair_bits<T>(
-                acc_at(dK_j, r, 2 * b) * scale, acc_at(dK_j, r, 2 * b + 1) * scale);
-            *reinterpret_cast<uint32_t*>(dV_at + 8 * b) =
-                pair_bits<T>(acc_at(dV_j, r, 2 * b), acc_at(dV_j, r, 2 * b + 1));
-        }
+        const bool in = key < blk.kv_len;
+        store_row<T, Dw>(dK + dk.at(blk.kvh) + key * dk.row + me.cw, dK_j, r, scale, me.t, in);
+        store_row<T, Dw>(dV + dv.at(blk.kvh) + key * dv.row + me.cw, dV_j, r, 1.f, me.t, in);
     }
 }
 

@@ -253,13 +253,10 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
         for (int r = 0; r < 2; r++) {  // O = descale_v P~ V / l; L = m + log(l / 256)
             const int row = query + 8 * r;
             const float l_row = quad_reduce(l[r], add);
-            if (row >= policy.q_len) continue;
             const float inv = l_row > 0.f ? dv / l_row : 0.f;
-            TO* O_row = O + (size_t(bh) * policy.q_len + row) * D;
-#pragma unroll
-            for (int n = 0; n < D / 8; n++)
-                *reinterpret_cast<uint32_t*>(O_row + 8 * n + 2 * t) =
-                    pair_bits<TO>(acc_at(O_i, r, 2 * n) * inv, acc_at(O_i, r, 2 * n + 1) * inv);
+            const bool in = row < policy.q_len;
+            store_row<TO, D>(O + (size_t(bh) * policy.q_len + row) * D, O_i, r, inv, t, in);
+            if (!in) continue;
             const float L_row =
                 l_row > 0.f ? (m[r] * scale + log2f(l_row) - kPOffsetLog2) * kLn2 : -INFINITY;
             if (t == 0) L[size_t(bh) * policy.q_len + row] = L_row;

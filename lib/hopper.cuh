@@ -314,6 +314,41 @@ __device__ __forceinline__ float& acc_at(float (&acc)[N], int r, int c) {
 }
 // pair_bits, quad_reduce and add are chapter 2's, from fragments.cuh.
 
+// Thread t's v[k] becomes thread k's v[t] across its quad (the 4 threads of one row g): a 4 x 4
+// transpose in two butterfly steps, each swapping the pairs whose index differs from the thread's
+// in one bit. Before, a thread holds 2 columns of each of 4 blocks of 8; after, one block whole.
+__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int t) {
+#pragma unroll
+    for (int bit = 1; bit <= 2; bit *= 2)
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (k & bit) continue;                     // the pair (k, k + bit)
+            const bool hi = t & bit;                   // it gives the one its partner keeps
+            const uint32_t y = __shfl_xor_sync(0xffffffffu, hi ? v[k] : v[k + bit], bit);
+            v[k] = hi ? y : v[k], v[k + bit] = hi ? v[k + bit] : y;
+        }
+}
+
+// Row r of a warpgroup's accumulators (acc_at's columns 0 .. Cols - 1) times f, in T, to `row`
+// (16-byte aligned), 16 bytes a store: the quad trades its pairs first (quad_transpose), so that
+// each thread writes 8 whole columns, a quarter of the stores of writing its own pairs and whole
+// 32-byte sectors. Every lane of the warp calls it (the shuffles); where `write` is false it
+// writes nothing.
+template <typename T, int Cols, int N>
+__device__ __forceinline__ void store_row(T* row, float (&acc)[N], int r, float f, int t,
+                                          bool write) {
+#pragma unroll
+    for (int q = 0; q < Cols / 32; q++) {              // blocks 4q .. 4q + 3 of 8 columns
+        uint32_t v[4];                                 // its pairs: columns 8 (4q + b) + 2t, + 1
+#pragma unroll
+        for (int b = 0; b < 4; b++)
+            v[b] = pair_bits<T>(acc_at(acc, r, 8 * q + 2 * b) * f,
+                                acc_at(acc, r, 8 * q + 2 * b + 1) * f);
+        quad_transpose(v, t);                          // now block 4q + t's 8 columns
+        if (write) *reinterpret_cast<uint4*>(row + 8 * (4 * q + t)) = {v[0], v[1], v[2], v[3]};
+    }
+}
+
 // The pipeline (CUTLASS's PipelineState, ThunderKittens' stage and phase bit): a ring of Stages
 // buffers, each with a full and an empty mbarrier, through which tiles pass in order. Tile n
 // (counted from the block's start) sits in stage n % Stages and completes phase n / Stages of that
