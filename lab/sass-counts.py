@@ -77,7 +77,7 @@ def names(code):
 def counts(code):
     c = Counter()
     for name in names(code):
-        c[name.split(".DEPBAR")[0]] += 1
+        c["WARPGROUP" if name.startswith("WARPGROUP") else name] += 1
         c["all"] += 1
     return c
 
