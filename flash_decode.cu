@@ -54,6 +54,8 @@ constexpr int kRows = 8;  // query rows a block: group * q_len rows are cut into
 // Keys a tile, the unit the splits are counted in (flash_decode_choose_splits): 64 up to d = 128,
 // 32 at d = 256.
 __host__ __device__ constexpr int decode_Bc(int D) { return D <= 128 ? 64 : 32; }
+// The fewest tiles a split takes (the split rules below), so that its fixed costs stay small.
+constexpr int kMinTilesPerSplit = 4;
 
 // The split kernel is compiled for blocks of at most kR rows, kR = 4 or 8 (its registers hold Q
 // and O of kR rows): the smallest that holds min(8, group * q_len). Groups of 4 at q_len 1 (Llama,
@@ -760,19 +762,33 @@ struct SequenceKeys {
     int longest = 0, mean = 0;
 };
 
-// The split rule for sequences of different lengths: a split's tiles as the rule cuts the mean
-// sequence, then as many splits as the longest sequence needs at that size. The long sequences
-// get more blocks, the short ones' later splits see no key and end at once, and the blocks' work
-// evens out over the GPU instead of waiting for the longest sequence's few blocks. At most 4
-// waves of blocks (or the longest's own count). Equal lengths: flash_decode_choose_splits' count.
+// The split rule for sequences of different lengths. A split's tiles are first as the rule cuts
+// the mean sequence; then, where the lengths differ, at most 1/kRaggedWaves of a block slot's
+// share of all the tiles (decode_wave's slots; at least kMinTilesPerSplit). The blocks' sizes
+// then differ (a sequence's last split is short, a short sequence's later splits see no key and
+// end at once), and a free slot takes the next block, so the call ends at most about one block
+// after the slots' mean: small blocks keep that tail short. Then as many splits as the longest
+// sequence needs at that size. Equal lengths: flash_decode_choose_splits' count, whose blocks are
+// alike (more splits would only add their fixed cost). FLASH_DECODE_RAGGED_WAVES=0: the mean's cut
+// alone, at most 4 waves of blocks.
+#ifndef FLASH_DECODE_RAGGED_WAVES
+#define FLASH_DECODE_RAGGED_WAVES 8
+#endif
+constexpr int kRaggedWaves = FLASH_DECODE_RAGGED_WAVES;
 int ragged_splits(const cudaDeviceProp& prop, const AttentionShape& longest,
                   const AttentionShape& mean) {
     const int Bc = bc_for(longest.head_dim), at_mean = flash_decode_choose_splits(prop, mean);
-    const long long per_split = ((mean.kv_len + Bc - 1) / Bc + at_mean - 1) / at_mean;
+    const long long tiles = (longest.kv_len + Bc - 1) / Bc, mean_tiles = (mean.kv_len + Bc - 1) / Bc;
     const long long units = (long long)longest.batch * flash_kv_heads(longest) * chunks_of(longest);
+    long long per_split = (mean_tiles + at_mean - 1) / at_mean;
+    if (kRaggedWaves > 0 && longest.kv_len > mean.kv_len) {
+        const long long share = units * mean_tiles / (kRaggedWaves * decode_wave(prop, longest));
+        per_split = std::min(per_split, std::max<long long>(kMinTilesPerSplit, share));
+        return int((tiles + per_split - 1) / per_split);
+    }
     const long long most = std::max<long long>(flash_decode_choose_splits(prop, longest),
                                                4 * decode_wave(prop, longest) / units);
-    return int(std::min(most, ((longest.kv_len + Bc - 1) / Bc + per_split - 1) / per_split));
+    return int(std::min(most, (tiles + per_split - 1) / per_split));
 }
 
 // Host memory for the K/V cache's lengths and table (check_kvcache): pinned, so that both copies
@@ -888,7 +904,6 @@ void decode_call(const char* fn, const T* Q, const T* K, const T* V, T* O, float
 // and V), at least 1. Not more waves: each block pays its fixed costs (its Q, its first loads'
 // latency, the merge of its warps) again, and with fewer keys each hides them less.
 int flash_decode_choose_splits(const cudaDeviceProp& prop, const AttentionShape& s) {
-    constexpr int kMinTilesPerSplit = 4;
     const long long wave = decode_wave(prop, s);
     const long long units = (long long)s.batch * flash_kv_heads(s) * chunks_of(s);
     const int Bc = bc_for(s.head_dim);
