@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <climits>
@@ -762,33 +763,30 @@ struct SequenceKeys {
     int longest = 0, mean = 0;
 };
 
-// The split rule for sequences of different lengths. A split's tiles are first as the rule cuts
-// the mean sequence; then, where the lengths differ, at most 1/kRaggedWaves of a block slot's
-// share of all the tiles (decode_wave's slots; at least kMinTilesPerSplit). The blocks' sizes
-// then differ (a sequence's last split is short, a short sequence's later splits see no key and
-// end at once), and a free slot takes the next block, so the call ends at most about one block
-// after the slots' mean: small blocks keep that tail short. Then as many splits as the longest
-// sequence needs at that size. Equal lengths: flash_decode_choose_splits' count, whose blocks are
-// alike (more splits would only add their fixed cost). FLASH_DECODE_RAGGED_WAVES=0: the mean's cut
-// alone, at most 4 waves of blocks.
-#ifndef FLASH_DECODE_RAGGED_WAVES
-#define FLASH_DECODE_RAGGED_WAVES 8
-#endif
-constexpr int kRaggedWaves = FLASH_DECODE_RAGGED_WAVES;
+// The split rule for sequences of different lengths. Their blocks differ in size (a sequence's
+// last split is short; a short sequence's later splits see no key and end at once), and a free
+// block slot (decode_wave's) takes the next block, so the call ends up to about one split after
+// the slots' mean. Smaller splits shorten that tail but add blocks, each with a fixed cost (its
+// Q, its first loads' latency, its merge) of about kBlockCostTiles tiles of streaming, measured.
+// With `share` a slot's part of all the tiles, tail + cost = p + kBlockCostTiles share / p is
+// least at p = sqrt(kBlockCostTiles share). So a split's tiles: the mean sequence's as
+// flash_decode_choose_splits cuts it, at most p, at least kMinTilesPerSplit; then as many splits
+// as the longest sequence needs. Equal lengths: flash_decode_choose_splits' own count (its blocks
+// are alike: more would only add their cost).
+constexpr int kBlockCostTiles = 4;  // (lab/chapter4.md, part 6: measured at batch 8 and 32)
 int ragged_splits(const cudaDeviceProp& prop, const AttentionShape& longest,
                   const AttentionShape& mean) {
     const int Bc = bc_for(longest.head_dim), at_mean = flash_decode_choose_splits(prop, mean);
-    const long long tiles = (longest.kv_len + Bc - 1) / Bc, mean_tiles = (mean.kv_len + Bc - 1) / Bc;
+    const long long tiles = (longest.kv_len + Bc - 1) / Bc;
+    const long long mean_tiles = (mean.kv_len + Bc - 1) / Bc;
     const long long units = (long long)longest.batch * flash_kv_heads(longest) * chunks_of(longest);
     long long per_split = (mean_tiles + at_mean - 1) / at_mean;
-    if (kRaggedWaves > 0 && longest.kv_len > mean.kv_len) {
-        const long long share = units * mean_tiles / (kRaggedWaves * decode_wave(prop, longest));
-        per_split = std::min(per_split, std::max<long long>(kMinTilesPerSplit, share));
-        return int((tiles + per_split - 1) / per_split);
+    if (longest.kv_len > mean.kv_len) {
+        const double share = double(units * mean_tiles) / double(decode_wave(prop, longest));
+        const long long p = std::llround(std::sqrt(kBlockCostTiles * share));
+        per_split = std::min(per_split, std::max<long long>(kMinTilesPerSplit, p));
     }
-    const long long most = std::max<long long>(flash_decode_choose_splits(prop, longest),
-                                               4 * decode_wave(prop, longest) / units);
-    return int(std::min(most, (tiles + per_split - 1) / per_split));
+    return int((tiles + per_split - 1) / per_split);
 }
 
 // Host memory for the K/V cache's lengths and table (check_kvcache): pinned, so that both copies
