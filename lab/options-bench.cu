@@ -15,7 +15,8 @@
 // Each figure: the median of 10 CUDA-event-timed calls after 3 warm-ups. Prints CSV rows:
 // case,call,seq,window,ms_fwd,ms_bwd,tflops_fwd,tflops_fwd_bwd. With OPTIONS_BENCH_ONLY=NAME
 // only the rows of the public and options calls whose case starts with NAME, and no decode (for
-// a profiler: lab/options-ab.sh).
+// a profiler: lab/options-ab.sh). With OPTIONS_BENCH_REPEAT=N, only dense causal's row, N times
+// over the same buffers and N times over fresh ones.
 #include "checks.h"
 #include "flash.h"
 
@@ -74,6 +75,11 @@ struct Buffers {
         FLASH_CUDA_CHECK(cudaMalloc(&slopes, heads * sizeof(float)));
         FLASH_CUDA_CHECK(cudaMemcpy(slopes, s.data(), heads * sizeof(float), cudaMemcpyHostToDevice));
     }
+    void release() {
+        for (void* p : {(void*)Q, (void*)K, (void*)V, (void*)O, (void*)dO, (void*)dQ, (void*)dK,
+                        (void*)dV, (void*)L, (void*)slopes})
+            FLASH_CUDA_CHECK(cudaFree(p));
+    }
 };
 
 // One row: the forward, then the forward and backward, of `call` ("plain": the public call;
@@ -105,6 +111,24 @@ static void row(const char* what, const char* call, const AttentionShape& s, int
 
 int main() {
     printf("case,call,seq,window,ms_fwd,ms_bwd,tflops_fwd,tflops_fwd_bwd\n");
+    if (const char* repeat = std::getenv("OPTIONS_BENCH_REPEAT")) {
+        // Dense causal's spread between processes (lab/chapter5.md, run 11): its row N times in
+        // this process over the same buffers, then N times over fresh ones (freed, allocated
+        // again): does the time follow the buffers, or the process?
+        const AttentionShape s{1, 16, 32768, 32768, 128, true};
+        const size_t n = size_t(s.batch) * s.heads * s.q_len * s.head_dim;
+        AttentionOptions none;
+        Buffers b(n, s.heads);
+        for (int r = 0; r < std::atoi(repeat); ++r)
+            row("dense, same buffers", "plain", s, -1, none, b);
+        b.release();
+        for (int r = 0; r < std::atoi(repeat); ++r) {
+            Buffers fresh(n, s.heads);
+            row("dense, fresh buffers", "plain", s, -1, none, fresh);
+            fresh.release();
+        }
+        return 0;
+    }
     {   // A window of 4096 keys at N = 32k against the dense causal mask, d = 128.
         const AttentionShape s{1, 16, 32768, 32768, 128, true};
         Buffers b(size_t(s.batch) * s.heads * s.q_len * s.head_dim, s.heads);
