@@ -761,6 +761,7 @@ long long decode_wave(const cudaDeviceProp& prop, const AttentionShape& s) {
 // A K/V cache's sequences' keys after the append, as the host read them (none: kv_len each).
 struct SequenceKeys {
     int longest = 0, mean = 0;
+    bool read = true;  // false: not read (a graph's capture), the capacity standing in for both
 };
 
 // The split rule for sequences of different lengths. Their blocks differ in size (a sequence's
@@ -772,16 +773,17 @@ struct SequenceKeys {
 // least at p = sqrt(kBlockCostTiles share). So a split's tiles: the mean sequence's as
 // flash_decode_choose_splits cuts it, at most p, at least kMinTilesPerSplit; then as many splits
 // as the longest sequence needs. Equal lengths: flash_decode_choose_splits' own count (its blocks
-// are alike: more would only add their cost).
+// are alike: more would only add their cost). differ: whether the lengths may differ (they were
+// read and do, or a graph's capture could not read them and the batch has more than one).
 constexpr int kBlockCostTiles = 4;  // (lab/chapter4.md, part 6: measured at batch 8 and 32)
 int ragged_splits(const cudaDeviceProp& prop, const AttentionShape& longest,
-                  const AttentionShape& mean) {
+                  const AttentionShape& mean, bool differ) {
     const int Bc = bc_for(longest.head_dim), at_mean = flash_decode_choose_splits(prop, mean);
     const long long tiles = (longest.kv_len + Bc - 1) / Bc;
     const long long mean_tiles = (mean.kv_len + Bc - 1) / Bc;
     const long long units = (long long)longest.batch * flash_kv_heads(longest) * chunks_of(longest);
     long long per_split = (mean_tiles + at_mean - 1) / at_mean;
-    if (longest.kv_len > mean.kv_len) {
+    if (differ) {
         const double share = double(units * mean_tiles) / double(decode_wave(prop, longest));
         const long long p = std::llround(std::sqrt(kBlockCostTiles * share));
         per_split = std::min(per_split, std::max<long long>(kMinTilesPerSplit, p));
@@ -827,8 +829,10 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
                    cudaStream_t stream, const KeyPages& pages = {}, const SequenceKeys& keys = {}) {
     const AttentionShape span = key_span(s, pol, keys.longest > 0 ? keys.longest : s.kv_len);
     if (splits == 0)
-        splits = keys.mean > 0 ? ragged_splits(prop, span, key_span(s, pol, keys.mean))
-                               : flash_decode_choose_splits(prop, span);
+        splits = keys.mean > 0
+                     ? ragged_splits(prop, span, key_span(s, pol, keys.mean),
+                                     keys.longest > keys.mean || (!keys.read && s.batch > 1))
+                     : flash_decode_choose_splits(prop, span);
     const int blocks = split_blocks(s, splits);
     const int Bc = bc_for(s.head_dim);
     const int tiles = (span.kv_len + Bc - 1) / Bc;
@@ -1004,11 +1008,11 @@ SequenceKeys check_kvcache(const char* fn, const T* Q, T* K, T* V, const T* k_ne
                                output_arg("O", O, q_elems(s)), output_arg("L", L, l_elems(s))});
     require_decode_device(flash_device_props(), s.head_dim, fn);
     // A stream being captured into a CUDA graph cannot be waited for: the lengths and the table
-    // are then not read back (the kernels clamp them: KeyPages), and the longest sequence is
-    // taken as the cache's capacity, for the split rule.
+    // are then not read back (the kernels clamp them: KeyPages); for the split rule, every
+    // sequence is taken as the cache's capacity, but the lengths as possibly different.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     FLASH_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone) return {s.kv_len, s.kv_len};
+    if (capture != cudaStreamCaptureStatusNone) return {s.kv_len, s.kv_len, false};
     // The lengths and the table, copied to the host together (one wait for the stream).
     const auto on_device = [&](const int* p, const char* name) {
         require(reinterpret_cast<uintptr_t>(p) % alignof(int) == 0,

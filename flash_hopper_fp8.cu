@@ -41,13 +41,13 @@ constexpr int kFp8Consumers = 2, kFp8Br = 64 * kFp8Consumers, kFp8Bc = 128;
 __host__ __device__ constexpr int fp8_cols(int d) { return d < 128 ? 128 : d; }
 __host__ __device__ constexpr int fp8_stages(int) { return 3; }
 constexpr int kPOffsetLog2 = 8;  // P~ is rounded as 2^8 P~ (above)
-// Ping-pong of the two consumers (lib/hopper.cuh, Turns): off, as measured it gains nothing here
-// (0.86-0.98x at d = 128, 0.99-1.02x at d = 256: the softmax, not the products, bounds this one).
-// -DFP8_PINGPONG=1 turns it on.
+// Ping-pong of the two consumers (lib/hopper.cuh, Turns), the turn passed after both products:
+// on at d = 256 (1.01-1.06x as measured), off at d = 128 (0.97-1.00x: there the softmax, not the
+// products, bounds a step). -DFP8_PINGPONG=0 turns it off everywhere.
 #ifndef FP8_PINGPONG
-#define FP8_PINGPONG 0
+#define FP8_PINGPONG 1
 #endif
-using Fp8Turns = Turns<FP8_PINGPONG>;
+__host__ __device__ constexpr bool fp8_pingpong(int d) { return FP8_PINGPONG && d == 256; }
 
 template <int D>
 struct Fp8Shared {
@@ -107,6 +107,7 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                          const Rows vt, const Policy policy, const Fp8Descales descale, int Tr,
                          int tiles, int head_group, int group, float scale_log2, int* next) {
     constexpr int Br = kFp8Br, Bc = kFp8Bc, Cols = fp8_cols(D), Stages = fp8_stages(D);
+    using Turn = Turns<fp8_pingpong(D)>;
     auto& sh = shared_storage<Fp8Shared<D>>();
     uint64_t *full = sh.full, *empty = sh.empty;
     int* work = sh.work;
@@ -123,7 +124,7 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
     };
     if (threadIdx.x == 0) init_barriers(full, empty, Stages + 1, 4 * kFp8Consumers);
     __syncthreads();
-    Fp8Turns::start(int(threadIdx.x / kWarpgroup) - 1);
+    Turn::start(int(threadIdx.x / kWarpgroup) - 1);
     if (threadIdx.x < kWarpgroup) {  // the producer
         setmaxnreg<false, 24>();
         if (threadIdx.x >= 32) return;
@@ -194,16 +195,21 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
             mbar_wait(&full[read.stage()], read.phase());
             const char* K_j = reinterpret_cast<const char*>(sh.KV[read.stage()].K_j);
             float S_ij[Bc / 2] = {}, alpha[2];
-            Fp8Turns::take(wg);
+            Turn::take(wg);
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < D / 32; k++)  // 32 of d a step (d = 64: the padding unread)
                 wgmma_fp8_ss<Bc>(S_ij, smem_desc(Q_w + k / 4 * Br * kRowBytes + k % 4 * 32, 0),
                                  smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
             wgmma_commit();
-            Fp8Turns::pass(wg);  // (before O_i += P~ V: after it, ptxas serializes the wgmmas)
-            if (j > j0) add_PV(read.previous().stage());
-            j > j0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);
+            if (j > j0) {  // (the turn passed after both products, in each path: Turns)
+                add_PV(read.previous().stage());
+                Turn::pass(wg);
+                wgmma_wait<1>(S_ij);
+            } else {
+                Turn::pass(wg);
+                wgmma_wait<0>(S_ij);
+            }
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 const Span seen = policy.row_keys(query + 8 * r);

@@ -160,12 +160,14 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// Ping-pong (FlashAttention-3): two consumer warpgroups take turns to issue a tile's first product
-// (S_ij), so that one's softmax runs while the other's product is on the tensor cores. A turn is
-// a named barrier (2: consumer 0's, 3: consumer 1's) that the waiting consumer syncs on and the
-// other arrives at. Two placements make ptxas serialize every wgmma of the kernel: consumer 1's
+// Ping-pong (FlashAttention-3): two consumer warpgroups take turns to issue a tile's products, so
+// that one's softmax runs while the other's products are on the tensor cores (chapter 3 passes the
+// turn after S_ij, the fp8 forward after both products: each where it measured best). A turn is a
+// named barrier (2: consumer 0's, 3: consumer 1's) that the waiting consumer syncs on and the
+// other arrives at. Some placements make ptxas serialize every wgmma of the kernel: consumer 1's
 // first arrive inside the consumers' branch (C7520, "WG.AR in divergent path"; so start() runs
-// before the roles part) and a pass after the tile's second product (C7514). On = false: no code.
+// before the roles part), and a pass after a product issued in one path of a branch but placed
+// after the branch (C7514, C7515; a pass in each path compiles clean). On = false: no code.
 template <bool On>
 struct Turns {
     static constexpr int kFirst = 2;                   // named barriers kFirst, kFirst + 1
