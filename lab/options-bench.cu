@@ -16,16 +16,19 @@
 // case,call,seq,window,ms_fwd,ms_bwd,tflops_fwd,tflops_fwd_bwd. With OPTIONS_BENCH_ONLY=NAME
 // only the rows of the public and options calls whose case starts with NAME, and no decode (for
 // a profiler: lab/options-ab.sh). With OPTIONS_BENCH_REPEAT=N, only dense causal's row, N times
-// over the same buffers and N times over fresh ones.
+// over the same buffers and N times over fresh ones. With OPTIONS_BENCH_PAIRED=N, dense causal
+// and the window in turns, each after 2 s idle, N times.
 #include "checks.h"
 #include "flash.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
+#include <thread>
 #include <vector>
 
 static float median_ms(const std::function<void()>& call) {
@@ -126,6 +129,21 @@ int main() {
             Buffers fresh(n, s.heads);
             row("dense, fresh buffers", "plain", s, -1, none, fresh);
             fresh.release();
+        }
+        return 0;
+    }
+    if (const char* paired = std::getenv("OPTIONS_BENCH_PAIRED")) {
+        // The window floor at like clocks (lab/chapter5.md, run 12: dense causal runs into the
+        // board's power cap): dense causal and the window in turns, N times, each after 2 s idle.
+        const AttentionShape s{1, 16, 32768, 32768, 128, true};
+        Buffers b(size_t(s.batch) * s.heads * s.q_len * s.head_dim, s.heads);
+        AttentionOptions none, window;
+        window.window_left = 4096, window.window_right = 0;
+        for (int r = 0; r < std::atoi(paired); ++r) {
+            std::this_thread::sleep_for(std::chrono::seconds(2));
+            row("dense causal, after 2 s idle", "plain", s, -1, none, b);
+            std::this_thread::sleep_for(std::chrono::seconds(2));
+            row("window 4096, after 2 s idle", "options", s, 4096, window, b);
         }
         return 0;
     }
