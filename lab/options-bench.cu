@@ -17,7 +17,8 @@
 // only the rows of the public and options calls whose case starts with NAME, and no decode (for
 // a profiler: lab/options-ab.sh). With OPTIONS_BENCH_REPEAT=N, only dense causal's row, N times
 // over the same buffers and N times over fresh ones. With OPTIONS_BENCH_PAIRED=N, dense causal
-// and the window in turns, each after 2 s idle, N times.
+// and the window in turns, each after 2 s idle, N times. With OPTIONS_BENCH_CLOCKS=N, N dense
+// causal forwards back to back, each one's time and the SM clock right after it.
 #include "checks.h"
 #include "flash.h"
 
@@ -51,6 +52,15 @@ static float median_ms(const std::function<void()>& call) {
     FLASH_CUDA_CHECK(cudaEventDestroy(b));
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2];
+}
+
+// The SM clock in MHz, as the cycles one SM counts over 20 us of the global timer.
+__global__ void sm_clock_probe(float* mhz) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    const long long c0 = clock64();
+    do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (t - t0 < 20000);
+    *mhz = float(clock64() - c0) * 1000.f / float(t - t0);
 }
 
 // Visible (query, key) pairs of one head: causal with a window of `left` keys (-1: none).
@@ -129,6 +139,32 @@ int main() {
             Buffers fresh(n, s.heads);
             row("dense, fresh buffers", "plain", s, -1, none, fresh);
             fresh.release();
+        }
+        return 0;
+    }
+    if (const char* clocks = std::getenv("OPTIONS_BENCH_CLOCKS")) {
+        // Each call's own time and the SM clock right after it (lab/chapter5.md, run 12: do the
+        // two speeds of dense causal follow the clock?): after 2 s idle, N forwards back to back.
+        const AttentionShape s{1, 16, 32768, 32768, 128, true};
+        Buffers b(size_t(s.batch) * s.heads * s.q_len * s.head_dim, s.heads);
+        float* mhz;
+        FLASH_CUDA_CHECK(cudaMalloc(&mhz, sizeof(float)));
+        cudaEvent_t a, e;
+        FLASH_CUDA_CHECK(cudaEventCreate(&a));
+        FLASH_CUDA_CHECK(cudaEventCreate(&e));
+        std::this_thread::sleep_for(std::chrono::seconds(2));
+        printf("call,ms_fwd,sm_mhz_after\n");
+        for (int r = 0; r < std::atoi(clocks); ++r) {
+            FLASH_CUDA_CHECK(cudaEventRecord(a));
+            flash_forward_fp16(b.Q, b.K, b.V, b.O, b.L, s);
+            FLASH_CUDA_CHECK(cudaEventRecord(e));
+            sm_clock_probe<<<1, 1>>>(mhz);
+            FLASH_CUDA_CHECK(cudaGetLastError());
+            float ms = 0, f = 0;
+            FLASH_CUDA_CHECK(cudaEventSynchronize(e));
+            FLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, a, e));
+            FLASH_CUDA_CHECK(cudaMemcpy(&f, mhz, sizeof(float), cudaMemcpyDeviceToHost));
+            printf("%d,%.3f,%.0f\n", r, ms, f);
         }
         return 0;
     }
