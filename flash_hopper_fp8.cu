@@ -34,10 +34,20 @@
 
 using fp8 = __nv_fp8_e4m3;
 
-// Tiles: 128 rows of Q_i (two consumer warpgroups), 128 keys (one 128-byte row of V^T), a row of
-// Q_i or K_j padded to 128 bytes at d = 64 (the TMA fills columns past d with zeros; the scores
-// read only the first d). Stages: three (at d = 256, 64 KiB a stage: 224 KiB with Q_i).
-constexpr int kFp8Consumers = 2, kFp8Br = 64 * kFp8Consumers, kFp8Bc = 128;
+// Tiles: 128 rows of Q_i (two consumer warpgroups); Bc keys, 224 at d = 128 (FlashAttention-3's
+// fp8 tile there: the softmax's per-tile costs, O_i's rescale above all, over more scores), 128
+// elsewhere; a row of Q_i or K_j padded to 128 bytes at d = 64 (the TMA fills columns past d with
+// zeros; the scores read only the first d). V^T_j in blocks of 128 keys, one 128-byte swizzled row
+// each (the last block's keys past Bc are loaded, never read). Stages: three (at d = 256, 64 KiB
+// a stage: 224 KiB with Q_i).
+#ifndef FP8_BC128
+#define FP8_BC128 224
+#endif
+constexpr int kFp8Consumers = 2, kFp8Br = 64 * kFp8Consumers, kVtKeys = 128;
+__host__ __device__ constexpr int fp8_bc(int d) { return d == 128 ? FP8_BC128 : 128; }
+__host__ __device__ constexpr int fp8_vt_blocks(int d) {
+    return (fp8_bc(d) + kVtKeys - 1) / kVtKeys;
+}
 __host__ __device__ constexpr int fp8_cols(int d) { return d < 128 ? 128 : d; }
 __host__ __device__ constexpr int fp8_stages(int) { return 3; }
 constexpr int kPOffsetLog2 = 8;  // P~ is rounded as 2^8 P~ (above)
@@ -54,8 +64,8 @@ struct Fp8Shared {
     static constexpr int Cols = fp8_cols(D), Stages = fp8_stages(D);
     alignas(1024) fp8 Q_i[kFp8Br * Cols];
     struct Stage {
-        alignas(1024) fp8 K_j[kFp8Bc * Cols];
-        alignas(1024) fp8 Vt_j[D * kFp8Bc];  // D rows of 128 keys (V^T's)
+        alignas(1024) fp8 K_j[fp8_bc(D) * Cols];
+        alignas(1024) fp8 Vt_j[fp8_vt_blocks(D)][D * kVtKeys];  // blocks of D rows of 128 keys
     } KV[Stages];
     uint64_t full[Stages + 1], empty[Stages + 1];
     int work[2];
@@ -106,7 +116,8 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                          float* __restrict__ L, const __grid_constant__ Layout lay,
                          const Rows vt, const Policy policy, const Fp8Descales descale, int Tr,
                          int tiles, int head_group, int group, float scale_log2, int* next) {
-    constexpr int Br = kFp8Br, Bc = kFp8Bc, Cols = fp8_cols(D), Stages = fp8_stages(D);
+    constexpr int Br = kFp8Br, Bc = fp8_bc(D), Cols = fp8_cols(D), Stages = fp8_stages(D);
+    constexpr int VtBlocks = fp8_vt_blocks(D);
     using Turn = Turns<fp8_pingpong(D)>;
     auto& sh = shared_storage<Fp8Shared<D>>();
     uint64_t *full = sh.full, *empty = sh.empty;
@@ -148,9 +159,11 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                 if (kv.n >= Stages) mbar_wait(&empty[kv.stage()], kv.phase_before());
                 if (!issuer) continue;
                 auto& st = sh.KV[kv.stage()];
-                mbar_expect_bytes(&full[kv.stage()], Bc * Cols + D * Bc);
+                mbar_expect_bytes(&full[kv.stage()], Bc * Cols + VtBlocks * D * kVtKeys);
                 load_tile<Bc, Cols>(st.K_j, K, k0.x + j * Bc, k0.y, k0.z, &full[kv.stage()]);
-                tma_load(st.Vt_j, Vt, k0.x + j * Bc, 0, v0.y, v0.z, &full[kv.stage()]);
+                for (int b = 0; b < VtBlocks; b++)
+                    tma_load(st.Vt_j[b], Vt, k0.x + j * Bc + b * kVtKeys, 0, v0.y, v0.z,
+                             &full[kv.stage()]);
             }
             if (Tc <= Stages) named_barrier(1, 32 + kWarpgroup * kFp8Consumers);
             tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
@@ -180,14 +193,15 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
         const int query = i * Br + 64 * wg + 16 * warp + g;
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};
         const auto add_PV = [&](int stage) {  // O_i += P~ V_j: B = V^T's rows (N = columns of O)
-            const char* Vt_j = reinterpret_cast<const char*>(sh.KV[stage].Vt_j);
             constexpr int N = D < 128 ? D : 128;
 #pragma unroll
-            for (int k = 0; k < Bc / 32; k++)
+            for (int k = 0; k < Bc / 32; k++) {  // keys 32k .. 32k + 31: V^T's block k / 4
+                const char* Vt_j = reinterpret_cast<const char*>(sh.KV[stage].Vt_j[k / 4]);
 #pragma unroll
                 for (int half = 0; half < D / N; half++)
                     wgmma_fp8_rs<N>(O_i + half * N / 2, P[k],
-                                    smem_desc(Vt_j + half * N * kRowBytes + k * 32, 0));
+                                    smem_desc(Vt_j + half * N * kRowBytes + k % 4 * 32, 0));
+            }
             wgmma_commit();
         };
         PipelineState<Stages> read = kv;
@@ -324,7 +338,7 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
             vt.heads = kvh, vt.row = len32, vt.head = (long long)D * len32;
             vt.batch = vt.head * kvh;
             const CUtensorMap Qm = tensor_map(Q, lay.Q, s.batch, s.q_len, D, kFp8Br),
-                              Km = tensor_map(K, lay.K, s.batch, s.kv_len, D, kFp8Bc),
+                              Km = tensor_map(K, lay.K, s.batch, s.kv_len, D, fp8_bc(D)),
                               Vm = tensor_map<fp8>(Vt, vt, s.batch, D, len32, D);
             const auto run = [&](auto policy) {
                 const auto kernel = flash_forward_fp8_kernel<D, TO, decltype(policy)>;
