@@ -34,19 +34,15 @@
 
 using fp8 = __nv_fp8_e4m3;
 
-// Tiles: 128 rows of Q_i (two consumer warpgroups); Bc keys, 224 at d = 128 (FlashAttention-3's
-// fp8 tile there: the softmax's per-tile costs, O_i's rescale above all, over more scores), 128
-// elsewhere; a row of Q_i or K_j padded to 128 bytes at d = 64 (the TMA fills columns past d with
-// zeros; the scores read only the first d). V^T_j in blocks of 128 keys, one 128-byte swizzled row
-// each (the last block's keys past Bc are loaded, never read). Stages: three (at d = 256, 64 KiB
-// a stage: 224 KiB with Q_i).
-#ifndef FP8_BC128
-#define FP8_BC128 224
-#endif
+// Tiles: 128 rows of Q_i (two consumer warpgroups); Bc = flash_fp8_bc(d) keys (flash.h), 192 at
+// d = 128 (a tile's fixed costs, O_i's rescale above all, over more scores), 128 elsewhere; a row
+// of Q_i or K_j padded to 128 bytes at d = 64 (the TMA fills columns past d with zeros; the scores
+// read only the first d). V^T_j in blocks of 128 keys, one 128-byte swizzled row each (the last
+// block's keys past Bc are loaded, never read). Stages: three (at d = 256, 64 KiB a stage: 224 KiB
+// with Q_i).
 constexpr int kFp8Consumers = 2, kFp8Br = 64 * kFp8Consumers, kVtKeys = 128;
-__host__ __device__ constexpr int fp8_bc(int d) { return d == 128 ? FP8_BC128 : 128; }
 __host__ __device__ constexpr int fp8_vt_blocks(int d) {
-    return (fp8_bc(d) + kVtKeys - 1) / kVtKeys;
+    return (flash_fp8_bc(d) + kVtKeys - 1) / kVtKeys;
 }
 __host__ __device__ constexpr int fp8_cols(int d) { return d < 128 ? 128 : d; }
 __host__ __device__ constexpr int fp8_stages(int) { return 3; }
@@ -58,13 +54,19 @@ constexpr int kPOffsetLog2 = 8;  // P~ is rounded as 2^8 P~ (above)
 #define FP8_PINGPONG 1
 #endif
 __host__ __device__ constexpr bool fp8_pingpong(int d) { return FP8_PINGPONG && d == 256; }
+// A row's max and sum in fp8_chains(d) independent chains (then a tree), so that the softmax's
+// maxes and adds overlap instead of waiting on each other, Bc / 4 deep in one chain.
+#ifndef FP8_CHAINS
+#define FP8_CHAINS 4
+#endif
+__host__ __device__ constexpr int fp8_chains(int d) { return d >= 128 ? FP8_CHAINS : 1; }
 
 template <int D>
 struct Fp8Shared {
     static constexpr int Cols = fp8_cols(D), Stages = fp8_stages(D);
     alignas(1024) fp8 Q_i[kFp8Br * Cols];
     struct Stage {
-        alignas(1024) fp8 K_j[fp8_bc(D) * Cols];
+        alignas(1024) fp8 K_j[flash_fp8_bc(D) * Cols];
         alignas(1024) fp8 Vt_j[fp8_vt_blocks(D)][D * kVtKeys];  // blocks of D rows of 128 keys
     } KV[Stages];
     uint64_t full[Stages + 1], empty[Stages + 1];
@@ -116,9 +118,10 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                          float* __restrict__ L, const __grid_constant__ Layout lay,
                          const Rows vt, const Policy policy, const Fp8Descales descale, int Tr,
                          int tiles, int head_group, int group, float scale_log2, int* next) {
-    constexpr int Br = kFp8Br, Bc = fp8_bc(D), Cols = fp8_cols(D), Stages = fp8_stages(D);
+    constexpr int Br = kFp8Br, Bc = flash_fp8_bc(D), Cols = fp8_cols(D), Stages = fp8_stages(D);
     constexpr int VtBlocks = fp8_vt_blocks(D);
     using Turn = Turns<fp8_pingpong(D)>;
+    constexpr int Chains = fp8_chains(D);
     auto& sh = shared_storage<Fp8Shared<D>>();
     uint64_t *full = sh.full, *empty = sh.empty;
     int* work = sh.work;
@@ -232,21 +235,29 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
 #pragma unroll
                     for (int c = 0; c < Bc / 4; c++)
                         if (8 * (c / 2) + c % 2 > hi) acc_at(S_ij, r, c) = -INFINITY;
-                float m_new = m[r];
+                float mx[Chains], sum[Chains] = {};  // a row's max and sum, Chains chains each
 #pragma unroll
-                for (int c = 0; c < Bc / 4; c++) m_new = fmaxf(m_new, acc_at(S_ij, r, c));
-                m_new = quad_reduce(m_new, fmaxf);
+                for (int k = 0; k < Chains; k++) mx[k] = m[r];
+#pragma unroll
+                for (int c = 0; c < Bc / 4; c++)
+                    mx[c % Chains] = fmaxf(mx[c % Chains], acc_at(S_ij, r, c));
+#pragma unroll
+                for (int k = 1; k < Chains; k++) mx[0] = fmaxf(mx[0], mx[k]);
+                const float m_new = quad_reduce(mx[0], fmaxf);
                 const float m_log2 = m_new == -INFINITY ? 0.f : m_new * scale;
                 alpha[r] = exp2_ftz(m[r] * scale - m_log2);
                 m[r] = m_new;
-                float sum = 0.f;
 #pragma unroll
                 for (int c = 0; c < Bc / 4; c++) {  // 256 P~ (the offset 8 in log2 units)
                     float& s = acc_at(S_ij, r, c);
                     s = exp2_ftz(fmaf(s, scale, kPOffsetLog2 - m_log2));
-                    sum += s;
+                    sum[c % Chains] += s;
                 }
-                l[r] = l[r] * alpha[r] + sum;
+#pragma unroll
+                for (int w = Chains / 2; w > 0; w /= 2)  // the chains' sums as a tree
+#pragma unroll
+                    for (int k = 0; k < w; k++) sum[k] += sum[k + w];
+                l[r] = l[r] * alpha[r] + sum[0];
             }
             wgmma_wait<0>(O_i);
             if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
@@ -338,7 +349,7 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
             vt.heads = kvh, vt.row = len32, vt.head = (long long)D * len32;
             vt.batch = vt.head * kvh;
             const CUtensorMap Qm = tensor_map(Q, lay.Q, s.batch, s.q_len, D, kFp8Br),
-                              Km = tensor_map(K, lay.K, s.batch, s.kv_len, D, fp8_bc(D)),
+                              Km = tensor_map(K, lay.K, s.batch, s.kv_len, D, flash_fp8_bc(D)),
                               Vm = tensor_map<fp8>(Vt, vt, s.batch, D, len32, D);
             const auto run = [&](auto policy) {
                 const auto kernel = flash_forward_fp8_kernel<D, TO, decltype(policy)>;

@@ -22,7 +22,6 @@
 namespace {
 
 using fp8 = __nv_fp8_e4m3;
-constexpr int kBc = 128;
 
 double e4m3(double x) { return double(float(fp8(float(x)))); }  // (round to nearest even)
 // The e4m3 step at x >= 0 (one unit in the last place): 2^(e - 3) for normal numbers, 2^-9 below.
@@ -96,8 +95,9 @@ Fp8Want fp8_reference(const Fp8Problem& p) {
             const double wrel = wlog * std::log(2.0);
             std::vector<double> o(d, 0), oabs(d, 0), near(d, 0);
             double l = 0;
-            for (int j0 = 0; j0 <= last && j0 < s.kv_len; j0 += kBc) {  // tile by tile
-                const int j1 = std::min({j0 + kBc, last + 1, s.kv_len});
+            const int Bc = flash_fp8_bc(d);  // the kernel's tile of keys
+            for (int j0 = 0; j0 <= last && j0 < s.kv_len; j0 += Bc) {  // tile by tile
+                const int j1 = std::min({j0 + Bc, last + 1, s.kv_len});
                 double m_new = m;
                 for (int j = j0; j < j1; j++) m_new = std::max(m_new, S[j]);
                 const double alpha = m == -INFINITY ? 0 : std::exp2((m - m_new) * sc);
