@@ -54,12 +54,6 @@ constexpr int kPOffsetLog2 = 8;  // P~ is rounded as 2^8 P~ (above)
 #define FP8_PINGPONG 1
 #endif
 __host__ __device__ constexpr bool fp8_pingpong(int d) { return FP8_PINGPONG && d == 256; }
-// A row's max and sum in fp8_chains(d) independent chains (then a tree), so that the softmax's
-// maxes and adds overlap instead of waiting on each other, Bc / 4 deep in one chain.
-#ifndef FP8_CHAINS
-#define FP8_CHAINS 4
-#endif
-__host__ __device__ constexpr int fp8_chains(int d) { return d >= 128 ? FP8_CHAINS : 1; }
 
 template <int D>
 struct Fp8Shared {
@@ -121,7 +115,6 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
     constexpr int Br = kFp8Br, Bc = flash_fp8_bc(D), Cols = fp8_cols(D), Stages = fp8_stages(D);
     constexpr int VtBlocks = fp8_vt_blocks(D);
     using Turn = Turns<fp8_pingpong(D)>;
-    constexpr int Chains = fp8_chains(D);
     auto& sh = shared_storage<Fp8Shared<D>>();
     uint64_t *full = sh.full, *empty = sh.empty;
     int* work = sh.work;
@@ -235,29 +228,21 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
 #pragma unroll
                     for (int c = 0; c < Bc / 4; c++)
                         if (8 * (c / 2) + c % 2 > hi) acc_at(S_ij, r, c) = -INFINITY;
-                float mx[Chains], sum[Chains] = {};  // a row's max and sum, Chains chains each
+                float m_new = m[r];
 #pragma unroll
-                for (int k = 0; k < Chains; k++) mx[k] = m[r];
-#pragma unroll
-                for (int c = 0; c < Bc / 4; c++)
-                    mx[c % Chains] = fmaxf(mx[c % Chains], acc_at(S_ij, r, c));
-#pragma unroll
-                for (int k = 1; k < Chains; k++) mx[0] = fmaxf(mx[0], mx[k]);
-                const float m_new = quad_reduce(mx[0], fmaxf);
+                for (int c = 0; c < Bc / 4; c++) m_new = fmaxf(m_new, acc_at(S_ij, r, c));
+                m_new = quad_reduce(m_new, fmaxf);
                 const float m_log2 = m_new == -INFINITY ? 0.f : m_new * scale;
                 alpha[r] = exp2_ftz(m[r] * scale - m_log2);
                 m[r] = m_new;
+                float sum = 0.f;
 #pragma unroll
                 for (int c = 0; c < Bc / 4; c++) {  // 256 P~ (the offset 8 in log2 units)
                     float& s = acc_at(S_ij, r, c);
                     s = exp2_ftz(fmaf(s, scale, kPOffsetLog2 - m_log2));
-                    sum[c % Chains] += s;
+                    sum += s;
                 }
-#pragma unroll
-                for (int w = Chains / 2; w > 0; w /= 2)  // the chains' sums as a tree
-#pragma unroll
-                    for (int k = 0; k < w; k++) sum[k] += sum[k + w];
-                l[r] = l[r] * alpha[r] + sum[0];
+                l[r] = l[r] * alpha[r] + sum;
             }
             wgmma_wait<0>(O_i);
             if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);

@@ -226,7 +226,6 @@ __device__ __forceinline__ void wgmma_wait(float (&r)[N]) {
 #define ACC32 ACC8(0), ACC8(8), ACC8(16), ACC8(24)
 #define ACC64 ACC32, ACC8(32), ACC8(40), ACC8(48), ACC8(56)
 #define ACC96 ACC64, ACC8(64), ACC8(72), ACC8(80), ACC8(88)
-#define ACC112 ACC96, ACC8(96), ACC8(104)
 #define REGS24 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
                "%22,%23}"
 #define REGS32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
@@ -237,10 +236,8 @@ __device__ __forceinline__ void wgmma_wait(float (&r)[N]) {
               "%62,%63"
 #define R64_95 "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82," \
                "%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95"
-#define R96_111 "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111"
 #define REGS64 "{" R0_63 "}"
 #define REGS96 "{" R0_63 "," R64_95 "}"
-#define REGS112 "{" R0_63 "," R64_95 "," R96_111 "}"
 #define AB32 "{%32,%33,%34,%35}, %36"  // RS: A's 4 registers, B's descriptor
 #define AB64 "{%64,%65,%66,%67}, %68"
 #define WGMMA_SS(N, REGS, ACC, AB, TY)                                                          \
@@ -292,12 +289,10 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b
                  ", 1, 1, 1;\n" : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
 template <int N>
 __device__ __forceinline__ void wgmma_fp8_ss(float* d, uint64_t a, uint64_t b) {
-    static_assert(N == 64 || N == 128 || N == 192 || N == 224,
-                  "wgmma_fp8_ss is written for N = 64, 128, 192, 224");
+    static_assert(N == 64 || N == 128 || N == 192, "wgmma_fp8_ss is written for N = 64, 128, 192");
     if constexpr (N == 64) HOPPER_ONLY(WGMMA_FP8_SS(64, REGS32, ACC32, "%32, %33"));
     if constexpr (N == 128) HOPPER_ONLY(WGMMA_FP8_SS(128, REGS64, ACC64, "%64, %65"));
     if constexpr (N == 192) HOPPER_ONLY(WGMMA_FP8_SS(192, REGS96, ACC96, "%96, %97"));
-    if constexpr (N == 224) HOPPER_ONLY(WGMMA_FP8_SS(224, REGS112, ACC112, "%112, %113"));
 }
 template <int N>
 __device__ __forceinline__ void wgmma_fp8_rs(float* d, const uint32_t* a, uint64_t b) {
@@ -312,15 +307,12 @@ __device__ __forceinline__ void wgmma_fp8_rs(float* d, const uint32_t* a, uint64
 #undef ACC32
 #undef ACC64
 #undef ACC96
-#undef ACC112
 #undef REGS24
 #undef REGS32
 #undef REGS64
 #undef REGS96
-#undef REGS112
 #undef R0_63
 #undef R64_95
-#undef R96_111
 #undef AB32
 #undef AB64
 #undef WGMMA_SS
