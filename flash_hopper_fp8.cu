@@ -200,7 +200,11 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
         const float scale = scale_log2 * dq * dk;
         mbar_wait(&full[Stages], q.phase());
         const int query = i * Br + 64 * wg + 16 * warp + g;
-        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {}, l_acc[4] = {};
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+        // O_i, and after it l's 4 accumulators (FP8_TENSOR_SUM): one array, so that one wait and
+        // one rescale cover both (apart, ptxas serializes the wgmmas: C7515)
+        float O_i[D / 2 + 4 * FP8_TENSOR_SUM] = {};
+        float* l_acc = O_i + D / 2;
         const auto add_PV = [&](int stage) {  // O_i += P~ V_j: B = V^T's rows (N = columns of O)
             constexpr int N = D < 128 ? D : 128;
 #pragma unroll
@@ -262,12 +266,7 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
             wgmma_wait<0>(O_i);
             if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
 #pragma unroll
-            for (int n = 0; n < D / 2; n++) O_i[n] *= alpha[n % 4 / 2];
-            if (FP8_TENSOR_SUM) {
-                wgmma_wait<0>(l_acc);  // (its batch is O_i's, already done: tells the compiler)
-#pragma unroll
-                for (int n = 0; n < 4; n++) l_acc[n] *= alpha[n / 2];
-            }
+            for (int n = 0; n < D / 2 + 4 * FP8_TENSOR_SUM; n++) O_i[n] *= alpha[n % 4 / 2];
 #pragma unroll
             for (int k = 0; k < Bc / 32; k++)  // keys 32k .. 32k + 31 as A (flash_fp8_p_index)
 #pragma unroll
@@ -283,7 +282,6 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
             wgmma_fence();
             add_PV(kv.previous().stage());
             wgmma_wait<0>(O_i);
-            wgmma_wait<0>(l_acc);
             if (threadIdx.x % 32 == 0) mbar_arrive(&empty[kv.previous().stage()]);
         }
 #pragma unroll
