@@ -54,6 +54,12 @@ constexpr int kPOffsetLog2 = 8;  // P~ is rounded as 2^8 P~ (above)
 #define FP8_PINGPONG 1
 #endif
 __host__ __device__ constexpr bool fp8_pingpong(int d) { return FP8_PINGPONG && d == 256; }
+// l, a row's sum of 256 P~, on the tensor cores: each P~ V_j product also multiplies P~ by a
+// block of ones (an m64n8k32 wgmma a k-step; column 0 of its accumulators is the sum), so the
+// softmax loses its add a score; l is then the sum of the rounded P~ that O's numerator sums.
+#ifndef FP8_TENSOR_SUM
+#define FP8_TENSOR_SUM 1
+#endif
 
 template <int D>
 struct Fp8Shared {
@@ -63,6 +69,7 @@ struct Fp8Shared {
         alignas(1024) fp8 K_j[flash_fp8_bc(D) * Cols];
         alignas(1024) fp8 Vt_j[fp8_vt_blocks(D)][D * kVtKeys];  // blocks of D rows of 128 keys
     } KV[Stages];
+    alignas(1024) uint8_t ones[8 * kRowBytes];  // B of the sum: row 0 e4m3 1.0s, rows 1-7 zeros
     uint64_t full[Stages + 1], empty[Stages + 1];
     int work[2];
 };
@@ -130,6 +137,12 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
         return Work{i, bh, j0, keys.end > keys.begin ? (keys.end - 1) / Bc - j0 + 1 : 0};
     };
     if (threadIdx.x == 0) init_barriers(full, empty, Stages + 1, 4 * kFp8Consumers);
+    if (FP8_TENSOR_SUM && threadIdx.x < 8 * kRowBytes / 4) {  // (row 0, its bytes alike, is
+                                                               // where any swizzle leaves it)
+        const uint32_t four = threadIdx.x < kRowBytes / 4 ? 0x38383838u : 0u;  // e4m3 1.0 = 0x38
+        reinterpret_cast<uint32_t*>(sh.ones)[threadIdx.x] = four;
+    }
+    fence_proxy_async();  // the wgmmas (the async proxy) read them
     __syncthreads();
     Turn::start(int(threadIdx.x / kWarpgroup) - 1);
     if (threadIdx.x < kWarpgroup) {  // the producer
@@ -187,7 +200,11 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
         const float scale = scale_log2 * dq * dk;
         mbar_wait(&full[Stages], q.phase());
         const int query = i * Br + 64 * wg + 16 * warp + g;
-        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+        // O_i, and after it l's 4 accumulators (FP8_TENSOR_SUM): one array, so that one wait and
+        // one rescale cover both (apart, ptxas serializes the wgmmas: C7515)
+        float O_i[D / 2 + 4 * FP8_TENSOR_SUM] = {};
+        float* l_acc = O_i + D / 2;
         const auto add_PV = [&](int stage) {  // O_i += P~ V_j: B = V^T's rows (N = columns of O)
             constexpr int N = D < 128 ? D : 128;
 #pragma unroll
@@ -197,6 +214,8 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                 for (int half = 0; half < D / N; half++)
                     wgmma_fp8_rs<N>(O_i + half * N / 2, P[k],
                                     smem_desc(Vt_j + half * N * kRowBytes + k % 4 * 32, 0));
+                if (FP8_TENSOR_SUM)
+                    wgmma_fp8_rs<8>(l_acc, P[k], smem_desc(sh.ones + k % 4 * 32, 0));
             }
             wgmma_commit();
         };
@@ -240,14 +259,14 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                 for (int c = 0; c < Bc / 4; c++) {  // 256 P~ (the offset 8 in log2 units)
                     float& s = acc_at(S_ij, r, c);
                     s = exp2_ftz(fmaf(s, scale, kPOffsetLog2 - m_log2));
-                    sum += s;
+                    if (!FP8_TENSOR_SUM) sum += s;
                 }
                 l[r] = l[r] * alpha[r] + sum;
             }
             wgmma_wait<0>(O_i);
             if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
 #pragma unroll
-            for (int n = 0; n < D / 2; n++) O_i[n] *= alpha[n % 4 / 2];
+            for (int n = 0; n < D / 2 + 4 * FP8_TENSOR_SUM; n++) O_i[n] *= alpha[n % 4 / 2];
 #pragma unroll
             for (int k = 0; k < Bc / 32; k++)  // keys 32k .. 32k + 31 as A (flash_fp8_p_index)
 #pragma unroll
@@ -268,7 +287,8 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
 #pragma unroll
         for (int r = 0; r < 2; r++) {  // O = descale_v P~ V / l; L = m + log(l / 256)
             const int row = query + 8 * r;
-            const float l_row = quad_reduce(l[r], add);
+            // l: the sum's column 0 (thread t = 0 of the quad; t > 0 hold columns 2t, exact zeros)
+            const float l_row = quad_reduce(FP8_TENSOR_SUM ? l_acc[2 * r] : l[r], add);
             const float inv = l_row > 0.f ? dv / l_row : 0.f;
             const bool in = row < policy.q_len;
             store_row<TO, D>(O + (size_t(bh) * policy.q_len + row) * D, O_i, r, inv, t, in);

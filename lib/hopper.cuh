@@ -222,6 +222,7 @@ __device__ __forceinline__ void wgmma_wait(float (&r)[N]) {
 // B in shared memory read transposed (imm-trans-b 1: V_j is stored keys x columns).
 #define ACC8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), \
                 "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+#define ACC4 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
 #define ACC24 ACC8(0), ACC8(8), ACC8(16)
 #define ACC32 ACC8(0), ACC8(8), ACC8(16), ACC8(24)
 #define ACC64 ACC32, ACC8(32), ACC8(40), ACC8(48), ACC8(56)
@@ -296,13 +297,15 @@ __device__ __forceinline__ void wgmma_fp8_ss(float* d, uint64_t a, uint64_t b) {
 }
 template <int N>
 __device__ __forceinline__ void wgmma_fp8_rs(float* d, const uint32_t* a, uint64_t b) {
-    static_assert(N == 64 || N == 128, "wgmma_fp8_rs is written for N = 64, 128");
+    static_assert(N == 8 || N == 64 || N == 128, "wgmma_fp8_rs is written for N = 8, 64, 128");
+    if constexpr (N == 8) HOPPER_ONLY(WGMMA_FP8_RS(8, "{%0,%1,%2,%3}", ACC4, "{%4,%5,%6,%7}, %8"));
     if constexpr (N == 64) HOPPER_ONLY(WGMMA_FP8_RS(64, REGS32, ACC32, AB32));
     if constexpr (N == 128) HOPPER_ONLY(WGMMA_FP8_RS(128, REGS64, ACC64, AB64));
 }
 #undef WGMMA_FP8_SS
 #undef WGMMA_FP8_RS
 #undef ACC8
+#undef ACC4
 #undef ACC24
 #undef ACC32
 #undef ACC64
