@@ -776,8 +776,14 @@ struct SequenceKeys {
 // are alike: more would only add their cost). differ: whether the lengths may differ (they were
 // read and do, or a graph's capture could not read them and the batch has more than one).
 constexpr int kBlockCostTiles = 4;  // (lab/chapter4.md, part 6: measured at batch 8 and 32)
+// Under a graph's capture, a block's cost counts twice: the lengths are unknown, so the cap
+// trades a full batch's time against a ragged one's, and twice halves the first's cost and keeps
+// the second's gain (lab/chapter4.md, part 6). -DFLASH_DECODE_CAPTURE_COST=K to try others.
+#ifndef FLASH_DECODE_CAPTURE_COST
+#define FLASH_DECODE_CAPTURE_COST 2
+#endif
 int ragged_splits(const cudaDeviceProp& prop, const AttentionShape& longest,
-                  const AttentionShape& mean, bool differ) {
+                  const AttentionShape& mean, bool differ, double cost_factor = 1) {
     const int Bc = bc_for(longest.head_dim), at_mean = flash_decode_choose_splits(prop, mean);
     const long long tiles = (longest.kv_len + Bc - 1) / Bc;
     const long long mean_tiles = (mean.kv_len + Bc - 1) / Bc;
@@ -785,7 +791,7 @@ int ragged_splits(const cudaDeviceProp& prop, const AttentionShape& longest,
     long long per_split = (mean_tiles + at_mean - 1) / at_mean;
     if (differ) {
         const double share = double(units * mean_tiles) / double(decode_wave(prop, longest));
-        const long long p = std::llround(std::sqrt(kBlockCostTiles * share));
+        const long long p = std::llround(std::sqrt(kBlockCostTiles * share * cost_factor));
         per_split = std::min(per_split, std::max<long long>(kMinTilesPerSplit, p));
     }
     return int((tiles + per_split - 1) / per_split);
@@ -831,7 +837,8 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
     if (splits == 0)
         splits = keys.mean > 0
                      ? ragged_splits(prop, span, key_span(s, pol, keys.mean),
-                                     keys.longest > keys.mean || (!keys.read && s.batch > 1))
+                                     keys.longest > keys.mean || (!keys.read && s.batch > 1),
+                                     keys.read ? 1.0 : FLASH_DECODE_CAPTURE_COST)
                      : flash_decode_choose_splits(prop, span);
     const int blocks = split_blocks(s, splits);
     const int Bc = bc_for(s.head_dim);

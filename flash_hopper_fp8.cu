@@ -34,10 +34,16 @@
 
 using fp8 = __nv_fp8_e4m3;
 
-// Tiles: 128 rows of Q_i (two consumer warpgroups), 128 keys (one 128-byte row of V^T), a row of
-// Q_i or K_j padded to 128 bytes at d = 64 (the TMA fills columns past d with zeros; the scores
-// read only the first d). Stages: three (at d = 256, 64 KiB a stage: 224 KiB with Q_i).
-constexpr int kFp8Consumers = 2, kFp8Br = 64 * kFp8Consumers, kFp8Bc = 128;
+// Tiles: 128 rows of Q_i (two consumer warpgroups); Bc = flash_fp8_bc(d) keys (flash.h), 192 at
+// d = 128 (a tile's fixed costs, O_i's rescale above all, over more scores), 128 elsewhere; a row
+// of Q_i or K_j padded to 128 bytes at d = 64 (the TMA fills columns past d with zeros; the scores
+// read only the first d). V^T_j in blocks of 128 keys, one 128-byte swizzled row each (the last
+// block's keys past Bc are loaded, never read). Stages: three (at d = 256, 64 KiB a stage: 224 KiB
+// with Q_i).
+constexpr int kFp8Consumers = 2, kFp8Br = 64 * kFp8Consumers, kVtKeys = 128;
+__host__ __device__ constexpr int fp8_vt_blocks(int d) {
+    return (flash_fp8_bc(d) + kVtKeys - 1) / kVtKeys;
+}
 __host__ __device__ constexpr int fp8_cols(int d) { return d < 128 ? 128 : d; }
 __host__ __device__ constexpr int fp8_stages(int) { return 3; }
 constexpr int kPOffsetLog2 = 8;  // P~ is rounded as 2^8 P~ (above)
@@ -48,15 +54,22 @@ constexpr int kPOffsetLog2 = 8;  // P~ is rounded as 2^8 P~ (above)
 #define FP8_PINGPONG 1
 #endif
 __host__ __device__ constexpr bool fp8_pingpong(int d) { return FP8_PINGPONG && d == 256; }
+// l, a row's sum of 256 P~, on the tensor cores: each P~ V_j product also multiplies P~ by a
+// block of ones (an m64n8k32 wgmma a k-step; column 0 of its accumulators is the sum), so the
+// softmax loses its add a score; l is then the sum of the rounded P~ that O's numerator sums.
+#ifndef FP8_TENSOR_SUM
+#define FP8_TENSOR_SUM 1
+#endif
 
 template <int D>
 struct Fp8Shared {
     static constexpr int Cols = fp8_cols(D), Stages = fp8_stages(D);
     alignas(1024) fp8 Q_i[kFp8Br * Cols];
     struct Stage {
-        alignas(1024) fp8 K_j[kFp8Bc * Cols];
-        alignas(1024) fp8 Vt_j[D * kFp8Bc];  // D rows of 128 keys (V^T's)
+        alignas(1024) fp8 K_j[flash_fp8_bc(D) * Cols];
+        alignas(1024) fp8 Vt_j[fp8_vt_blocks(D)][D * kVtKeys];  // blocks of D rows of 128 keys
     } KV[Stages];
+    alignas(1024) uint8_t ones[8 * kRowBytes];  // B of the sum: row 0 e4m3 1.0s, rows 1-7 zeros
     uint64_t full[Stages + 1], empty[Stages + 1];
     int work[2];
 };
@@ -106,7 +119,8 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                          float* __restrict__ L, const __grid_constant__ Layout lay,
                          const Rows vt, const Policy policy, const Fp8Descales descale, int Tr,
                          int tiles, int head_group, int group, float scale_log2, int* next) {
-    constexpr int Br = kFp8Br, Bc = kFp8Bc, Cols = fp8_cols(D), Stages = fp8_stages(D);
+    constexpr int Br = kFp8Br, Bc = flash_fp8_bc(D), Cols = fp8_cols(D), Stages = fp8_stages(D);
+    constexpr int VtBlocks = fp8_vt_blocks(D);
     using Turn = Turns<fp8_pingpong(D)>;
     auto& sh = shared_storage<Fp8Shared<D>>();
     uint64_t *full = sh.full, *empty = sh.empty;
@@ -123,6 +137,12 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
         return Work{i, bh, j0, keys.end > keys.begin ? (keys.end - 1) / Bc - j0 + 1 : 0};
     };
     if (threadIdx.x == 0) init_barriers(full, empty, Stages + 1, 4 * kFp8Consumers);
+    if (FP8_TENSOR_SUM && threadIdx.x < 8 * kRowBytes / 4) {  // (row 0, its bytes alike, is
+                                                               // where any swizzle leaves it)
+        const uint32_t four = threadIdx.x < kRowBytes / 4 ? 0x38383838u : 0u;  // e4m3 1.0 = 0x38
+        reinterpret_cast<uint32_t*>(sh.ones)[threadIdx.x] = four;
+    }
+    fence_proxy_async();  // the wgmmas (the async proxy) read them
     __syncthreads();
     Turn::start(int(threadIdx.x / kWarpgroup) - 1);
     if (threadIdx.x < kWarpgroup) {  // the producer
@@ -148,9 +168,11 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                 if (kv.n >= Stages) mbar_wait(&empty[kv.stage()], kv.phase_before());
                 if (!issuer) continue;
                 auto& st = sh.KV[kv.stage()];
-                mbar_expect_bytes(&full[kv.stage()], Bc * Cols + D * Bc);
+                mbar_expect_bytes(&full[kv.stage()], Bc * Cols + VtBlocks * D * kVtKeys);
                 load_tile<Bc, Cols>(st.K_j, K, k0.x + j * Bc, k0.y, k0.z, &full[kv.stage()]);
-                tma_load(st.Vt_j, Vt, k0.x + j * Bc, 0, v0.y, v0.z, &full[kv.stage()]);
+                for (int b = 0; b < VtBlocks; b++)
+                    tma_load(st.Vt_j[b], Vt, k0.x + j * Bc + b * kVtKeys, 0, v0.y, v0.z,
+                             &full[kv.stage()]);
             }
             if (Tc <= Stages) named_barrier(1, 32 + kWarpgroup * kFp8Consumers);
             tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
@@ -178,16 +200,23 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
         const float scale = scale_log2 * dq * dk;
         mbar_wait(&full[Stages], q.phase());
         const int query = i * Br + 64 * wg + 16 * warp + g;
-        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+        // O_i, and after it l's 4 accumulators (FP8_TENSOR_SUM): one array, so that one wait and
+        // one rescale cover both (apart, ptxas serializes the wgmmas: C7515)
+        float O_i[D / 2 + 4 * FP8_TENSOR_SUM] = {};
+        float* l_acc = O_i + D / 2;
         const auto add_PV = [&](int stage) {  // O_i += P~ V_j: B = V^T's rows (N = columns of O)
-            const char* Vt_j = reinterpret_cast<const char*>(sh.KV[stage].Vt_j);
             constexpr int N = D < 128 ? D : 128;
 #pragma unroll
-            for (int k = 0; k < Bc / 32; k++)
+            for (int k = 0; k < Bc / 32; k++) {  // keys 32k .. 32k + 31: V^T's block k / 4
+                const char* Vt_j = reinterpret_cast<const char*>(sh.KV[stage].Vt_j[k / 4]);
 #pragma unroll
                 for (int half = 0; half < D / N; half++)
                     wgmma_fp8_rs<N>(O_i + half * N / 2, P[k],
-                                    smem_desc(Vt_j + half * N * kRowBytes + k * 32, 0));
+                                    smem_desc(Vt_j + half * N * kRowBytes + k % 4 * 32, 0));
+                if (FP8_TENSOR_SUM)
+                    wgmma_fp8_rs<8>(l_acc, P[k], smem_desc(sh.ones + k % 4 * 32, 0));
+            }
             wgmma_commit();
         };
         PipelineState<Stages> read = kv;
@@ -230,14 +259,14 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                 for (int c = 0; c < Bc / 4; c++) {  // 256 P~ (the offset 8 in log2 units)
                     float& s = acc_at(S_ij, r, c);
                     s = exp2_ftz(fmaf(s, scale, kPOffsetLog2 - m_log2));
-                    sum += s;
+                    if (!FP8_TENSOR_SUM) sum += s;
                 }
                 l[r] = l[r] * alpha[r] + sum;
             }
             wgmma_wait<0>(O_i);
             if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
 #pragma unroll
-            for (int n = 0; n < D / 2; n++) O_i[n] *= alpha[n % 4 / 2];
+            for (int n = 0; n < D / 2 + 4 * FP8_TENSOR_SUM; n++) O_i[n] *= alpha[n % 4 / 2];
 #pragma unroll
             for (int k = 0; k < Bc / 32; k++)  // keys 32k .. 32k + 31 as A (flash_fp8_p_index)
 #pragma unroll
@@ -258,7 +287,8 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
 #pragma unroll
         for (int r = 0; r < 2; r++) {  // O = descale_v P~ V / l; L = m + log(l / 256)
             const int row = query + 8 * r;
-            const float l_row = quad_reduce(l[r], add);
+            // l: the sum's column 0 (thread t = 0 of the quad; t > 0 hold columns 2t, exact zeros)
+            const float l_row = quad_reduce(FP8_TENSOR_SUM ? l_acc[2 * r] : l[r], add);
             const float inv = l_row > 0.f ? dv / l_row : 0.f;
             const bool in = row < policy.q_len;
             store_row<TO, D>(O + (size_t(bh) * policy.q_len + row) * D, O_i, r, inv, t, in);
@@ -324,7 +354,7 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
             vt.heads = kvh, vt.row = len32, vt.head = (long long)D * len32;
             vt.batch = vt.head * kvh;
             const CUtensorMap Qm = tensor_map(Q, lay.Q, s.batch, s.q_len, D, kFp8Br),
-                              Km = tensor_map(K, lay.K, s.batch, s.kv_len, D, kFp8Bc),
+                              Km = tensor_map(K, lay.K, s.batch, s.kv_len, D, flash_fp8_bc(D)),
                               Vm = tensor_map<fp8>(Vt, vt, s.batch, D, len32, D);
             const auto run = [&](auto policy) {
                 const auto kernel = flash_forward_fp8_kernel<D, TO, decltype(policy)>;

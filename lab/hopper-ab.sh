@@ -9,7 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${AB_KIND:-fp16}" = fp8 ]; then
     call=flash_forward_fp8_hopper driver=lab/fp8-ab.cu out=fp8_ab
-    names=(flash_forward_fp8_hopper flash_forward_fp8_kernel transpose_v)
+    names=(flash_forward_fp8_hopper flash_forward_fp8_kernel transpose_v flash_fp8_bc
+           fp8_vt_blocks)  # (each variant's own: they differ with its tile)
 else
     call=flash_forward_fp16_hopper driver=lab/hopper-ab.cu out=hopper_ab
     names=(flash_forward_fp16_hopper flash_forward_bf16_hopper flash_forward_hopper_launch

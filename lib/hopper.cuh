@@ -222,17 +222,23 @@ __device__ __forceinline__ void wgmma_wait(float (&r)[N]) {
 // B in shared memory read transposed (imm-trans-b 1: V_j is stored keys x columns).
 #define ACC8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), \
                 "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+#define ACC4 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
 #define ACC24 ACC8(0), ACC8(8), ACC8(16)
 #define ACC32 ACC8(0), ACC8(8), ACC8(16), ACC8(24)
 #define ACC64 ACC32, ACC8(32), ACC8(40), ACC8(48), ACC8(56)
+#define ACC96 ACC64, ACC8(64), ACC8(72), ACC8(80), ACC8(88)
 #define REGS24 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
                "%22,%23}"
 #define REGS32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
                "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
-#define REGS64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
-               "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41," \
-               "%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61," \
-               "%62,%63}"
+#define R0_63 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
+              "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41," \
+              "%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61," \
+              "%62,%63"
+#define R64_95 "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82," \
+               "%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95"
+#define REGS64 "{" R0_63 "}"
+#define REGS96 "{" R0_63 "," R64_95 "}"
 #define AB32 "{%32,%33,%34,%35}, %36"  // RS: A's 4 registers, B's descriptor
 #define AB64 "{%64,%65,%66,%67}, %68"
 #define WGMMA_SS(N, REGS, ACC, AB, TY)                                                          \
@@ -284,25 +290,32 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b
                  ", 1, 1, 1;\n" : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
 template <int N>
 __device__ __forceinline__ void wgmma_fp8_ss(float* d, uint64_t a, uint64_t b) {
-    static_assert(N == 64 || N == 128, "wgmma_fp8_ss is written for N = 64, 128");
+    static_assert(N == 64 || N == 128 || N == 192, "wgmma_fp8_ss is written for N = 64, 128, 192");
     if constexpr (N == 64) HOPPER_ONLY(WGMMA_FP8_SS(64, REGS32, ACC32, "%32, %33"));
     if constexpr (N == 128) HOPPER_ONLY(WGMMA_FP8_SS(128, REGS64, ACC64, "%64, %65"));
+    if constexpr (N == 192) HOPPER_ONLY(WGMMA_FP8_SS(192, REGS96, ACC96, "%96, %97"));
 }
 template <int N>
 __device__ __forceinline__ void wgmma_fp8_rs(float* d, const uint32_t* a, uint64_t b) {
-    static_assert(N == 64 || N == 128, "wgmma_fp8_rs is written for N = 64, 128");
+    static_assert(N == 8 || N == 64 || N == 128, "wgmma_fp8_rs is written for N = 8, 64, 128");
+    if constexpr (N == 8) HOPPER_ONLY(WGMMA_FP8_RS(8, "{%0,%1,%2,%3}", ACC4, "{%4,%5,%6,%7}, %8"));
     if constexpr (N == 64) HOPPER_ONLY(WGMMA_FP8_RS(64, REGS32, ACC32, AB32));
     if constexpr (N == 128) HOPPER_ONLY(WGMMA_FP8_RS(128, REGS64, ACC64, AB64));
 }
 #undef WGMMA_FP8_SS
 #undef WGMMA_FP8_RS
 #undef ACC8
+#undef ACC4
 #undef ACC24
 #undef ACC32
 #undef ACC64
+#undef ACC96
 #undef REGS24
 #undef REGS32
 #undef REGS64
+#undef REGS96
+#undef R0_63
+#undef R64_95
 #undef AB32
 #undef AB64
 #undef WGMMA_SS
