@@ -46,13 +46,25 @@ if [ "${NCU:-0}" = 1 ]; then
     m=$m,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active
     m=$m,sm__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed.sum
     m=$m,sm__inst_executed_pipe_xu.sum,launch__registers_per_thread
-    sections=""; [ "${NCU_STALLS:-0}" = 1 ] && sections="--section WarpStateStats"
+    # NCU_STALLS=1: also each report (.ncu-rep) and its source page as CSV, cuda,sass (a row an
+    # instruction under its source line, with its warp-state samples: where the warps wait). The
+    # WarpStateStats section alone prints only the cycles between issues, not their reasons.
+    sections=""
+    [ "${NCU_STALLS:-0}" = 1 ] && sections="--section WarpStateStats --section SourceCounters"
     for only in ${NCU_CASES:-plain softcap alibi}; do
         for k in forward backward; do
+            rep=(); [ -n "$sections" ] && rep=(-f -o "$out/ncu-$only-$k")
             OPTIONS_BENCH_ONLY=$only timeout 120 ncu --clock-control none \
                 -k "regex:flash_${k}_hopper_kernel" -s 2 -c 1 --metrics "$m" $sections \
+                "${rep[@]}" \
                 ./options_bench >"$out/ncu-$only-$k.txt" 2>&1
             echo "== ncu $only $k: exit $?"
+            if [ -n "$sections" ]; then
+                r="$out/ncu-$only-$k"
+                ncu --import "$r.ncu-rep" --page details >>"$r.txt" 2>&1
+                ncu --import "$r.ncu-rep" --page source --csv --print-source cuda,sass \
+                    >"$r.source.csv" 2>/dev/null
+            fi
             grep -E "flash_${k}|gpu__|sm__|launch__|[Ss]tall|Warp Cycles" "$out/ncu-$only-$k.txt" |
                 sed 's/  */ /g' | cut -c1-110
         done
