@@ -91,27 +91,25 @@ __host__ __device__ constexpr size_t decode_shared_bytes(int D, int kR) {
 // as a group, and waits until at most N of its groups are in flight; its own copies are then
 // visible to it. (SM80_ASM, lib/fragments.cuh: a build for an older GPU compiles them to a trap;
 // the API refuses such a GPU.)
-// With kEvictFirst, each copy carries an L2 cache policy (createpolicy, PTX ISA "Data Movement:
-// createpolicy"): evict-first asks the L2 to replace these lines before others, so that a call's
-// K and V, read once, replace each other rather than what earlier kernels left there (dirty lines,
-// whose write-back the call would pay). Without, no hint at all: an explicit evict-normal policy
-// is not the same as none to every L2. A template parameter, so that the loop carries no branch
-// on it. The launcher's rule: decode_launch.
-__device__ __forceinline__ unsigned long long evict_first_policy() {
+// Each copy carries an L2 cache policy (createpolicy, PTX ISA "Data Movement: createpolicy"),
+// made once a thread. Evict-first asks the L2 to replace these lines before others, so that a
+// call's K and V, read once, replace each other rather than what earlier kernels left there
+// (dirty lines, whose write-back the call would pay). Evict-unchanged leaves the L2's choice as it
+// would be without a hint (an explicit evict-normal is not the same as none to every L2). The
+// launcher's rule: decode_launch.
+__device__ __forceinline__ unsigned long long l2_policy(bool evict_first) {
     unsigned long long policy = 0;
-    SM80_ASM("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    if (evict_first)
+        SM80_ASM("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    else
+        SM80_ASM("createpolicy.fractional.L2::evict_unchanged.b64 %0, 1.0;\n" : "=l"(policy));
     return policy;
 }
-template <bool kEvictFirst>
 __device__ __forceinline__ void cp_async_16(void* to, const void* from, bool inside,
                                             unsigned long long policy) {
     const unsigned dst = unsigned(__cvta_generic_to_shared(to));
-    if constexpr (kEvictFirst)
-        SM80_ASM("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
-                 "l"(from), "r"(inside ? 16 : 0), "l"(policy));
-    else
-        SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(from),
-                 "r"(inside ? 16 : 0));
+    SM80_ASM("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+             "l"(from), "r"(inside ? 16 : 0), "l"(policy));
 }
 __device__ __forceinline__ void cp_async_commit() { SM80_ASM("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -277,7 +275,7 @@ __device__ __forceinline__ void split_keys(SplitBlock& blk, const KeySpan& keys,
 // multiples of 16 keys; a step's at most 16 keys start at a multiple of their count). The table
 // look-up is a load the copies wait for, so it is made 32 steps at a time: lane l holds the page
 // of the warp's step 32 m + l, and step n reads its page from lane n % 32 with a shuffle.
-template <typename T, int D, bool kEvictFirst, bool kPaged>
+template <typename T, int D, bool kPaged>
 struct KeyRing {
     using Lanes = KeyLanes<D>;
     static constexpr int kU = Lanes::kU;
@@ -295,9 +293,9 @@ struct KeyRing {
         : K(K_, pages, blk.b, blk.kvh, kv_heads, kv_len),
           V(V_, pages, blk.b, blk.kvh, kv_heads, kv_len), k1(blk.k1) {}
     // The ring's first kStages - 1 steps, from the warp's first key on, which it returns.
-    __device__ int start(const Lanes& me_, const SplitBlock& blk) {
+    __device__ int start(const Lanes& me_, const SplitBlock& blk, bool evict_first) {
         me = me_;
-        policy = kEvictFirst ? evict_first_policy() : 0;
+        policy = l2_policy(evict_first);
         const int first = blk.k0 + me.warp * Lanes::kWarpKeys;
 #pragma unroll
         for (int st = 0; st < kStages - 1; ++st) copy(first + st * Lanes::kStep, st);
@@ -321,9 +319,9 @@ struct KeyRing {
             for (int u = 0; u < kU; ++u) {
                 const int j = base + u * Lanes::kKeysPerLoad + me.g;
                 const size_t from = size_t(j < k1 ? j - base : 0) * D + me.c0;
-                cp_async_16<kEvictFirst>(slot + (stage * 2 * kU + u) * 32, Kr + from, j < k1,
+                cp_async_16(slot + (stage * 2 * kU + u) * 32, Kr + from, j < k1,
                                          policy);
-                cp_async_16<kEvictFirst>(slot + (stage * 2 * kU + kU + u) * 32, Vr + from, j < k1,
+                cp_async_16(slot + (stage * 2 * kU + kU + u) * 32, Vr + from, j < k1,
                                          policy);
             }
         }
@@ -603,7 +601,7 @@ __device__ __forceinline__ bool arrive_last(unsigned long long* counter, unsigne
 // sequence's (its keys: pages.keys); the keys split are those it lets the rows see. pages: where
 // the keys are (KeyPages; kPaged: in pages). counters: one a (batch, K/V head, chunk), with this
 // call's epoch (arrive_last).
-template <typename T, int D, int kR, bool kEvictFirst, typename Policy, bool kPaged>
+template <typename T, int D, int kR, typename Policy, bool kPaged>
 __global__ void __launch_bounds__(kSplitThreads, decode_blocks_per_sm(kR))
 flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const T* __restrict__ V, float* __restrict__ Os,
@@ -611,7 +609,7 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
                           const Policy policy, const KeyPages pages, int splits, int chunks,
                           int tiles_per_split, float scale_log2, T* __restrict__ O,
                           float* __restrict__ L, unsigned long long* counters,
-                          unsigned long long epoch) {
+                          unsigned long long epoch, bool evict_first) {
     constexpr int kU = kUnroll, kStep = KeyLanes<D>::kStep;
     SplitBlock blk = split_block<D>(heads, kv_heads, q_len, kv_len, splits, chunks);
     const Policy pol = policy.for_sequence(q_len, pages.keys(blk.b, kv_len));
@@ -619,8 +617,8 @@ flash_decode_split_kernel(const T* __restrict__ Q, const T* __restrict__ K,
     const KeyLanes<D> me;  // the lane's warp, key row g and columns c0
     // Line 7's first steps on their way (the lane's slots of its warp's ring), then lines 4-5:
     // the lane's share of the rows.
-    KeyRing<T, D, kEvictFirst, kPaged> ring(K, V, pages, blk, kv_heads, kv_len);
-    const int first = ring.start(me, blk);
+    KeyRing<T, D, kPaged> ring(K, V, pages, blk, kv_heads, kv_len);
+    const int first = ring.start(me, blk, evict_first);
     float q[kR][8], o[kR][8], m[kR], l[kR];
     int begin[kR], end[kR], i[kR];
     Policy rp[kR];
@@ -848,8 +846,8 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
     const size_t rows = l_elems(s);
     // The L2 policy of K and V's copies (cp_async_16): evict-first where they are at most 4 L2s'
     // worth of bytes, where sparing the call the write-back of the dirty lines that earlier
-    // kernels left in the L2 is worth most; no hint beyond, where evict-first costs more than it
-    // spares.
+    // kernels left in the L2 is worth most; evict-unchanged beyond, where evict-first costs more
+    // than it spares. The same rule for a paged cache.
     const bool evict_first = 2 * kv_elems(span) * sizeof(T) <= 4 * size_t(prop.l2CacheSize);
     const unsigned long long epoch = next_epoch();
     with_scratch(flash_decode_scratch_bytes(s, splits), stream, [&](void* scratch) {
@@ -864,17 +862,15 @@ void decode_launch(const cudaDeviceProp& prop, const T* Q, const T* K, const T* 
                 kernel<<<blocks, kSplitThreads, shared, stream>>>(
                     Q, K, V, Os, Ls, s.heads, flash_kv_heads(s), s.q_len, s.kv_len,
                     pol.in_units(scale_log2), pages, splits, chunks_of(s), tiles_per_split,
-                    scale_log2, O, L, counters, epoch);
+                    scale_log2, O, L, counters, epoch, evict_first);
             };
             auto run_rows = [&](auto rows) {
                 constexpr int kR = decltype(rows)::value;
                 const size_t shared = decode_shared_bytes(D, kR);
-                if (pages.table)  // (a paged cache: no L2 hint)
-                    run_split(flash_decode_split_kernel<T, D, kR, false, Policy, true>, shared);
-                else if (evict_first)
-                    run_split(flash_decode_split_kernel<T, D, kR, true, Policy, false>, shared);
+                if (pages.table)
+                    run_split(flash_decode_split_kernel<T, D, kR, Policy, true>, shared);
                 else
-                    run_split(flash_decode_split_kernel<T, D, kR, false, Policy, false>, shared);
+                    run_split(flash_decode_split_kernel<T, D, kR, Policy, false>, shared);
             };
             if (rows_kernel_for(s) == 4)
                 run_rows(std::integral_constant<int, 4>{});

@@ -1,9 +1,10 @@
-// lab/decode-hint-bits.cu: the decode's two copy paths give the same bits. flash_decode.cu's split kernel copies K and V
-// with an evict-first L2 hint where they are at most 4 L2s' worth of bytes and with no hint beyond (two instantiations,
-// kEvictFirst); no shape of the test suite is that large. This calls flash_decode_launch with the device's properties,
-// then with l2CacheSize set to 0 (every shape "beyond": no hint) and to INT_MAX (every shape "within": evict-first),
-// O and L filled with 0xFF bytes (NaN) before each call, and compares the three results byte for byte, at small shapes
-// and at two of 537 MB. A hint moves lines in L2, never a value: any difference is a bug. PASS / FAIL, exit code.
+// lab/decode-hint-bits.cu: the decode's two L2 policies give the same bits. flash_decode.cu's split kernel copies
+// K and V with an evict-first L2 policy where they are at most 4 L2s' worth of bytes and with evict-unchanged beyond
+// (one runtime policy a thread; before the paged cache took the rule too, two instantiations, no hint beyond); no
+// shape of the test suite is that large. This calls flash_decode_launch with the device's properties, then with
+// l2CacheSize set to 0 (every shape "beyond") and to INT_MAX (every shape "within": evict-first), O and L filled with
+// 0xFF bytes (NaN) before each call, and compares the three results byte for byte, at small shapes and at two of
+// 537 MB. A policy moves lines in L2, never a value: any difference is a bug. PASS / FAIL, exit code.
 //   make build/flash.o build/flash_fp16.o build/flash_decode.o build/checks.o build/dispatch.o HAVE_SM90A= \
 //        CPPFLAGS=-I.deps/include
 //   nvcc -I. -Ilib -O3 -std=c++17 -arch=native -DFLASH_NO_HOPPER lab/decode-hint-bits.cu build/flash.o \
