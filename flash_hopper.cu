@@ -212,7 +212,7 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
         for (int j = j0; j < j0 + Tc; j++, read.advance()) {  // line 6: for each K_j, V_j
             mbar_wait(&full[read.stage()], read.phase());  // K_j and V_j are in
             const char* K_j = reinterpret_cast<const char*>(K_at(read.stage()));
-            float S_ij[Bc / 2] = {}, alpha[2], m_neg[2];  // line 8: S_ij = Q_i K_j^T, 16 of d
+            float S_ij[Bc / 2] = {}, alpha[2];         // line 8: S_ij = Q_i K_j^T, 16 of d a step
             Turn::take(wg);                            // (ping-pong: my turn for line 8)
             wgmma_fence();
 #pragma unroll
@@ -255,34 +255,24 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
                 const float m_log2 = m_new == -INFINITY ? 0.f : m_new * scale_log2;  // no key yet
                 alpha[r] = exp2_ftz(m[r] * scale_log2 - m_log2);
                 m[r] = m_new;
-                m_neg[r] = -m_log2;
-            }
-            // Line 10's P~_ij = exp(S_ij - m) in T as A (register a of block k: S_ij's 8k + 2a,
-            // + 1, row a % 2), both rows at once, each row's sum in its keys' order. Made while
-            // P~ V_{j-1} still reads P, so into Pn; P after the wait.
-            float sum[2] = {0.f, 0.f};
-            uint32_t Pn[Bc / 16][4];
+                float sum = 0.f;
 #pragma unroll
-            for (int k = 0; k < Bc / 16; k++)
-#pragma unroll
-                for (int a = 0; a < 4; a++) {
-                    const float p0 = exp2_ftz(fmaf(S_ij[8 * k + 2 * a], scale_log2, m_neg[a % 2]));
-                    const float p1 =
-                        exp2_ftz(fmaf(S_ij[8 * k + 2 * a + 1], scale_log2, m_neg[a % 2]));
-                    sum[a % 2] += p0;
-                    sum[a % 2] += p1;
-                    Pn[k][a] = pair_bits<T>(p0, p1);
+                for (int c = 0; c < Bc / 4; c++) {     // P~_ij = exp(S_ij - m), in S's registers
+                    float& s = acc_at(S_ij, r, c);
+                    s = exp2_ftz(fmaf(s, scale_log2, -m_log2));
+                    sum += s;
                 }
-            for (int r = 0; r < 2; r++) l[r] = l[r] * alpha[r] + sum[r];
+                l[r] = l[r] * alpha[r] + sum;
+            }
             wgmma_wait<0>(O_i);                        // O_i += P~ V_{j-1} is done
             if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
 #pragma unroll
             for (int n = 0; n < D / 2; n++) O_i[n] *= alpha[n % 4 / 2];  // element n: row n % 4 / 2
-            a_operand_fence(P);                        // (P~ V_{j-1} has read P)
 #pragma unroll
-            for (int k = 0; k < Bc / 16; k++)
+            for (int k = 0; k < Bc / 16; k++)          // line 10's P~, in T as A, for next time
 #pragma unroll
-                for (int a = 0; a < 4; a++) P[k][a] = Pn[k][a];
+                for (int a = 0; a < 4; a++)            // A's register a: S_ij's 8k + 2a, + 1
+                    P[k][a] = pair_bits<T>(S_ij[8 * k + 2 * a], S_ij[8 * k + 2 * a + 1]);
         }
         if (threadIdx.x % 32 == 0) mbar_arrive(&empty[Stages]);  // Q_i read: the next one may load
         kv.advance(Tc);
