@@ -67,40 +67,27 @@ struct Fp8Want {
 //    sums the same rounded P~, on the tensor cores): |O| step / l. Elsewhere the same bits.
 //  - l and the P~ V sums: relative w + 2^-12; O rounded to bf16 / fp16: 2^-9.
 //  - L = m + log l: |dm scale| + w, in log2 units, and l's steps.
-// With row_step > 1, only rows i % row_step == 0 (of each head); the others want NaN (unchecked).
-Fp8Want fp8_reference(const Fp8Problem& p, int row_step = 1) {
+Fp8Want fp8_reference(const Fp8Problem& p) {
     const AttentionShape& s = p.s;
     const int d = s.head_dim, group = flash_kv_group(s);
     const double scale = 1.0 / std::sqrt(double(d)) / std::log(2.0);  // log2 units
-    // e4m3 -> float is exact; made once, not in the inner loops (a software conversion on the CPU)
-    const auto widen = [](const std::vector<fp8>& x) {
-        std::vector<float> f(x.size());
-        for (size_t e = 0; e < x.size(); e++) f[e] = float(x[e]);
-        return f;
-    };
-    const std::vector<float> Qf = widen(p.Q), Kf = widen(p.K), Vf = widen(p.V);
     Fp8Want w;
     w.O.assign(q_elems(s), 0), w.O_tol.assign(q_elems(s), 0), w.O_exact.assign(q_elems(s), 0);
     w.L.assign(l_elems(s), 0), w.L_tol.assign(l_elems(s), 0);
     for (int bh = 0; bh < s.batch * s.heads; bh++) {
         const int kv = bh / group;
         const double sc = scale * p.dq[bh] * p.dk[kv], dv = p.dv[kv];
-        const float* Q = &Qf[size_t(bh) * s.q_len * d];
-        const float* K = &Kf[size_t(kv) * s.kv_len * d];
-        const float* V = &Vf[size_t(kv) * s.kv_len * d];
+        const fp8* Q = &p.Q[size_t(bh) * s.q_len * d];
+        const fp8* K = &p.K[size_t(kv) * s.kv_len * d];
+        const fp8* V = &p.V[size_t(kv) * s.kv_len * d];
         for (int i = 0; i < s.q_len; i++) {
-            const size_t row = size_t(bh) * s.q_len + i;
-            if (i % row_step != 0) {
-                std::fill_n(&w.O[row * d], d, NAN), w.L[row] = NAN;
-                continue;
-            }
             const int last = s.causal ? i + s.kv_len - s.q_len : s.kv_len - 1;
             std::vector<double> S(s.kv_len), mag(s.kv_len);
             double m = -INFINITY, mag_max = 0;
             for (int j = 0; j <= last && j < s.kv_len; j++) {
                 double dot = 0, abs = 0;
                 for (int x = 0; x < d; x++) {
-                    const double a = Q[size_t(i) * d + x], b = K[size_t(j) * d + x];
+                    const double a = float(Q[size_t(i) * d + x]), b = float(K[size_t(j) * d + x]);
                     dot += a * b, abs += std::fabs(a * b);
                 }
                 S[j] = dot, mag_max = std::max(mag_max, abs);
@@ -128,12 +115,13 @@ Fp8Want fp8_reference(const Fp8Problem& p, int row_step = 1) {
                     const bool flips = std::fabs(pt - mid) <= wrel * pt;
                     if (flips) near_l += step;
                     for (int x = 0; x < d; x++) {
-                        const double v = V[size_t(j) * d + x];
+                        const double v = float(V[size_t(j) * d + x]);
                         o[x] += ph * v, oabs[x] += ph * std::fabs(v);
                         if (flips) near[x] += step * std::fabs(v);
                     }
                 }
             }
+            const size_t row = size_t(bh) * s.q_len + i;
             for (int x = 0; x < d; x++) {
                 const double O = l > 0 ? dv * o[x] / l : 0;
                 w.O[row * d + x] = O;
@@ -150,7 +138,7 @@ Fp8Want fp8_reference(const Fp8Problem& p, int row_step = 1) {
             for (int j = 0; j <= last && j < s.kv_len; j++) {
                 const double pe = std::exp2((S[j] - m) * sc);
                 lx += pe;
-                for (int x = 0; x < d; x++) ox[x] += pe * V[size_t(j) * d + x];
+                for (int x = 0; x < d; x++) ox[x] += pe * float(V[size_t(j) * d + x]);
             }
             for (int x = 0; x < d; x++) w.O_exact[row * d + x] = lx > 0 ? dv * ox[x] / lx : 0;
         }
@@ -176,15 +164,13 @@ std::vector<float> run_fp8(const Fp8Problem& p, std::vector<float>* L_out) {
     return O.download_float();
 }
 
-// Every element against its tolerance (those the reference left NaN: not checked); the first
-// failures named (shape, element, error, bound).
+// Every element against its tolerance; the first failures named (shape, element, error, bound).
 void check_rows(const char* what, const std::vector<float>& got, const std::vector<double>& want,
                 const std::vector<double>& tol, const AttentionShape& s, int width) {
     int bad = 0;
     double worst = 0;
     size_t worst_at = 0;
     for (size_t e = 0; e < want.size(); e++) {
-        if (std::isnan(want[e])) continue;
         const double err = std::isnan(got[e]) ? INFINITY : std::fabs(got[e] - want[e]);
         const bool ok = std::isinf(want[e]) ? got[e] == want[e] : err <= tol[e];
         if (err / (tol[e] + 1e-30) > worst) worst = err / (tol[e] + 1e-30), worst_at = e;
@@ -290,24 +276,6 @@ TEMPLATE_TEST_CASE("The fp8 forward matches its arithmetic in double: shapes, ca
     std::vector<float> L;
     const std::vector<float> O = run_fp8<TestType>(p, &L);
     check_rows("O", O, w.O, w.O_tol, s, d);
-    check_rows("L", L, w.L, w.L_tol, s, 1);
-}
-
-TEST_CASE("The fp8 forward matches its arithmetic in double with every SM busy: 32 heads of "
-          "4096 causal at d = 128 (GQA), one row in 61 checked", "[gpu][hopper][fp8]") {
-    // Each consumer makes the next tile's P~ while P~ V_{j-1} still reads the last one from
-    // registers (a_operand_fence). Whether an early reuse of those registers shows depends on
-    // timing: small grids ran right without the fence, a full GPU of 1,024 blocks did not. The
-    // tolerance is the other test's; only the reference's cost (rows sampled) differs.
-    if (!hopper_or_warn()) return;
-    AttentionShape s{1, 32, 4096, 4096, 128, true};
-    s.kv_heads = 8;  // (GQA: a quarter of the K, V to draw)
-    CAPTURE(describe(s));
-    const Fp8Problem p = fp8_problem(s, 2402);
-    const Fp8Want w = fp8_reference(p, 61);
-    std::vector<float> L;
-    const std::vector<float> O = run_fp8<__nv_bfloat16>(p, &L);
-    check_rows("O", O, w.O, w.O_tol, s, s.head_dim);
     check_rows("L", L, w.L, w.L_tol, s, 1);
 }
 
