@@ -223,7 +223,7 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
         for (int j = j0; j < j0 + Tc; j++, read.advance()) {
             mbar_wait(&full[read.stage()], read.phase());
             const char* K_j = reinterpret_cast<const char*>(sh.KV[read.stage()].K_j);
-            float S_ij[Bc / 2] = {}, alpha[2];
+            float S_ij[Bc / 2] = {}, alpha[2], offset[2];
             Turn::take(wg);
             wgmma_fence();
 #pragma unroll
@@ -254,27 +254,36 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                 const float m_log2 = m_new == -INFINITY ? 0.f : m_new * scale;
                 alpha[r] = exp2_ftz(m[r] * scale - m_log2);
                 m[r] = m_new;
-                float sum = 0.f;
-#pragma unroll
-                for (int c = 0; c < Bc / 4; c++) {  // 256 P~ (the offset 8 in log2 units)
-                    float& s = acc_at(S_ij, r, c);
-                    s = exp2_ftz(fmaf(s, scale, kPOffsetLog2 - m_log2));
-                    if (!FP8_TENSOR_SUM) sum += s;
-                }
-                l[r] = l[r] * alpha[r] + sum;
+                offset[r] = kPOffsetLog2 - m_log2;  // 256 P~ (the offset 8 in log2 units)
             }
+            // P~ in e4m3 as A, keys 32k .. 32k + 31 (flash_fp8_p_index; row a % 2), both rows at
+            // once; without the row's sum on the tensor cores, each row's in its keys' order.
+            // Made while P~ V_{j-1} still reads P, so into Pn; P after the wait.
+            float sum[2] = {0.f, 0.f};
+            uint32_t Pn[Bc / 32][4];
+#pragma unroll
+            for (int k = 0; k < Bc / 32; k++)
+#pragma unroll
+                for (int a = 0; a < 4; a++) {
+                    float p[4];
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const float s = S_ij[flash_fp8_p_index(k, a, e)];
+                        p[e] = exp2_ftz(fmaf(s, scale, offset[a % 2]));
+                        if (!FP8_TENSOR_SUM) sum[a % 2] += p[e];
+                    }
+                    Pn[k][a] = e4m3x4(p[0], p[1], p[2], p[3]);
+                }
+            for (int r = 0; r < 2; r++) l[r] = l[r] * alpha[r] + sum[r];
             wgmma_wait<0>(O_i);
             if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
 #pragma unroll
             for (int n = 0; n < D / 2 + 4 * FP8_TENSOR_SUM; n++) O_i[n] *= alpha[n % 4 / 2];
+            a_operand_fence(P);  // (P~ V_{j-1} has read P)
 #pragma unroll
-            for (int k = 0; k < Bc / 32; k++)  // keys 32k .. 32k + 31 as A (flash_fp8_p_index)
+            for (int k = 0; k < Bc / 32; k++)
 #pragma unroll
-                for (int a = 0; a < 4; a++)
-                    P[k][a] = e4m3x4(S_ij[flash_fp8_p_index(k, a, 0)],
-                                     S_ij[flash_fp8_p_index(k, a, 1)],
-                                     S_ij[flash_fp8_p_index(k, a, 2)],
-                                     S_ij[flash_fp8_p_index(k, a, 3)]);
+                for (int a = 0; a < 4; a++) P[k][a] = Pn[k][a];
         }
         if (threadIdx.x % 32 == 0) mbar_arrive(&empty[Stages]);
         kv.advance(Tc);

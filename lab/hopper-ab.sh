@@ -4,19 +4,21 @@
 # `git show COMMIT:flash_hopper.cu > old.cu`), compiled for sm_90a with its exported names
 # suffixed by NAME so that all of them link into one binary. Run from the repository root after
 # `make build/checks.o ARCH=sm_90`. Extra nvcc flags for every variant: HOPPER_AB_FLAGS.
-# AB_KIND=fp8: the same for versions of flash_hopper_fp8.cu, into ./fp8_ab (lab/fp8-ab.cu).
+# AB_KIND=fp8: the same for versions of flash_hopper_fp8.cu, into ./fp8_ab (lab/fp8-ab.cu). With
+# AB_DRIVER=lab/X-Y.cu, that driver instead, into ./X_Y (e.g. lab/fp8-accuracy.cu, either kind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${AB_KIND:-fp16}" = fp8 ]; then
-    call=flash_forward_fp8_hopper driver=lab/fp8-ab.cu out=fp8_ab
+    call=flash_forward_fp8_hopper driver=${AB_DRIVER:-lab/fp8-ab.cu}
     names=(flash_forward_fp8_hopper flash_forward_fp8_kernel transpose_v flash_fp8_bc
            fp8_vt_blocks)  # (each variant's own: they differ with its tile)
 else
-    call=flash_forward_fp16_hopper driver=lab/hopper-ab.cu out=hopper_ab
+    call=flash_forward_fp16_hopper driver=${AB_DRIVER:-lab/hopper-ab.cu}
     names=(flash_forward_fp16_hopper flash_forward_bf16_hopper flash_forward_hopper_launch
            flash_forward_hopper_kernel hopper_consumers hopper_Br hopper_Bc hopper_stages
            producer_regs consumer_regs registers_fit)
 fi
+out=$(basename "${driver%.cu}" | tr - _)
 objs=() pids=()
 {
     for arg in "$@"; do echo "DECL(${arg%%=*})"; done

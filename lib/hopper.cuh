@@ -215,6 +215,17 @@ __device__ __forceinline__ void wgmma_wait(float (&r)[N]) {
     for (int x = 0; x < N; x++) asm volatile("" : "+f"(r[x])::"memory");
 }
 
+// The A operand of an RS wgmma (P~, in registers) is read until its wgmma_wait, which the
+// compiler does not know: an empty asm that claims to write A, after the wait, keeps A's old
+// registers from being reused before it (a P~ made ahead of the wait goes elsewhere until then).
+template <int K>
+__device__ __forceinline__ void a_operand_fence(uint32_t (&A)[K][4]) {
+#pragma unroll
+    for (int k = 0; k < K; k++)
+#pragma unroll
+        for (int a = 0; a < 4; a++) asm volatile("" : "+r"(A[k][a])::"memory");
+}
+
 // wgmma.mma_async m64nNk16 with fp32 accumulators d (N / 2 a thread, laid out as mma.m16n8's, a
 // warp's 16 rows each). SS: A and B in shared memory, both K-major (S_ij = Q_i K_j^T), or, with
 // Trans, both read transposed (imm-trans-a, -b 1: the backward's dQ_i = dS K_j, dS stored as dS^T,
