@@ -74,30 +74,30 @@ struct Fp8Sums {
     float acc[D / 2 + 4 * FP8_TENSOR_SUM] = {};  // the wgmmas': P~ V, then l's 4 (FP8_TENSOR_SUM)
     float O[TwoLevel ? D / 2 : 1] = {};          // fp32 P~ V (TwoLevel)
     float l[2] = {0.f, 0.f};                     // fp32 l (TwoLevel or not FP8_TENSOR_SUM)
+    float alpha_prev[2] = {0.f, 0.f};            // TwoLevel: O and l lag one tile in scale
     __device__ __forceinline__ float* l_acc() { return acc + D / 2; }
-    // After the wait on tile j - 1's products (scale m_{j-1}): every sum to scale m_j, tile j - 1's
-    // added in (TwoLevel, not on a row block's first tile: acc then holds nothing of its own). l
-    // without FP8_TENSOR_SUM is the kernel's, rescaled before the wait.
+    // After the wait on tile j - 1's products (scale m_{j-1}), before tile j's. TwoLevel: O and l
+    // hold tiles < j - 1 at scale m_{j-2}; one FMA takes them to m_{j-1} and adds tile j - 1's
+    // (not on a row block's first tile: acc then holds nothing of its own). One level: every sum
+    // to scale m_j. l without FP8_TENSOR_SUM is the kernel's, rescaled before the wait.
     __device__ __forceinline__ void rescale(const float (&alpha)[2], bool first) {
         if constexpr (TwoLevel) {
-            if (first) return;
-#pragma unroll
-            for (int n = 0; n < D / 2; n++) O[n] = (O[n] + acc[n]) * alpha[n % 4 / 2];
-            if (FP8_TENSOR_SUM)
-                for (int r = 0; r < 2; r++) l[r] = (l[r] + l_acc()[2 * r]) * alpha[r];
+            if (!first) promote();
+            alpha_prev[0] = alpha[0], alpha_prev[1] = alpha[1];
         } else {
 #pragma unroll
             for (int n = 0; n < D / 2 + 4 * FP8_TENSOR_SUM; n++) acc[n] *= alpha[n % 4 / 2];
         }
     }
-    // After the last tile's wait: its sums added in (TwoLevel).
+    // After the last tile's wait: its sums added in, all at the last tile's scale (TwoLevel).
     __device__ __forceinline__ void finish() {
-        if constexpr (TwoLevel) {
+        if constexpr (TwoLevel) promote();
+    }
+    __device__ __forceinline__ void promote() {
 #pragma unroll
-            for (int n = 0; n < D / 2; n++) O[n] += acc[n];
-            if (FP8_TENSOR_SUM)
-                for (int r = 0; r < 2; r++) l[r] += l_acc()[2 * r];
-        }
+        for (int n = 0; n < D / 2; n++) O[n] = fmaf(O[n], alpha_prev[n % 4 / 2], acc[n]);
+        if (FP8_TENSOR_SUM)
+            for (int r = 0; r < 2; r++) l[r] = fmaf(l[r], alpha_prev[r], l_acc()[2 * r]);
     }
     __device__ __forceinline__ auto& numerator() {
         if constexpr (TwoLevel) return O;
