@@ -293,8 +293,8 @@ TEMPLATE_TEST_CASE("The fp8 forward matches its arithmetic in double: shapes, ca
     check_rows("L", L, w.L, w.L_tol, s, 1);
 }
 
-TEST_CASE("The fp8 forward matches its arithmetic in double with every SM busy, and gives the "
-          "same bits twice: 32 heads of 4096 causal at d = 128 (GQA), one row in 61 checked",
+TEST_CASE("The fp8 forward on every SM: 32 heads of 4096 causal keys at d = 128 (GQA) match its "
+          "arithmetic in double (one row in 61 checked) and give the same bits twice",
           "[gpu][hopper][fp8]") {
     // Each consumer makes the next tile's P~ while P~ V_{j-1} still reads the last one from
     // registers (a_operand_fence). Whether an early reuse of those registers shows depends on
@@ -322,8 +322,8 @@ TEST_CASE("The fp8 forward matches its arithmetic in double with every SM busy, 
     CHECK(std::memcmp(L.data(), L2.data(), L.size() * sizeof(float)) == 0);
 }
 
-TEST_CASE("The fp8 forward's sums over 16k keys stay within its model when V has a mean: d = 64 "
-          "and 128 (two levels; d = 256 keeps one and drifts)", "[gpu][hopper][fp8]") {
+TEST_CASE("The fp8 forward's long rows: sums over 16k keys stay within its model when V has a "
+          "mean, at d = 64 and 128 (two levels; d = 256 keeps one and drifts)", "[gpu][hopper][fp8]") {
     // V's mean makes every P~ v of a column add the same way: a sum that drops low bits as it
     // grows (an fp8 wgmma's accumulator, carried from the first tile to the last) then drifts
     // from the model by several times its tolerance (0.08 of O at 16k keys, 0.28 of L); summed a
