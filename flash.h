@@ -247,7 +247,9 @@ void flash_forward_fp8_hopper(const __nv_fp8_e4m3* Q, const __nv_fp8_e4m3* K,
 // The keys of one K/V tile of the fp8 forward, by head dim. P~ is rounded against the running
 // max as it stands after each tile, so the bits depend on it (tests/test_fp8.cpp's reference tiles
 // the keys alike).
-__host__ __device__ constexpr int flash_fp8_bc(int head_dim) { return head_dim == 128 ? 192 : 128; }
+__host__ __device__ constexpr int flash_fp8_bc(int head_dim) {
+    return head_dim > 0 ? 128 : 0;  // (192 at d = 128 was 2% faster, before the two-level sums)
+}
 // Where key j of a group of 32 sits in V^T's row (flash_hopper_fp8.cu's transpose): the fp8 P~
 // that a thread's accumulators hold, read as wgmma's A fragment, takes its keys in this order.
 __host__ __device__ constexpr int flash_fp8_v_slot(int j) {

@@ -34,10 +34,10 @@
 
 using fp8 = __nv_fp8_e4m3;
 
-// Tiles: 128 rows of Q_i (two consumer warpgroups); Bc = flash_fp8_bc(d) keys (flash.h), 192 at
-// d = 128 (a tile's fixed costs, O_i's rescale above all, over more scores), 128 elsewhere; a row
-// of Q_i or K_j padded to 128 bytes at d = 64 (the TMA fills columns past d with zeros; the scores
-// read only the first d). V^T_j in blocks of 128 keys, one 128-byte swizzled row each (the last
+// Tiles: 128 rows of Q_i (two consumer warpgroups); Bc = flash_fp8_bc(d) = 128 keys (flash.h;
+// 192 at d = 128 would leave no registers for Fp8Sums' two levels); a row of Q_i or K_j padded
+// to 128 bytes at d = 64 (the TMA fills columns past d with zeros; the scores read only the first
+// d). V^T_j in blocks of 128 keys, one 128-byte swizzled row each (the last
 // block's keys past Bc are loaded, never read). Stages: three (at d = 256, 64 KiB a stage: 224 KiB
 // with Q_i).
 constexpr int kFp8Consumers = 2, kFp8Br = 64 * kFp8Consumers, kVtKeys = 128;
@@ -60,6 +60,61 @@ __host__ __device__ constexpr bool fp8_pingpong(int d) { return FP8_PINGPONG && 
 #ifndef FP8_TENSOR_SUM
 #define FP8_TENSOR_SUM 1
 #endif
+
+// The sums over keys, O_i's numerator P~ V and l (NOTES.md section 24). An fp8 wgmma adds into its
+// accumulators keeping about 14 bits below the larger term's leading bit, so a sum carried in them
+// from the first tile to the last loses more as rows grow (O off by 13%, L by 0.49 at 32k keys).
+// Two levels (DeepSeek-V3's promotion): each tile's sums go to accumulators that the tile's first
+// k-step overwrites (`acc`), and after the wait into fp32 registers (`O`, `l`). That costs D / 2
+// registers a thread: d <= 128 has them (with 128 keys a tile), d = 256 does not and keeps one.
+__host__ __device__ constexpr bool fp8_two_level(int d) { return d <= 128; }
+template <int D>
+struct Fp8Sums {
+    static constexpr bool TwoLevel = fp8_two_level(D);
+    float acc[D / 2 + 4 * FP8_TENSOR_SUM] = {};  // the wgmmas': P~ V, then l's 4 (FP8_TENSOR_SUM)
+    float O[TwoLevel ? D / 2 : 1] = {};          // fp32 P~ V (TwoLevel)
+    float l[2] = {0.f, 0.f};                     // fp32 l (TwoLevel or not FP8_TENSOR_SUM)
+    float alpha_prev[2] = {0.f, 0.f};            // TwoLevel: O and l lag one tile in scale
+    __device__ __forceinline__ float* l_acc() { return acc + D / 2; }
+    // After the wait on tile j - 1's products (scale m_{j-1}), before tile j's. TwoLevel: O and l
+    // hold tiles < j - 1 at scale m_{j-2}; one FMA takes them to m_{j-1} and adds tile j - 1's
+    // (not on a row block's first tile: acc then holds nothing of its own). One level: every sum
+    // to scale m_j. l without FP8_TENSOR_SUM is the kernel's, rescaled before the wait.
+    __device__ __forceinline__ void rescale(const float (&alpha)[2], bool first) {
+        if constexpr (TwoLevel) {
+            if (!first) promote();
+            alpha_prev[0] = alpha[0], alpha_prev[1] = alpha[1];
+        } else {
+#pragma unroll
+            for (int n = 0; n < D / 2 + 4 * FP8_TENSOR_SUM; n++) acc[n] *= alpha[n % 4 / 2];
+        }
+    }
+    // After the last tile's wait: its sums added in, all at the last tile's scale (TwoLevel).
+    __device__ __forceinline__ void finish() {
+        if constexpr (TwoLevel) promote();
+    }
+    __device__ __forceinline__ void promote() {
+#pragma unroll
+        for (int n = 0; n < D / 2; n++) O[n] = fmaf(O[n], alpha_prev[n % 4 / 2], acc[n]);
+        if (FP8_TENSOR_SUM)
+            for (int r = 0; r < 2; r++) l[r] = fmaf(l[r], alpha_prev[r], l_acc()[2 * r]);
+    }
+    __device__ __forceinline__ auto& numerator() {
+        if constexpr (TwoLevel) return O;
+        else return acc;
+    }
+    // Row r's l: column 0 of the ones' product (thread t = 0 of the quad; t > 0 hold columns 2t,
+    // exact zeros), or the fp32 sums, over the quad.
+    __device__ __forceinline__ float row_sum(int r) {
+        return quad_reduce(FP8_TENSOR_SUM && !TwoLevel ? l_acc()[2 * r] : l[r], add);
+    }
+};
+// One k-step of a sum over keys, d += A B; a tile's first overwrites d with two levels.
+template <int N, int D>
+__device__ __forceinline__ void fp8_sum_step(float* d, const uint32_t* a, uint64_t b, int k) {
+    if (fp8_two_level(D) && k == 0) wgmma_fp8_rs<N, false>(d, a, b);
+    else wgmma_fp8_rs<N>(d, a, b);
+}
 
 template <int D>
 struct Fp8Shared {
@@ -200,11 +255,11 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
         const float scale = scale_log2 * dq * dk;
         mbar_wait(&full[Stages], q.phase());
         const int query = i * Br + 64 * wg + 16 * warp + g;
-        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-        // O_i, and after it l's 4 accumulators (FP8_TENSOR_SUM): one array, so that one wait and
-        // one rescale cover both (apart, ptxas serializes the wgmmas: C7515)
-        float O_i[D / 2 + 4 * FP8_TENSOR_SUM] = {};
-        float* l_acc = O_i + D / 2;
+        float m[2] = {-INFINITY, -INFINITY};
+        // O_i's numerator and l (Fp8Sums): the accumulators, P~ V then l's 4, in one array so that
+        // one wait and one rescale cover both (apart, ptxas serializes the wgmmas: C7515)
+        Fp8Sums<D> O_i;
+        float (&l)[2] = O_i.l;
         const auto add_PV = [&](int stage) {  // O_i += P~ V_j: B = V^T's rows (N = columns of O)
             constexpr int N = D < 128 ? D : 128;
 #pragma unroll
@@ -212,10 +267,10 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                 const char* Vt_j = reinterpret_cast<const char*>(sh.KV[stage].Vt_j[k / 4]);
 #pragma unroll
                 for (int half = 0; half < D / N; half++)
-                    wgmma_fp8_rs<N>(O_i + half * N / 2, P[k],
-                                    smem_desc(Vt_j + half * N * kRowBytes + k % 4 * 32, 0));
+                    fp8_sum_step<N, D>(O_i.acc + half * N / 2, P[k],
+                                       smem_desc(Vt_j + half * N * kRowBytes + k % 4 * 32, 0), k);
                 if (FP8_TENSOR_SUM)
-                    wgmma_fp8_rs<8>(l_acc, P[k], smem_desc(sh.ones + k % 4 * 32, 0));
+                    fp8_sum_step<8, D>(O_i.l_acc(), P[k], smem_desc(sh.ones + k % 4 * 32, 0), k);
             }
             wgmma_commit();
         };
@@ -274,11 +329,11 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                     }
                     Pn[k][a] = e4m3x4(p[0], p[1], p[2], p[3]);
                 }
-            for (int r = 0; r < 2; r++) l[r] = l[r] * alpha[r] + sum[r];
-            wgmma_wait<0>(O_i);
+            if (!FP8_TENSOR_SUM)
+                for (int r = 0; r < 2; r++) l[r] = l[r] * alpha[r] + sum[r];
+            wgmma_wait<0>(O_i.acc);
             if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
-#pragma unroll
-            for (int n = 0; n < D / 2 + 4 * FP8_TENSOR_SUM; n++) O_i[n] *= alpha[n % 4 / 2];
+            O_i.rescale(alpha, j == j0);
             a_operand_fence(P);  // (P~ V_{j-1} has read P)
 #pragma unroll
             for (int k = 0; k < Bc / 32; k++)
@@ -290,17 +345,18 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
         if (Tc > 0) {
             wgmma_fence();
             add_PV(kv.previous().stage());
-            wgmma_wait<0>(O_i);
+            wgmma_wait<0>(O_i.acc);
             if (threadIdx.x % 32 == 0) mbar_arrive(&empty[kv.previous().stage()]);
+            O_i.finish();
         }
 #pragma unroll
         for (int r = 0; r < 2; r++) {  // O = descale_v P~ V / l; L = m + log(l / 256)
             const int row = query + 8 * r;
-            // l: the sum's column 0 (thread t = 0 of the quad; t > 0 hold columns 2t, exact zeros)
-            const float l_row = quad_reduce(FP8_TENSOR_SUM ? l_acc[2 * r] : l[r], add);
+            const float l_row = O_i.row_sum(r);
             const float inv = l_row > 0.f ? dv / l_row : 0.f;
             const bool in = row < policy.q_len;
-            store_row<TO, D>(O + (size_t(bh) * policy.q_len + row) * D, O_i, r, inv, t, in);
+            store_row<TO, D>(O + (size_t(bh) * policy.q_len + row) * D, O_i.numerator(), r, inv, t,
+                             in);
             if (!in) continue;
             const float L_row =
                 l_row > 0.f ? (m[r] * scale + log2f(l_row) - kPOffsetLog2) * kLn2 : -INFINITY;

@@ -296,9 +296,9 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b
 #define WGMMA_FP8_SS(N, REGS, ACC, AB)                                                          \
     asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", " AB       \
                  ", 1, 1, 1;\n" : ACC : "l"(a), "l"(b))
-#define WGMMA_FP8_RS(N, REGS, ACC, AB)                                                          \
+#define WGMMA_FP8_RS(N, REGS, ACC, AB, SD)                                                      \
     asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", " AB       \
-                 ", 1, 1, 1;\n" : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+                 ", " SD ", 1, 1;\n" : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
 template <int N>
 __device__ __forceinline__ void wgmma_fp8_ss(float* d, uint64_t a, uint64_t b) {
     static_assert(N == 64 || N == 128 || N == 192, "wgmma_fp8_ss is written for N = 64, 128, 192");
@@ -306,12 +306,17 @@ __device__ __forceinline__ void wgmma_fp8_ss(float* d, uint64_t a, uint64_t b) {
     if constexpr (N == 128) HOPPER_ONLY(WGMMA_FP8_SS(128, REGS64, ACC64, "%64, %65"));
     if constexpr (N == 192) HOPPER_ONLY(WGMMA_FP8_SS(192, REGS96, ACC96, "%96, %97"));
 }
-template <int N>
+// Accumulate = false: scale-d 0, d = A B (d's old values ignored: the first k-step of a sum).
+template <int N, bool Accumulate = true>
 __device__ __forceinline__ void wgmma_fp8_rs(float* d, const uint32_t* a, uint64_t b) {
     static_assert(N == 8 || N == 64 || N == 128, "wgmma_fp8_rs is written for N = 8, 64, 128");
-    if constexpr (N == 8) HOPPER_ONLY(WGMMA_FP8_RS(8, "{%0,%1,%2,%3}", ACC4, "{%4,%5,%6,%7}, %8"));
-    if constexpr (N == 64) HOPPER_ONLY(WGMMA_FP8_RS(64, REGS32, ACC32, AB32));
-    if constexpr (N == 128) HOPPER_ONLY(WGMMA_FP8_RS(128, REGS64, ACC64, AB64));
+#define RS_N(SD)                                                                                \
+    if constexpr (N == 8)                                                                       \
+        HOPPER_ONLY(WGMMA_FP8_RS(8, "{%0,%1,%2,%3}", ACC4, "{%4,%5,%6,%7}, %8", SD));           \
+    if constexpr (N == 64) HOPPER_ONLY(WGMMA_FP8_RS(64, REGS32, ACC32, AB32, SD));              \
+    if constexpr (N == 128) HOPPER_ONLY(WGMMA_FP8_RS(128, REGS64, ACC64, AB64, SD));
+    if constexpr (Accumulate) { RS_N("1") } else { RS_N("0") }
+#undef RS_N
 }
 #undef WGMMA_FP8_SS
 #undef WGMMA_FP8_RS

@@ -1,6 +1,7 @@
 // test_deadline.cpp: the deadline every GPU wait of the tests runs under (wait_for_gpu,
 // test_util.h), checked on the CPU: the polling, the deadline's size, the failure line, and that
-// a run whose deadline passes ends at once, failed, with the summary line and a non-zero exit.
+// a run whose deadline passes ends at once, failed, with the summary line and a non-zero exit;
+// and that every test case's name prints in the header Catch writes when it fails.
 
 #include "test_util.h"
 
@@ -245,4 +246,20 @@ TEST_CASE("A test case that does not end ends the run at its alarm, with the mes
     CHECK_THAT(c.text, Contains("DEADLINE: \"A test case that sleeps") &&
                            Contains("FLASH_TEST_CASE_SECONDS"));
     CHECK_THAT(c.text, Contains("flash tests: 0 passed, 1 failed"));
+}
+
+// Catch2 v2's console reporter prints a failing test case's name as a header, wrapping it under
+// the name's first ": "; when that indent reaches the header's width (79 columns) it asserts and
+// the run aborts before its summary, so a name's first ": " leaves at least 10 columns.
+TEST_CASE("Every test case's name fits the header Catch prints when it fails", "[cpu][deadline]") {
+    const size_t width = 79, room = 10;  // CATCH_CONFIG_CONSOLE_WIDTH (80) less one; columns left
+    const auto& tests = Catch::getRegistryHub().getTestCaseRegistry().getAllTests();
+    CHECK(tests.size() > 100);
+    for (const Catch::TestCase& tc : tests) {
+        const size_t colon = tc.name.find(": ");
+        if (colon == std::string::npos) continue;
+        INFO("\"" << tc.name << "\": its first \": \" ends at column " << colon + 2 << " of "
+                  << width);
+        CHECK(colon + 2 + room <= width);
+    }
 }
