@@ -65,37 +65,37 @@ __host__ __device__ constexpr bool fp8_pingpong(int d) { return FP8_PINGPONG && 
 // accumulators keeping about 14 bits below the larger term's leading bit, so a sum carried in them
 // from the first tile to the last loses more as rows grow (O off by 13%, L by 0.49 at 32k keys).
 // Two levels (DeepSeek-V3's promotion): each tile's sums go to accumulators that the tile's first
-// k-step overwrites (`acc`), and after the wait into fp32 registers (`O`, `l`). That costs D / 2
-// registers a thread: d <= 128 has them (with 128 keys a tile), d = 256 does not and keeps one.
+// k-step overwrites (`acc`), and after the wait into fp32 registers (`O`, `l`). For O that costs
+// D / 2 registers a thread: d <= 128 has them (with 128 keys a tile). d = 256 does not: there l
+// has two levels, O's numerator one, and V's columns are centred first (flash_fp8_centred_v): a
+// sum of P~ (v - mu) does not grow with the row as one of P~ v does when a column has a mean.
 __host__ __device__ constexpr bool fp8_two_level(int d) { return d <= 128; }
 template <int D>
 struct Fp8Sums {
-    static constexpr bool TwoLevel = fp8_two_level(D);
+    static constexpr bool TwoLevel = fp8_two_level(D);  // O's numerator; l's: FP8_TENSOR_SUM
     float acc[D / 2 + 4 * FP8_TENSOR_SUM] = {};  // the wgmmas': P~ V, then l's 4 (FP8_TENSOR_SUM)
     float O[TwoLevel ? D / 2 : 1] = {};          // fp32 P~ V (TwoLevel)
-    float l[2] = {0.f, 0.f};                     // fp32 l (TwoLevel or not FP8_TENSOR_SUM)
-    float alpha_prev[2] = {0.f, 0.f};            // TwoLevel: O and l lag one tile in scale
+    float l[2] = {0.f, 0.f};                     // fp32 l
+    float alpha_prev[2] = {0.f, 0.f};            // the fp32 sums lag one tile in scale
     __device__ __forceinline__ float* l_acc() { return acc + D / 2; }
-    // After the wait on tile j - 1's products (scale m_{j-1}), before tile j's. TwoLevel: O and l
-    // hold tiles < j - 1 at scale m_{j-2}; one FMA takes them to m_{j-1} and adds tile j - 1's
-    // (not on a row block's first tile: acc then holds nothing of its own). One level: every sum
-    // to scale m_j. l without FP8_TENSOR_SUM is the kernel's, rescaled before the wait.
+    // After the wait on tile j - 1's products (scale m_{j-1}), before tile j's. The fp32 sums
+    // (O if TwoLevel, l if FP8_TENSOR_SUM) hold tiles < j - 1 at scale m_{j-2}; one FMA takes them
+    // to m_{j-1} and adds tile j - 1's (not on a row block's first tile: acc then holds nothing of
+    // its own). O in one level: to scale m_j. l without FP8_TENSOR_SUM is the kernel's, rescaled
+    // before the wait.
     __device__ __forceinline__ void rescale(const float (&alpha)[2], bool first) {
-        if constexpr (TwoLevel) {
-            if (!first) promote();
-            alpha_prev[0] = alpha[0], alpha_prev[1] = alpha[1];
-        } else {
+        if constexpr (!TwoLevel)
 #pragma unroll
-            for (int n = 0; n < D / 2 + 4 * FP8_TENSOR_SUM; n++) acc[n] *= alpha[n % 4 / 2];
-        }
+            for (int n = 0; n < D / 2; n++) acc[n] *= alpha[n % 4 / 2];
+        if (!first) promote();
+        alpha_prev[0] = alpha[0], alpha_prev[1] = alpha[1];
     }
-    // After the last tile's wait: its sums added in, all at the last tile's scale (TwoLevel).
-    __device__ __forceinline__ void finish() {
-        if constexpr (TwoLevel) promote();
-    }
+    // After the last tile's wait: its sums added in, all at the last tile's scale.
+    __device__ __forceinline__ void finish() { promote(); }
     __device__ __forceinline__ void promote() {
+        if constexpr (TwoLevel)
 #pragma unroll
-        for (int n = 0; n < D / 2; n++) O[n] = fmaf(O[n], alpha_prev[n % 4 / 2], acc[n]);
+            for (int n = 0; n < D / 2; n++) O[n] = fmaf(O[n], alpha_prev[n % 4 / 2], acc[n]);
         if (FP8_TENSOR_SUM)
             for (int r = 0; r < 2; r++) l[r] = fmaf(l[r], alpha_prev[r], l_acc()[2 * r]);
     }
@@ -103,16 +103,25 @@ struct Fp8Sums {
         if constexpr (TwoLevel) return O;
         else return acc;
     }
-    // Row r's l: column 0 of the ones' product (thread t = 0 of the quad; t > 0 hold columns 2t,
-    // exact zeros), or the fp32 sums, over the quad.
-    __device__ __forceinline__ float row_sum(int r) {
-        return quad_reduce(FP8_TENSOR_SUM && !TwoLevel ? l_acc()[2 * r] : l[r], add);
+    // Row r of O in place, for store_row: descale_v P~ V / l, or with V centred (mu: the head's
+    // column means, flash_fp8_centred_v) descale_v (mu + P~ V' / l); 0 where l = 0 (no key seen).
+    __device__ __forceinline__ void output(int r, float l_row, float dv, const float* mu, int t) {
+        const float inv = l_row > 0.f ? dv / l_row : 0.f;
+#pragma unroll
+        for (int c = 0; c < D / 4; c++) {
+            const float shift =
+                flash_fp8_centred_v(D) && l_row > 0.f ? dv * __ldg(mu + acc_col(c, t)) : 0.f;
+            acc_at(numerator(), r, c) = fmaf(acc_at(numerator(), r, c), inv, shift);
+        }
     }
+    // Row r's l, over the quad (with FP8_TENSOR_SUM, thread t = 0's column 0 of the ones' product;
+    // t > 0 added columns 2t, exact zeros).
+    __device__ __forceinline__ float row_sum(int r) { return quad_reduce(l[r], add); }
 };
-// One k-step of a sum over keys, d += A B; a tile's first overwrites d with two levels.
-template <int N, int D>
+// One k-step of a sum over keys, d += A B; with Overwrite, a tile's first sets d = A B.
+template <int N, bool Overwrite>
 __device__ __forceinline__ void fp8_sum_step(float* d, const uint32_t* a, uint64_t b, int k) {
-    if (fp8_two_level(D) && k == 0) wgmma_fp8_rs<N, false>(d, a, b);
+    if (Overwrite && k == 0) wgmma_fp8_rs<N, false>(d, a, b);
     else wgmma_fp8_rs<N>(d, a, b);
 }
 
@@ -129,26 +138,55 @@ struct Fp8Shared {
     int work[2];
 };
 
+// mu for every column of V (flash_fp8_centred_v; flash.h's flash_fp8_centre): a block a
+// (batch * kv_heads) head, D columns by 1024 / D keys at a time; the sums in units of 2^-9, exact.
+template <int D>
+__global__ void __launch_bounds__(1024) centre_v(const fp8* __restrict__ V, float* __restrict__ mu,
+                                                 int kv_len) {
+    constexpr int Lanes = 1024 / D;
+    __shared__ long long sums[Lanes][D];
+    __shared__ float los[Lanes][D], his[Lanes][D];
+    const int c = threadIdx.x % D, lane = threadIdx.x / D;
+    const fp8* from = V + size_t(blockIdx.x) * kv_len * D;
+    long long sum = 0;
+    float lo = INFINITY, hi = -INFINITY;
+    for (int j = lane; j < kv_len; j += Lanes) {
+        const float v = float(from[size_t(j) * D + c]);
+        sum += (long long)(v * 512.f), lo = fminf(lo, v), hi = fmaxf(hi, v);
+    }
+    sums[lane][c] = sum, los[lane][c] = lo, his[lane][c] = hi;
+    __syncthreads();
+    if (lane != 0) return;
+    for (int k = 1; k < Lanes; k++)
+        sum += sums[k][c], lo = fminf(lo, los[k][c]), hi = fmaxf(hi, his[k][c]);
+    mu[size_t(blockIdx.x) * D + c] = flash_fp8_centre(sum, kv_len, lo, hi);
+}
+
 // V^T: V [batch * kv_heads][kv_len][D] to [batch * kv_heads][D][len32] (len32: kv_len rounded up
-// to 32), key j of each group of 32 at slot flash_fp8_v_slot(j), zeros past kv_len. A block a
-// (head, 32 keys), blocks in x (a grid's y stops at 65535): their rows read whole (D bytes each),
-// then each thread writes one row of V^T's 32 bytes.
+// to 32), key j of each group of 32 at slot flash_fp8_v_slot(j), zeros past kv_len; with mu (not
+// null), each column's keys centred: e4m3(v - mu), rounded to nearest even. A block a (head, 32
+// keys), blocks in x (a grid's y stops at 65535): their rows read whole (D bytes each), then each
+// thread writes one row of V^T's 32 bytes.
 template <int D>
 __global__ void __launch_bounds__(D) transpose_v(const fp8* __restrict__ V, fp8* __restrict__ Vt,
-                                                 int kv_len, int len32) {
-    __shared__ uint8_t rows[32][D];
+                                                 const float* __restrict__ mu, int kv_len,
+                                                 int len32) {
+    __shared__ fp8 rows[32][D];
     const int head = blockIdx.x / (len32 / 32), key0 = blockIdx.x % (len32 / 32) * 32;
-    const uint8_t* from = reinterpret_cast<const uint8_t*>(V) + (size_t(head) * kv_len) * D;
+    const fp8* from = V + (size_t(head) * kv_len) * D;
     for (int x = threadIdx.x; x < 32 * D; x += D) {  // (coalesced: consecutive bytes of a row)
         const int j = x / D, c = x % D;
-        rows[j][c] = key0 + j < kv_len ? from[size_t(key0 + j) * D + c] : 0;
+        rows[j][c] = key0 + j < kv_len ? from[size_t(key0 + j) * D + c] : fp8(0.f);
     }
     __syncthreads();
-    uint8_t out[32];
+    const float m = mu ? mu[size_t(head) * D + threadIdx.x] : 0.f;
+    alignas(16) fp8 out[32];
 #pragma unroll
-    for (int j = 0; j < 32; j++) out[flash_fp8_v_slot(j)] = rows[j][threadIdx.x];
-    uint4* to = reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(Vt) +
-                                         (size_t(head) * D + threadIdx.x) * len32 + key0);
+    for (int j = 0; j < 32; j++) {
+        const fp8 v = rows[j][threadIdx.x];
+        out[flash_fp8_v_slot(j)] = mu && key0 + j < kv_len ? fp8(float(v) - m) : v;
+    }
+    uint4* to = reinterpret_cast<uint4*>(Vt + (size_t(head) * D + threadIdx.x) * len32 + key0);
     to[0] = *reinterpret_cast<const uint4*>(out);
     to[1] = *reinterpret_cast<const uint4*>(out + 16);
 }
@@ -172,8 +210,9 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                          const __grid_constant__ CUtensorMap K,
                          const __grid_constant__ CUtensorMap Vt, TO* __restrict__ O,
                          float* __restrict__ L, const __grid_constant__ Layout lay,
-                         const Rows vt, const Policy policy, const Fp8Descales descale, int Tr,
-                         int tiles, int head_group, int group, float scale_log2, int* next) {
+                         const Rows vt, const Policy policy, const Fp8Descales descale,
+                         const float* __restrict__ mu, int Tr, int tiles, int head_group,
+                         int group, float scale_log2, int* next) {
     constexpr int Br = kFp8Br, Bc = flash_fp8_bc(D), Cols = fp8_cols(D), Stages = fp8_stages(D);
     constexpr int VtBlocks = fp8_vt_blocks(D);
     using Turn = Turns<fp8_pingpong(D)>;
@@ -267,10 +306,10 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                 const char* Vt_j = reinterpret_cast<const char*>(sh.KV[stage].Vt_j[k / 4]);
 #pragma unroll
                 for (int half = 0; half < D / N; half++)
-                    fp8_sum_step<N, D>(O_i.acc + half * N / 2, P[k],
+                    fp8_sum_step<N, fp8_two_level(D)>(O_i.acc + half * N / 2, P[k],
                                        smem_desc(Vt_j + half * N * kRowBytes + k % 4 * 32, 0), k);
                 if (FP8_TENSOR_SUM)
-                    fp8_sum_step<8, D>(O_i.l_acc(), P[k], smem_desc(sh.ones + k % 4 * 32, 0), k);
+                    fp8_sum_step<8, true>(O_i.l_acc(), P[k], smem_desc(sh.ones + k % 4 * 32, 0), k);
             }
             wgmma_commit();
         };
@@ -349,13 +388,14 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
             if (threadIdx.x % 32 == 0) mbar_arrive(&empty[kv.previous().stage()]);
             O_i.finish();
         }
+        const float* mu_h = mu ? mu + size_t(bh / group) * D : nullptr;  // (V centred)
 #pragma unroll
         for (int r = 0; r < 2; r++) {  // O = descale_v P~ V / l; L = m + log(l / 256)
             const int row = query + 8 * r;
             const float l_row = O_i.row_sum(r);
-            const float inv = l_row > 0.f ? dv / l_row : 0.f;
             const bool in = row < policy.q_len;
-            store_row<TO, D>(O + (size_t(bh) * policy.q_len + row) * D, O_i.numerator(), r, inv, t,
+            O_i.output(r, l_row, dv, mu_h, t);
+            store_row<TO, D>(O + (size_t(bh) * policy.q_len + row) * D, O_i.numerator(), r, 1.f, t,
                              in);
             if (!in) continue;
             const float L_row =
@@ -396,7 +436,9 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
                                  "wgmma, sm_90a: H100, H200); " + prop.name + " is " +
                                  std::to_string(prop.major) + "." + std::to_string(prop.minor));
     const int kvh = flash_kv_heads(s), len32 = (s.kv_len + 31) / 32 * 32;
-    const size_t vt_bytes = size_t(s.batch) * kvh * s.head_dim * len32;
+    const size_t vt_bytes = size_t(s.batch) * kvh * s.head_dim * len32;  // (a multiple of 32)
+    const size_t mu_bytes =
+        flash_fp8_centred_v(s.head_dim) ? size_t(s.batch) * kvh * s.head_dim * sizeof(float) : 0;
     const long long groups = (long long)s.batch * kvh * (len32 / 32);  // the transpose's blocks
     if (groups > INT_MAX)
         throw std::invalid_argument(std::string(fn) + ": batch * kv_heads * kv_len / 32 is "
@@ -407,12 +449,18 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
         constexpr size_t bytes = fp8_shared_bytes<D>();
         const int tiles = grid_blocks(s, s.q_len, kFp8Br, "q_len");
         const int blocks = std::min(tiles, prop.multiProcessorCount);
-        with_scratch(vt_bytes + 16, stream, [&](void* scratch) {
-            fp8* Vt = static_cast<fp8*>(scratch);
-            int* next = reinterpret_cast<int*>(static_cast<char*>(scratch) + vt_bytes);
+        with_scratch(vt_bytes + mu_bytes + 16, stream, [&](void* scratch) {
+            fp8* Vt = static_cast<fp8*>(scratch);  // then mu (V centred), then the tile counter
+            float* mu = mu_bytes ? reinterpret_cast<float*>(static_cast<char*>(scratch) + vt_bytes)
+                                 : nullptr;
+            int* next = reinterpret_cast<int*>(static_cast<char*>(scratch) + vt_bytes + mu_bytes);
             cudaError_t err = cudaMemsetAsync(next, 0, sizeof(int), stream);
             if (err != cudaSuccess) return err;
-            transpose_v<D><<<unsigned(groups), D, 0, stream>>>(V, Vt, s.kv_len, len32);
+            if constexpr (flash_fp8_centred_v(D)) {
+                centre_v<D><<<unsigned(s.batch * kvh), 1024, 0, stream>>>(V, mu, s.kv_len);
+                if ((err = cudaGetLastError()) != cudaSuccess) return err;
+            }
+            transpose_v<D><<<unsigned(groups), D, 0, stream>>>(V, Vt, mu, s.kv_len, len32);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             // V^T as a tensor of batch x kv_heads heads, D rows of len32 "columns" (keys).
             Rows vt;
@@ -425,8 +473,8 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
                 const auto kernel = flash_forward_fp8_kernel<D, TO, decltype(policy)>;
                 allow_shared(kernel, bytes);
                 kernel<<<blocks, kWarpgroup * (kFp8Consumers + 1), bytes, stream>>>(
-                    Qm, Km, Vm, O, L, lay, vt, policy, descale, (s.q_len + kFp8Br - 1) / kFp8Br,
-                    tiles,
+                    Qm, Km, Vm, O, L, lay, vt, policy, descale, mu,
+                    (s.q_len + kFp8Br - 1) / kFp8Br, tiles,
                     16, flash_kv_group(s), options_scale_log2(s, AttentionOptions{}), next);
                 return cudaGetLastError();
             };
