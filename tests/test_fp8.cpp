@@ -272,22 +272,44 @@ TEST_CASE("The fp8 reference's own rounding: e4m3 steps, 448 and round to neares
     CHECK(e4m3(std::ldexp(1.0, -11)) == 0.0);      // below half the smallest subnormal
 }
 
+TEST_CASE("flash_fp8_centre is a column's mean, moved just enough that no v - mu passes 448",
+          "[cpu][fp8]") {
+    // (sums in units of 2^-9, as centre_v and the reference add them)
+    const auto centre = [](std::vector<float> col) {
+        long long sum512 = 0;
+        for (float v : col) sum512 += (long long)(v * 512.f);
+        const auto [lo, hi] = std::minmax_element(col.begin(), col.end());
+        return flash_fp8_centre(sum512, int(col.size()), *lo, *hi);
+    };
+    CHECK(centre({1.f, 2.f, 3.5f, 0.25f}) == 1.6875f);        // the mean, exactly
+    CHECK(centre({448.f, 448.f, 448.f, -448.f}) == 0.f);      // mean 224: 448 - mu would be 672
+    CHECK(centre({448.f, -16.f}) == 216.f);                   // within both bounds: the mean
+    CHECK(centre({-448.f, -448.f, 448.f}) == 0.f);            // mean -149.3: 448 - mu > 448
+    CHECK(centre({0.001953125f, 0.f, 0.f, 0.f}) == 0.00048828125f);  // 2^-9 / 4 (subnormal v)
+}
+
 TEST_CASE("The fp8 reference's P rounding stays within its bound of exact attention",
           "[cpu][fp8]") {
     // Each key's e4m3 P~ is within half a step (2^-4 relative, or 2^-10 absolute below 2^-6, of
     // 256 P~), and l sums the rounded P~, so O - O_exact = sum (P^ - P)(v - O_exact) / sum P^:
-    // |O - O_exact| <= dv (2^-4 sum P + n 2^-10 / 256) 2 max|v| / ((1 - 2^-4) sum P).
-    AttentionShape s{1, 2, 70, 300, 64, true};
-    const Fp8Problem p = fp8_problem(s, 24);
+    // |O - O_exact| <= dv (2^-4 sum P + n 2^-10 / 256) 2 max|v| / ((1 - 2^-4) sum P). V centred
+    // (d = 256) adds its own rounding, a weighted mean of e4m3(v - mu) - (v - mu): at most
+    // dv (2^-4 max|v - mu| + 2^-10), and |v - mu| <= 2 max|v| (mu lies between v's extremes).
+    const int d = GENERATE(64, 256);
+    AttentionShape s{1, 2, 70, 300, d, true};
+    CAPTURE(d);
+    const Fp8Problem p = fp8_problem(s, 24, d == 256 ? 1.f : 0.f);
     const Fp8Want w = fp8_reference(p);
     double max_v = 0;
     for (const fp8& v : p.V) max_v = std::max(max_v, std::fabs(double(float(v))));
     const double dv = *std::max_element(p.dv.begin(), p.dv.end());
+    const double centring = flash_fp8_centred_v(d) ? max_v / 8 + std::ldexp(1.0, -10) : 0;
     double worst = 0;
     for (size_t e = 0; e < w.O.size(); e++)
         worst = std::max(worst, std::fabs(w.O[e] - w.O_exact[e]) /
-                                    (dv * max_v * (1.0 / 8 + s.kv_len * std::ldexp(1.0, -17)) /
-                                     (1 - 1.0 / 16)));
+                                    (dv * (max_v * (1.0 / 8 + s.kv_len * std::ldexp(1.0, -17)) /
+                                               (1 - 1.0 / 16) +
+                                           centring)));
     CAPTURE(worst);
     CHECK(worst <= 1.0);
     CHECK(worst > 0.0);  // (it rounds at all)
