@@ -139,27 +139,42 @@ struct Fp8Shared {
 };
 
 // mu for every column of V (flash_fp8_centred_v; flash.h's flash_fp8_centre): a block a
-// (batch * kv_heads) head, D columns by 1024 / D keys at a time; the sums in units of 2^-9, exact.
+// (batch * kv_heads) head, each thread 4 columns (one 4-byte load) of every Lanes-th key; the sums
+// in units of 2^-9, exact; then one thread a column adds up the lanes.
 template <int D>
-__global__ void __launch_bounds__(1024) centre_v(const fp8* __restrict__ V, float* __restrict__ mu,
-                                                 int kv_len) {
-    constexpr int Lanes = 1024 / D;
+__global__ void __launch_bounds__(512) centre_v(const fp8* __restrict__ V, float* __restrict__ mu,
+                                                int kv_len) {
+    constexpr int Lanes = 512 / (D / 4);
     __shared__ long long sums[Lanes][D];
     __shared__ float los[Lanes][D], his[Lanes][D];
-    const int c = threadIdx.x % D, lane = threadIdx.x / D;
+    const int c0 = threadIdx.x % (D / 4) * 4, lane = threadIdx.x / (D / 4);
     const fp8* from = V + size_t(blockIdx.x) * kv_len * D;
-    long long sum = 0;
-    float lo = INFINITY, hi = -INFINITY;
+    long long sum[4] = {0, 0, 0, 0};
+    float lo[4] = {INFINITY, INFINITY, INFINITY, INFINITY}, hi[4] = {-INFINITY, -INFINITY,
+                                                                      -INFINITY, -INFINITY};
     for (int j = lane; j < kv_len; j += Lanes) {
-        const float v = float(from[size_t(j) * D + c]);
-        sum += (long long)(v * 512.f), lo = fminf(lo, v), hi = fmaxf(hi, v);
+        const uint32_t four = *reinterpret_cast<const uint32_t*>(from + size_t(j) * D + c0);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            fp8 byte;
+            byte.__x = uint8_t(four >> 8 * e);
+            const float v = float(byte);
+            sum[e] += (long long)(v * 512.f), lo[e] = fminf(lo[e], v), hi[e] = fmaxf(hi[e], v);
+        }
     }
-    sums[lane][c] = sum, los[lane][c] = lo, his[lane][c] = hi;
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+        sums[lane][c0 + e] = sum[e], los[lane][c0 + e] = lo[e], his[lane][c0 + e] = hi[e];
     __syncthreads();
-    if (lane != 0) return;
-    for (int k = 1; k < Lanes; k++)
-        sum += sums[k][c], lo = fminf(lo, los[k][c]), hi = fmaxf(hi, his[k][c]);
-    mu[size_t(blockIdx.x) * D + c] = flash_fp8_centre(sum, kv_len, lo, hi);
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+        long long total = 0;
+        float least = INFINITY, greatest = -INFINITY;
+        for (int k = 0; k < Lanes; k++) {
+            total += sums[k][c];
+            least = fminf(least, los[k][c]), greatest = fmaxf(greatest, his[k][c]);
+        }
+        mu[size_t(blockIdx.x) * D + c] = flash_fp8_centre(total, kv_len, least, greatest);
+    }
 }
 
 // V^T: V [batch * kv_heads][kv_len][D] to [batch * kv_heads][D][len32] (len32: kv_len rounded up
@@ -457,7 +472,7 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
             cudaError_t err = cudaMemsetAsync(next, 0, sizeof(int), stream);
             if (err != cudaSuccess) return err;
             if constexpr (flash_fp8_centred_v(D)) {
-                centre_v<D><<<unsigned(s.batch * kvh), 1024, 0, stream>>>(V, mu, s.kv_len);
+                centre_v<D><<<unsigned(s.batch * kvh), 512, 0, stream>>>(V, mu, s.kv_len);
                 if ((err = cudaGetLastError()) != cudaSuccess) return err;
             }
             transpose_v<D><<<unsigned(groups), D, 0, stream>>>(V, Vt, mu, s.kv_len, len32);
