@@ -321,8 +321,9 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                 const char* Vt_j = reinterpret_cast<const char*>(sh.KV[stage].Vt_j[k / 4]);
 #pragma unroll
                 for (int half = 0; half < D / N; half++)
-                    fp8_sum_step<N, fp8_two_level(D)>(O_i.acc + half * N / 2, P[k],
-                                       smem_desc(Vt_j + half * N * kRowBytes + k % 4 * 32, 0), k);
+                    fp8_sum_step<N, fp8_two_level(D)>(
+                        O_i.acc + half * N / 2, P[k],
+                        smem_desc(Vt_j + half * N * kRowBytes + k % 4 * 32, 0), k);
                 if (FP8_TENSOR_SUM)
                     fp8_sum_step<8, true>(O_i.l_acc(), P[k], smem_desc(sh.ones + k % 4 * 32, 0), k);
             }
