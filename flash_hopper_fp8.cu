@@ -103,15 +103,26 @@ struct Fp8Sums {
         if constexpr (TwoLevel) return O;
         else return acc;
     }
-    // Row r of O in place, for store_row: descale_v P~ V / l, or with V centred (mu: the head's
+    // O in place, both rows, for store_row: descale_v P~ V / l, or with V centred (mu: the head's
     // column means, flash_fp8_centred_v) descale_v (mu + P~ V' / l); 0 where l = 0 (no key seen).
-    __device__ __forceinline__ void output(int r, float l_row, float dv, const float* mu, int t) {
-        const float inv = l_row > 0.f ? dv / l_row : 0.f;
+    __device__ __forceinline__ void output(const float (&l_row)[2], float dv, const float* mu,
+                                           int t) {
+        float inv[2], shift[2];
+        for (int r = 0; r < 2; r++) {
+            inv[r] = l_row[r] > 0.f ? dv / l_row[r] : 0.f;
+            shift[r] = flash_fp8_centred_v(D) && l_row[r] > 0.f ? dv : 0.f;
+        }
 #pragma unroll
-        for (int c = 0; c < D / 4; c++) {
-            const float shift =
-                flash_fp8_centred_v(D) && l_row > 0.f ? dv * __ldg(mu + acc_col(c, t)) : 0.f;
-            acc_at(numerator(), r, c) = fmaf(acc_at(numerator(), r, c), inv, shift);
+        for (int q = 0; q < D / 8; q++) {  // columns 8q + 2t and 8q + 2t + 1 (acc_col)
+            const float2 m = flash_fp8_centred_v(D)
+                                 ? __ldg(reinterpret_cast<const float2*>(mu + 8 * q + 2 * t))
+                                 : float2{0.f, 0.f};
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                float& o0 = acc_at(numerator(), r, 2 * q);
+                float& o1 = acc_at(numerator(), r, 2 * q + 1);
+                o0 = fmaf(o0, inv[r], shift[r] * m.x), o1 = fmaf(o1, inv[r], shift[r] * m.y);
+            }
         }
     }
     // Row r's l, over the quad (with FP8_TENSOR_SUM, thread t = 0's column 0 of the ones' product;
@@ -404,18 +415,18 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
             if (threadIdx.x % 32 == 0) mbar_arrive(&empty[kv.previous().stage()]);
             O_i.finish();
         }
-        const float* mu_h = mu ? mu + size_t(bh / group) * D : nullptr;  // (V centred)
+        const float l_row[2] = {O_i.row_sum(0), O_i.row_sum(1)};
+        O_i.output(l_row, dv, mu ? mu + size_t(bh / group) * D : nullptr, t);  // (mu: V centred)
 #pragma unroll
         for (int r = 0; r < 2; r++) {  // O = descale_v P~ V / l; L = m + log(l / 256)
             const int row = query + 8 * r;
-            const float l_row = O_i.row_sum(r);
             const bool in = row < policy.q_len;
-            O_i.output(r, l_row, dv, mu_h, t);
             store_row<TO, D>(O + (size_t(bh) * policy.q_len + row) * D, O_i.numerator(), r, 1.f, t,
                              in);
             if (!in) continue;
             const float L_row =
-                l_row > 0.f ? (m[r] * scale + log2f(l_row) - kPOffsetLog2) * kLn2 : -INFINITY;
+                l_row[r] > 0.f ? (m[r] * scale + log2f(l_row[r]) - kPOffsetLog2) * kLn2
+                               : -INFINITY;
             if (t == 0) L[size_t(bh) * policy.q_len + row] = L_row;
         }
     }
