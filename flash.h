@@ -231,7 +231,8 @@ void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
 // e4m3 for P~ V; O = descale_v P~ V / l in bf16 or fp16 (the overload), L = m + log l in fp32.
 // head_dim 64, 128 or 256, causal or not (no options), compute capability 9.0 (else
 // std::runtime_error); bad arguments std::invalid_argument naming them, nothing launched. Extra
-// memory, from the library's pool: V^T, batch * kv_heads * head_dim * round_up(kv_len, 32) bytes.
+// memory, from the library's pool: V^T, batch * kv_heads * head_dim * round_up(kv_len, 32) bytes
+// (at head_dim 256, 20 bytes more a column of each (batch, kv head): flash_fp8_centred_v).
 struct Fp8Descales {
     const float* q = nullptr;  // [batch][heads], or none: 1
     const float* k = nullptr;  // [batch][kv_heads], or none

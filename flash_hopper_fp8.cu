@@ -149,28 +149,45 @@ struct Fp8Shared {
     int work[2];
 };
 
-// mu for every column of V (flash_fp8_centred_v; flash.h's flash_fp8_centre): a block a
-// (batch * kv_heads) head, each thread 4 columns (one 4-byte load) of every Lanes-th key; the sums
-// in units of 2^-9, exact; then one thread a column adds up the lanes.
+// What centre_v gathers of each column of V for transpose_v (flash_fp8_centred_v), zeroed first:
+// the sum in units of 2^-9, exact, and the least and greatest value as order-keeping unsigneds
+// (fp8_order: atomicMax on them is max on the floats; 0, below every float, is "none yet").
+struct Fp8ColumnStats {
+    unsigned long long sum512;
+    unsigned neg_lo, hi;  // fp8_order(-least), fp8_order(greatest)
+};
+__device__ __forceinline__ unsigned fp8_order(float f) {
+    const unsigned b = __float_as_uint(f);
+    return b & 0x80000000u ? ~b : b | 0x80000000u;
+}
+__device__ __forceinline__ float fp8_unorder(unsigned u) {
+    return __uint_as_float(u & 0x80000000u ? u & 0x7fffffffu : ~u);
+}
+constexpr int kCentreKeys = 1024;  // keys a block of centre_v (a whole grid: V read at full speed)
+// A block a (batch * kv_heads head, kCentreKeys keys): each thread 4 columns (one 4-byte load) of
+// every Lanes-th key, sums in int (at most 1024 * 448 * 512 < 2^31), then one thread a column adds
+// up the lanes and adds the block's into stats with atomics: on integers, the same in any order.
 template <int D>
-__global__ void __launch_bounds__(512) centre_v(const fp8* __restrict__ V, float* __restrict__ mu,
-                                                int kv_len) {
+__global__ void __launch_bounds__(512) centre_v(const fp8* __restrict__ V,
+                                                Fp8ColumnStats* __restrict__ stats, int kv_len) {
     constexpr int Lanes = 512 / (D / 4);
-    __shared__ long long sums[Lanes][D];
+    __shared__ int sums[Lanes][D];
     __shared__ float los[Lanes][D], his[Lanes][D];
+    const int chunks = (kv_len + kCentreKeys - 1) / kCentreKeys, head = blockIdx.x / chunks;
+    const int key0 = blockIdx.x % chunks * kCentreKeys, keys = min(kv_len - key0, kCentreKeys);
     const int c0 = threadIdx.x % (D / 4) * 4, lane = threadIdx.x / (D / 4);
-    const fp8* from = V + size_t(blockIdx.x) * kv_len * D;
-    long long sum[4] = {0, 0, 0, 0};
+    const fp8* from = V + (size_t(head) * kv_len + key0) * D;
+    int sum[4] = {0, 0, 0, 0};
     float lo[4] = {INFINITY, INFINITY, INFINITY, INFINITY}, hi[4] = {-INFINITY, -INFINITY,
                                                                       -INFINITY, -INFINITY};
-    for (int j = lane; j < kv_len; j += Lanes) {
+    for (int j = lane; j < keys; j += Lanes) {
         const uint32_t four = *reinterpret_cast<const uint32_t*>(from + size_t(j) * D + c0);
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             fp8 byte;
             byte.__x = uint8_t(four >> 8 * e);
             const float v = float(byte);
-            sum[e] += (long long)(v * 512.f), lo[e] = fminf(lo[e], v), hi[e] = fmaxf(hi[e], v);
+            sum[e] += int(v * 512.f), lo[e] = fminf(lo[e], v), hi[e] = fmaxf(hi[e], v);
         }
     }
 #pragma unroll
@@ -184,19 +201,22 @@ __global__ void __launch_bounds__(512) centre_v(const fp8* __restrict__ V, float
             total += sums[k][c];
             least = fminf(least, los[k][c]), greatest = fmaxf(greatest, his[k][c]);
         }
-        mu[size_t(blockIdx.x) * D + c] = flash_fp8_centre(total, kv_len, least, greatest);
+        Fp8ColumnStats& to = stats[size_t(head) * D + c];
+        atomicAdd(&to.sum512, static_cast<unsigned long long>(total));  // (two's complement)
+        atomicMax(&to.neg_lo, fp8_order(-least)), atomicMax(&to.hi, fp8_order(greatest));
     }
 }
 
 // V^T: V [batch * kv_heads][kv_len][D] to [batch * kv_heads][D][len32] (len32: kv_len rounded up
-// to 32), key j of each group of 32 at slot flash_fp8_v_slot(j), zeros past kv_len; with mu (not
-// null), each column's keys centred: e4m3(v - mu), rounded to nearest even. A block a (head, 32
-// keys), blocks in x (a grid's y stops at 65535): their rows read whole (D bytes each), then each
-// thread writes one row of V^T's 32 bytes.
+// to 32), key j of each group of 32 at slot flash_fp8_v_slot(j), zeros past kv_len; with stats
+// (not null: V centred), each column's keys as e4m3(v - mu), rounded to nearest even, mu from
+// centre_v's stats (flash_fp8_centre), and written to mu by the blocks of key 0 for the output. A
+// block a (head, 32 keys), blocks in x (a grid's y stops at 65535): their rows read whole (D bytes
+// each), then each thread writes one row of V^T's 32 bytes.
 template <int D>
 __global__ void __launch_bounds__(D) transpose_v(const fp8* __restrict__ V, fp8* __restrict__ Vt,
-                                                 const float* __restrict__ mu, int kv_len,
-                                                 int len32) {
+                                                 const Fp8ColumnStats* __restrict__ stats,
+                                                 float* __restrict__ mu, int kv_len, int len32) {
     __shared__ fp8 rows[32][D];
     const int head = blockIdx.x / (len32 / 32), key0 = blockIdx.x % (len32 / 32) * 32;
     const fp8* from = V + (size_t(head) * kv_len) * D;
@@ -204,13 +224,19 @@ __global__ void __launch_bounds__(D) transpose_v(const fp8* __restrict__ V, fp8*
         const int j = x / D, c = x % D;
         rows[j][c] = key0 + j < kv_len ? from[size_t(key0 + j) * D + c] : fp8(0.f);
     }
+    float m = 0.f;
+    if (stats) {
+        const Fp8ColumnStats st = stats[size_t(head) * D + threadIdx.x];
+        m = flash_fp8_centre(static_cast<long long>(st.sum512), kv_len, -fp8_unorder(st.neg_lo),
+                             fp8_unorder(st.hi));
+        if (key0 == 0) mu[size_t(head) * D + threadIdx.x] = m;
+    }
     __syncthreads();
-    const float m = mu ? mu[size_t(head) * D + threadIdx.x] : 0.f;
     alignas(16) fp8 out[32];
 #pragma unroll
     for (int j = 0; j < 32; j++) {
         const fp8 v = rows[j][threadIdx.x];
-        out[flash_fp8_v_slot(j)] = mu && key0 + j < kv_len ? fp8(float(v) - m) : v;
+        out[flash_fp8_v_slot(j)] = stats && key0 + j < kv_len ? fp8(float(v) - m) : v;
     }
     uint4* to = reinterpret_cast<uint4*>(Vt + (size_t(head) * D + threadIdx.x) * len32 + key0);
     to[0] = *reinterpret_cast<const uint4*>(out);
@@ -464,8 +490,8 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
                                  std::to_string(prop.major) + "." + std::to_string(prop.minor));
     const int kvh = flash_kv_heads(s), len32 = (s.kv_len + 31) / 32 * 32;
     const size_t vt_bytes = size_t(s.batch) * kvh * s.head_dim * len32;  // (a multiple of 32)
-    const size_t mu_bytes =
-        flash_fp8_centred_v(s.head_dim) ? size_t(s.batch) * kvh * s.head_dim * sizeof(float) : 0;
+    const size_t columns =  // V centred: a mu and an Fp8ColumnStats a column of each head
+        flash_fp8_centred_v(s.head_dim) ? size_t(s.batch) * kvh * s.head_dim : 0;
     const long long groups = (long long)s.batch * kvh * (len32 / 32);  // the transpose's blocks
     if (groups > INT_MAX)
         throw std::invalid_argument(std::string(fn) + ": batch * kv_heads * kv_len / 32 is "
@@ -476,18 +502,25 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
         constexpr size_t bytes = fp8_shared_bytes<D>();
         const int tiles = grid_blocks(s, s.q_len, kFp8Br, "q_len");
         const int blocks = std::min(tiles, prop.multiProcessorCount);
-        with_scratch(vt_bytes + mu_bytes + 16, stream, [&](void* scratch) {
-            fp8* Vt = static_cast<fp8*>(scratch);  // then mu (V centred), then the tile counter
-            float* mu = mu_bytes ? reinterpret_cast<float*>(static_cast<char*>(scratch) + vt_bytes)
-                                 : nullptr;
-            int* next = reinterpret_cast<int*>(static_cast<char*>(scratch) + vt_bytes + mu_bytes);
-            cudaError_t err = cudaMemsetAsync(next, 0, sizeof(int), stream);
+        // Scratch: V^T, then (V centred) mu and the column stats, then the tile counter; the
+        // stats and the counter zeroed.
+        const size_t stats_at = vt_bytes + columns * sizeof(float);  // (a multiple of 32)
+        const size_t next_at = stats_at + columns * sizeof(Fp8ColumnStats);
+        with_scratch(next_at + 16, stream, [&](void* scratch) {
+            char* base = static_cast<char*>(scratch);
+            fp8* Vt = reinterpret_cast<fp8*>(base);
+            float* mu = columns ? reinterpret_cast<float*>(base + vt_bytes) : nullptr;
+            auto* stats = columns ? reinterpret_cast<Fp8ColumnStats*>(base + stats_at) : nullptr;
+            int* next = reinterpret_cast<int*>(base + next_at);
+            cudaError_t err = cudaMemsetAsync(base + stats_at, 0, next_at + 4 - stats_at, stream);
             if (err != cudaSuccess) return err;
             if constexpr (flash_fp8_centred_v(D)) {
-                centre_v<D><<<unsigned(s.batch * kvh), 512, 0, stream>>>(V, mu, s.kv_len);
+                const int chunks = (s.kv_len + kCentreKeys - 1) / kCentreKeys;  // (<= groups)
+                centre_v<D><<<unsigned(s.batch * kvh * chunks), 512, 0, stream>>>(V, stats,
+                                                                                 s.kv_len);
                 if ((err = cudaGetLastError()) != cudaSuccess) return err;
             }
-            transpose_v<D><<<unsigned(groups), D, 0, stream>>>(V, Vt, mu, s.kv_len, len32);
+            transpose_v<D><<<unsigned(groups), D, 0, stream>>>(V, Vt, stats, mu, s.kv_len, len32);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             // V^T as a tensor of batch x kv_heads heads, D rows of len32 "columns" (keys).
             Rows vt;

@@ -385,7 +385,8 @@ TEST_CASE("The fp8 forward's long rows: sums over 16k keys stay within its model
 
 TEST_CASE("The fp8 forward gives the same bits on every call", "[gpu][hopper][fp8]") {
     if (!hopper_or_warn()) return;
-    AttentionShape s{2, 4, 300, 1100, 128, true};
+    // (d = 256: V's column stats are summed with atomics, on integers: the same in any order)
+    AttentionShape s{2, 4, 300, 1100, GENERATE(128, 256), true};
     s.kv_heads = 2;
     const Fp8Problem p = fp8_problem(s, 2401);
     std::vector<float> L1, L2;
