@@ -1,7 +1,7 @@
 // flash_hopper_fp8.cu: chapter 3, part 3, the forward in fp8 (e4m3) on Hopper (NOTES.md section
 // 24). Chapter 3's forward (flash_hopper.cu: the producer, the consumers, the ring of K/V tiles,
 // the persistent grid) with both products on fp8 wgmma, m64nNk32: twice the elements a cycle of
-// fp16's. Three things change, each in one place:
+// fp16's. Four things change, each in one place:
 //  1. V^T. fp8 wgmma reads its shared-memory operands K-major only, so O_i += P~ V_j needs V_j
 //     with the keys along the row: a small kernel (transpose_v) writes V^T into scratch first.
 //  2. P~ in e4m3, in registers. A thread's S_ij accumulators hold keys 2t, 2t + 1, 2t + 8, 2t + 9
@@ -12,7 +12,11 @@
 //     and K scale the scores (folded into scale_log2), that of V the output. P~ <= 1 is rounded
 //     as 256 P~ (<= 256, under e4m3's 448), so that probabilities down to 2^-14 stay normal
 //     numbers; l sums the same 256 P~, so O = P~ V / l needs no correction, and L subtracts 8.
-// Not here: FlashAttention-3's in-kernel transpose of V, its ping-pong, chapter 5's options.
+//  4. Sums over keys. fp8 wgmma's accumulators keep about 14 bits, so P~ V and l go through
+//     Fp8Sums: a tile in the accumulators, the tiles in fp32 (at d = 256 only l; V's columns are
+//     centred there, centre_v, so that the sum P~ (v - mu) does not grow with the row).
+// The ping-pong of FlashAttention-3 is here at d = 256 only (fp8_pingpong); not here: its
+// in-kernel transpose of V, chapter 5's options.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c flash_hopper_fp8.cu (the
 // Makefile does it, as for flash_hopper.cu).
@@ -164,42 +168,60 @@ __device__ __forceinline__ float fp8_unorder(unsigned u) {
     return __uint_as_float(u & 0x80000000u ? u & 0x7fffffffu : ~u);
 }
 constexpr int kCentreKeys = 1024;  // keys a block of centre_v (a whole grid: V read at full speed)
-// A block a (batch * kv_heads head, kCentreKeys keys): each thread 4 columns (one 4-byte load) of
-// every Lanes-th key, sums in int (at most 1024 * 448 * 512 < 2^31), then one thread a column adds
-// up the lanes and adds the block's into stats with atomics: on integers, the same in any order.
+// A block a (batch * kv_heads head, kCentreKeys keys), 8 warps: each thread 16 columns (one 16-byte
+// load) of every Lanes-th key, four loads in flight, sums in int (at most 1024 * 448 * 512 <
+// 2^31); the lanes of a warp combined with shuffles, the warps in shared memory by one thread a
+// column, which adds the block's into stats with atomics: on integers, the same in any order.
 template <int D>
-__global__ void __launch_bounds__(512) centre_v(const fp8* __restrict__ V,
+__global__ void __launch_bounds__(256) centre_v(const fp8* __restrict__ V,
                                                 Fp8ColumnStats* __restrict__ stats, int kv_len) {
-    constexpr int Lanes = 512 / (D / 4);
-    __shared__ int sums[Lanes][D];
-    __shared__ float los[Lanes][D], his[Lanes][D];
+    constexpr int Per = D / 16, Lanes = 256 / Per;  // threads a key; keys a step
+    static_assert(Per <= 32 && D <= 256, "a warp's first Per threads hold every column");
+    __shared__ int sums[8][D];
+    __shared__ float los[8][D], his[8][D];
     const int chunks = (kv_len + kCentreKeys - 1) / kCentreKeys, head = blockIdx.x / chunks;
     const int key0 = blockIdx.x % chunks * kCentreKeys, keys = min(kv_len - key0, kCentreKeys);
-    const int c0 = threadIdx.x % (D / 4) * 4, lane = threadIdx.x / (D / 4);
-    const fp8* from = V + (size_t(head) * kv_len + key0) * D;
-    int sum[4] = {0, 0, 0, 0};
-    float lo[4] = {INFINITY, INFINITY, INFINITY, INFINITY}, hi[4] = {-INFINITY, -INFINITY,
-                                                                      -INFINITY, -INFINITY};
+    const int c0 = threadIdx.x % Per * 16, lane = threadIdx.x / Per;
+    const fp8* from = V + (size_t(head) * kv_len + key0) * D + c0;
+    int sum[16] = {};
+    float lo[16], hi[16];
+    for (int e = 0; e < 16; e++) lo[e] = INFINITY, hi[e] = -INFINITY;
+#pragma unroll 4
     for (int j = lane; j < keys; j += Lanes) {
-        const uint32_t four = *reinterpret_cast<const uint32_t*>(from + size_t(j) * D + c0);
+        const uint4 sixteen = *reinterpret_cast<const uint4*>(from + size_t(j) * D);
+        const uint32_t words[4] = {sixteen.x, sixteen.y, sixteen.z, sixteen.w};
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            fp8 byte;
-            byte.__x = uint8_t(four >> 8 * e);
-            const float v = float(byte);
-            sum[e] += int(v * 512.f), lo[e] = fminf(lo[e], v), hi[e] = fmaxf(hi[e], v);
+        for (int w = 0; w < 4; w++) {
+            __nv_fp8x4_e4m3 four;
+            four.__x = words[w];
+            const float4 f = float4(four);
+            const float v[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = 4 * w + e;
+                sum[c] += int(v[e] * 512.f), lo[c] = fminf(lo[c], v[e]), hi[c] = fmaxf(hi[c], v[e]);
+            }
         }
     }
 #pragma unroll
-    for (int e = 0; e < 4; e++)
-        sums[lane][c0 + e] = sum[e], los[lane][c0 + e] = lo[e], his[lane][c0 + e] = hi[e];
+    for (int c = 0; c < 16; c++) {
+        for (int off = Per; off < 32; off *= 2) {  // the warp's other keys, same columns
+            sum[c] += __shfl_xor_sync(~0u, sum[c], off);
+            lo[c] = fminf(lo[c], __shfl_xor_sync(~0u, lo[c], off));
+            hi[c] = fmaxf(hi[c], __shfl_xor_sync(~0u, hi[c], off));
+        }
+        if (threadIdx.x % 32 < Per) {
+            const int warp = threadIdx.x / 32;
+            sums[warp][c0 + c] = sum[c], los[warp][c0 + c] = lo[c], his[warp][c0 + c] = hi[c];
+        }
+    }
     __syncthreads();
     for (int c = threadIdx.x; c < D; c += blockDim.x) {
         long long total = 0;
         float least = INFINITY, greatest = -INFINITY;
-        for (int k = 0; k < Lanes; k++) {
-            total += sums[k][c];
-            least = fminf(least, los[k][c]), greatest = fmaxf(greatest, his[k][c]);
+        for (int w = 0; w < 8; w++) {
+            total += sums[w][c];
+            least = fminf(least, los[w][c]), greatest = fmaxf(greatest, his[w][c]);
         }
         Fp8ColumnStats& to = stats[size_t(head) * D + c];
         atomicAdd(&to.sum512, static_cast<unsigned long long>(total));  // (two's complement)
@@ -211,36 +233,51 @@ __global__ void __launch_bounds__(512) centre_v(const fp8* __restrict__ V,
 // to 32), key j of each group of 32 at slot flash_fp8_v_slot(j), zeros past kv_len; with stats
 // (not null: V centred), each column's keys as e4m3(v - mu), rounded to nearest even, mu from
 // centre_v's stats (flash_fp8_centre), and written to mu by the blocks of key 0 for the output. A
-// block a (head, 32 keys), blocks in x (a grid's y stops at 65535): their rows read whole (D bytes
-// each), then each thread writes one row of V^T's 32 bytes.
+// block a (head, kTransposeKeys keys), 256 threads, blocks in x (a grid's y stops at 65535): the
+// rows come in whole, 16 bytes a load, to shared memory; then thread (c, g) writes column c's keys
+// 16 g .. 16 g + 15 as 16 bytes, eight threads a whole 128-byte line of V^T's row. Rows are stored
+// with their 16-byte chunks swizzled (chunk ^ row / 16): the 8 g of a warp read 8 banks at once.
+constexpr int kTransposeKeys = 128;
 template <int D>
-__global__ void __launch_bounds__(D) transpose_v(const fp8* __restrict__ V, fp8* __restrict__ Vt,
-                                                 const Fp8ColumnStats* __restrict__ stats,
-                                                 float* __restrict__ mu, int kv_len, int len32) {
-    __shared__ fp8 rows[32][D];
-    const int head = blockIdx.x / (len32 / 32), key0 = blockIdx.x % (len32 / 32) * 32;
-    const fp8* from = V + (size_t(head) * kv_len) * D;
-    for (int x = threadIdx.x; x < 32 * D; x += D) {  // (coalesced: consecutive bytes of a row)
-        const int j = x / D, c = x % D;
-        rows[j][c] = key0 + j < kv_len ? from[size_t(key0 + j) * D + c] : fp8(0.f);
-    }
-    float m = 0.f;
-    if (stats) {
-        const Fp8ColumnStats st = stats[size_t(head) * D + threadIdx.x];
-        m = flash_fp8_centre(static_cast<long long>(st.sum512), kv_len, -fp8_unorder(st.neg_lo),
-                             fp8_unorder(st.hi));
-        if (key0 == 0) mu[size_t(head) * D + threadIdx.x] = m;
+__device__ __forceinline__ int transpose_at(int row, int col) {
+    return row * D + (col ^ row / 16 % (D / 16 < 8 ? D / 16 : 8) * 16);
+}
+template <int D>
+__global__ void __launch_bounds__(256) transpose_v(const fp8* __restrict__ V, fp8* __restrict__ Vt,
+                                                   const Fp8ColumnStats* __restrict__ stats,
+                                                   float* __restrict__ mu, int kv_len, int len32) {
+    __shared__ alignas(16) uint8_t rows[kTransposeKeys * D];
+    const int blocks = (len32 + kTransposeKeys - 1) / kTransposeKeys;
+    const int head = blockIdx.x / blocks, key0 = blockIdx.x % blocks * kTransposeKeys;
+    const uint8_t* from = reinterpret_cast<const uint8_t*>(V) + (size_t(head) * kv_len + key0) * D;
+    for (int x = threadIdx.x; x < kTransposeKeys * D / 16; x += 256) {  // (coalesced)
+        const int r = x * 16 / D, c = x * 16 % D;
+        const uint4 zero = {0, 0, 0, 0};
+        *reinterpret_cast<uint4*>(rows + transpose_at<D>(r, c)) =
+            key0 + r < kv_len ? *reinterpret_cast<const uint4*>(from + size_t(r) * D + c) : zero;
     }
     __syncthreads();
-    alignas(16) fp8 out[32];
+    const int g = threadIdx.x % 8;
+    if (key0 + 16 * g >= len32) return;
+#pragma unroll 2
+    for (int c = threadIdx.x / 8; c < D; c += 32) {
+        float m = 0.f;
+        if (stats) {
+            const Fp8ColumnStats st = stats[size_t(head) * D + c];
+            m = flash_fp8_centre(static_cast<long long>(st.sum512), kv_len,
+                                 -fp8_unorder(st.neg_lo), fp8_unorder(st.hi));
+            if (key0 == 0 && g == 0) mu[size_t(head) * D + c] = m;
+        }
+        alignas(16) fp8 out[16];
 #pragma unroll
-    for (int j = 0; j < 32; j++) {
-        const fp8 v = rows[j][threadIdx.x];
-        out[flash_fp8_v_slot(j)] = stats && key0 + j < kv_len ? fp8(float(v) - m) : v;
+        for (int j = 0; j < 16; j++) {  // flash_fp8_v_slot keeps each 16 keys within their 16
+            fp8 v;
+            v.__x = rows[transpose_at<D>(16 * g + j, c)];
+            out[flash_fp8_v_slot(j)] = stats && key0 + 16 * g + j < kv_len ? fp8(float(v) - m) : v;
+        }
+        *reinterpret_cast<uint4*>(Vt + (size_t(head) * D + c) * len32 + key0 + 16 * g) =
+            *reinterpret_cast<const uint4*>(out);
     }
-    uint4* to = reinterpret_cast<uint4*>(Vt + (size_t(head) * D + threadIdx.x) * len32 + key0);
-    to[0] = *reinterpret_cast<const uint4*>(out);
-    to[1] = *reinterpret_cast<const uint4*>(out + 16);
 }
 
 // Four floats as four e4m3 bytes of a register, the first in the low byte (cvt.rn.satfinite:
@@ -492,10 +529,12 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
     const size_t vt_bytes = size_t(s.batch) * kvh * s.head_dim * len32;  // (a multiple of 32)
     const size_t columns =  // V centred: a mu and an Fp8ColumnStats a column of each head
         flash_fp8_centred_v(s.head_dim) ? size_t(s.batch) * kvh * s.head_dim : 0;
-    const long long groups = (long long)s.batch * kvh * (len32 / 32);  // the transpose's blocks
+    const long long groups =  // the transpose's blocks
+        (long long)s.batch * kvh * ((len32 + kTransposeKeys - 1) / kTransposeKeys);
     if (groups > INT_MAX)
-        throw std::invalid_argument(std::string(fn) + ": batch * kv_heads * kv_len / 32 is "
-                                    "invalid past 2^31 - 1 (the transpose's grid)");
+        throw std::invalid_argument(std::string(fn) + ": batch * kv_heads * kv_len / " +
+                                    std::to_string(kTransposeKeys) + " is invalid past 2^31 - 1 "
+                                    "(the transpose's grid)");
     const Layout lay = contiguous_layout(s);
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
@@ -516,11 +555,11 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
             if (err != cudaSuccess) return err;
             if constexpr (flash_fp8_centred_v(D)) {
                 const int chunks = (s.kv_len + kCentreKeys - 1) / kCentreKeys;  // (<= groups)
-                centre_v<D><<<unsigned(s.batch * kvh * chunks), 512, 0, stream>>>(V, stats,
+                centre_v<D><<<unsigned(s.batch * kvh * chunks), 256, 0, stream>>>(V, stats,
                                                                                  s.kv_len);
                 if ((err = cudaGetLastError()) != cudaSuccess) return err;
             }
-            transpose_v<D><<<unsigned(groups), D, 0, stream>>>(V, Vt, stats, mu, s.kv_len, len32);
+            transpose_v<D><<<unsigned(groups), 256, 0, stream>>>(V, Vt, stats, mu, s.kv_len, len32);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             // V^T as a tensor of batch x kv_heads heads, D rows of len32 "columns" (keys).
             Rows vt;
