@@ -19,6 +19,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstddef>
 #include <stdexcept>  // the exception types every call throws
 #include <string>
@@ -230,7 +231,8 @@ void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
 // e4m3 for P~ V; O = descale_v P~ V / l in bf16 or fp16 (the overload), L = m + log l in fp32.
 // head_dim 64, 128 or 256, causal or not (no options), compute capability 9.0 (else
 // std::runtime_error); bad arguments std::invalid_argument naming them, nothing launched. Extra
-// memory, from the library's pool: V^T, batch * kv_heads * head_dim * round_up(kv_len, 32) bytes.
+// memory, from the library's pool: V^T, batch * kv_heads * head_dim * round_up(kv_len, 32) bytes
+// (at head_dim 256, 20 bytes more a column of each (batch, kv head): flash_fp8_centred_v).
 struct Fp8Descales {
     const float* q = nullptr;  // [batch][heads], or none: 1
     const float* k = nullptr;  // [batch][kv_heads], or none
@@ -249,6 +251,18 @@ void flash_forward_fp8_hopper(const __nv_fp8_e4m3* Q, const __nv_fp8_e4m3* K,
 // the keys alike).
 __host__ __device__ constexpr int flash_fp8_bc(int head_dim) {
     return head_dim > 0 ? 128 : 0;  // (192 at d = 128 was 2% faster, before the two-level sums)
+}
+// Whether the fp8 forward centres V's columns first (head dim 256, where the registers hold no
+// second level for the sums over keys, flash_hopper_fp8.cu's Fp8Sums): V' = e4m3(V - mu), each
+// (batch, kv head, column) its own mu, and O = mu + P~ V' / l (NOTES.md section 24).
+__host__ __device__ constexpr bool flash_fp8_centred_v(int head_dim) { return head_dim > 128; }
+// A column's mu: the mean of its n values, clamped so that every |v - mu| <= 448 (e4m3's largest:
+// V' never saturates). sum512 is the column's sum in units of 2^-9, which every e4m3 value is a
+// whole number of (an exact sum, in any order); lo and hi its least and greatest value. The same
+// arithmetic on the CPU and the GPU (IEEE division and rounding): the tests' reference repeats it.
+__host__ __device__ inline float flash_fp8_centre(long long sum512, int n, float lo, float hi) {
+    const float mean = float(double(sum512) / (512.0 * n));
+    return fminf(fmaxf(mean, hi - 448.f), lo + 448.f);
 }
 // Where key j of a group of 32 sits in V^T's row (flash_hopper_fp8.cu's transpose): the fp8 P~
 // that a thread's accumulators hold, read as wgmma's A fragment, takes its keys in this order.

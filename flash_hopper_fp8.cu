@@ -1,7 +1,7 @@
 // flash_hopper_fp8.cu: chapter 3, part 3, the forward in fp8 (e4m3) on Hopper (NOTES.md section
 // 24). Chapter 3's forward (flash_hopper.cu: the producer, the consumers, the ring of K/V tiles,
 // the persistent grid) with both products on fp8 wgmma, m64nNk32: twice the elements a cycle of
-// fp16's. Three things change, each in one place:
+// fp16's. Four things change, each in one place:
 //  1. V^T. fp8 wgmma reads its shared-memory operands K-major only, so O_i += P~ V_j needs V_j
 //     with the keys along the row: a small kernel (transpose_v) writes V^T into scratch first.
 //  2. P~ in e4m3, in registers. A thread's S_ij accumulators hold keys 2t, 2t + 1, 2t + 8, 2t + 9
@@ -12,7 +12,11 @@
 //     and K scale the scores (folded into scale_log2), that of V the output. P~ <= 1 is rounded
 //     as 256 P~ (<= 256, under e4m3's 448), so that probabilities down to 2^-14 stay normal
 //     numbers; l sums the same 256 P~, so O = P~ V / l needs no correction, and L subtracts 8.
-// Not here: FlashAttention-3's in-kernel transpose of V, its ping-pong, chapter 5's options.
+//  4. Sums over keys. fp8 wgmma's accumulators keep about 14 bits, so P~ V and l go through
+//     Fp8Sums: a tile in the accumulators, the tiles in fp32 (at d = 256 only l; V's columns are
+//     centred there, centre_v, so that the sum P~ (v - mu) does not grow with the row).
+// The ping-pong of FlashAttention-3 is here at d = 256 only (fp8_pingpong); not here: its
+// in-kernel transpose of V, chapter 5's options.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c flash_hopper_fp8.cu (the
 // Makefile does it, as for flash_hopper.cu).
@@ -65,37 +69,37 @@ __host__ __device__ constexpr bool fp8_pingpong(int d) { return FP8_PINGPONG && 
 // accumulators keeping about 14 bits below the larger term's leading bit, so a sum carried in them
 // from the first tile to the last loses more as rows grow (O off by 13%, L by 0.49 at 32k keys).
 // Two levels (DeepSeek-V3's promotion): each tile's sums go to accumulators that the tile's first
-// k-step overwrites (`acc`), and after the wait into fp32 registers (`O`, `l`). That costs D / 2
-// registers a thread: d <= 128 has them (with 128 keys a tile), d = 256 does not and keeps one.
+// k-step overwrites (`acc`), and after the wait into fp32 registers (`O`, `l`). For O that costs
+// D / 2 registers a thread: d <= 128 has them (with 128 keys a tile). d = 256 does not: there l
+// has two levels, O's numerator one, and V's columns are centred first (flash_fp8_centred_v): a
+// sum of P~ (v - mu) does not grow with the row as one of P~ v does when a column has a mean.
 __host__ __device__ constexpr bool fp8_two_level(int d) { return d <= 128; }
 template <int D>
 struct Fp8Sums {
-    static constexpr bool TwoLevel = fp8_two_level(D);
+    static constexpr bool TwoLevel = fp8_two_level(D);  // O's numerator; l's: FP8_TENSOR_SUM
     float acc[D / 2 + 4 * FP8_TENSOR_SUM] = {};  // the wgmmas': P~ V, then l's 4 (FP8_TENSOR_SUM)
     float O[TwoLevel ? D / 2 : 1] = {};          // fp32 P~ V (TwoLevel)
-    float l[2] = {0.f, 0.f};                     // fp32 l (TwoLevel or not FP8_TENSOR_SUM)
-    float alpha_prev[2] = {0.f, 0.f};            // TwoLevel: O and l lag one tile in scale
+    float l[2] = {0.f, 0.f};                     // fp32 l
+    float alpha_prev[2] = {0.f, 0.f};            // the fp32 sums lag one tile in scale
     __device__ __forceinline__ float* l_acc() { return acc + D / 2; }
-    // After the wait on tile j - 1's products (scale m_{j-1}), before tile j's. TwoLevel: O and l
-    // hold tiles < j - 1 at scale m_{j-2}; one FMA takes them to m_{j-1} and adds tile j - 1's
-    // (not on a row block's first tile: acc then holds nothing of its own). One level: every sum
-    // to scale m_j. l without FP8_TENSOR_SUM is the kernel's, rescaled before the wait.
+    // After the wait on tile j - 1's products (scale m_{j-1}), before tile j's. The fp32 sums
+    // (O if TwoLevel, l if FP8_TENSOR_SUM) hold tiles < j - 1 at scale m_{j-2}; one FMA takes them
+    // to m_{j-1} and adds tile j - 1's (not on a row block's first tile: acc then holds nothing of
+    // its own). O in one level: to scale m_j. l without FP8_TENSOR_SUM is the kernel's, rescaled
+    // before the wait.
     __device__ __forceinline__ void rescale(const float (&alpha)[2], bool first) {
-        if constexpr (TwoLevel) {
-            if (!first) promote();
-            alpha_prev[0] = alpha[0], alpha_prev[1] = alpha[1];
-        } else {
+        if constexpr (!TwoLevel)
 #pragma unroll
-            for (int n = 0; n < D / 2 + 4 * FP8_TENSOR_SUM; n++) acc[n] *= alpha[n % 4 / 2];
-        }
+            for (int n = 0; n < D / 2; n++) acc[n] *= alpha[n % 4 / 2];
+        if (!first) promote();
+        alpha_prev[0] = alpha[0], alpha_prev[1] = alpha[1];
     }
-    // After the last tile's wait: its sums added in, all at the last tile's scale (TwoLevel).
-    __device__ __forceinline__ void finish() {
-        if constexpr (TwoLevel) promote();
-    }
+    // After the last tile's wait: its sums added in, all at the last tile's scale.
+    __device__ __forceinline__ void finish() { promote(); }
     __device__ __forceinline__ void promote() {
+        if constexpr (TwoLevel)
 #pragma unroll
-        for (int n = 0; n < D / 2; n++) O[n] = fmaf(O[n], alpha_prev[n % 4 / 2], acc[n]);
+            for (int n = 0; n < D / 2; n++) O[n] = fmaf(O[n], alpha_prev[n % 4 / 2], acc[n]);
         if (FP8_TENSOR_SUM)
             for (int r = 0; r < 2; r++) l[r] = fmaf(l[r], alpha_prev[r], l_acc()[2 * r]);
     }
@@ -103,16 +107,36 @@ struct Fp8Sums {
         if constexpr (TwoLevel) return O;
         else return acc;
     }
-    // Row r's l: column 0 of the ones' product (thread t = 0 of the quad; t > 0 hold columns 2t,
-    // exact zeros), or the fp32 sums, over the quad.
-    __device__ __forceinline__ float row_sum(int r) {
-        return quad_reduce(FP8_TENSOR_SUM && !TwoLevel ? l_acc()[2 * r] : l[r], add);
+    // O in place, both rows, for store_row: descale_v P~ V / l, or with V centred (mu: the head's
+    // column means, flash_fp8_centred_v) descale_v (mu + P~ V' / l); 0 where l = 0 (no key seen).
+    __device__ __forceinline__ void output(const float (&l_row)[2], float dv, const float* mu,
+                                           int t) {
+        float inv[2], shift[2];
+        for (int r = 0; r < 2; r++) {
+            inv[r] = l_row[r] > 0.f ? dv / l_row[r] : 0.f;
+            shift[r] = flash_fp8_centred_v(D) && l_row[r] > 0.f ? dv : 0.f;
+        }
+#pragma unroll
+        for (int q = 0; q < D / 8; q++) {  // columns 8q + 2t and 8q + 2t + 1 (acc_col)
+            const float2 m = flash_fp8_centred_v(D)
+                                 ? __ldg(reinterpret_cast<const float2*>(mu + 8 * q + 2 * t))
+                                 : float2{0.f, 0.f};
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                float& o0 = acc_at(numerator(), r, 2 * q);
+                float& o1 = acc_at(numerator(), r, 2 * q + 1);
+                o0 = fmaf(o0, inv[r], shift[r] * m.x), o1 = fmaf(o1, inv[r], shift[r] * m.y);
+            }
+        }
     }
+    // Row r's l, over the quad (with FP8_TENSOR_SUM, thread t = 0's column 0 of the ones' product;
+    // t > 0 added columns 2t, exact zeros).
+    __device__ __forceinline__ float row_sum(int r) { return quad_reduce(l[r], add); }
 };
-// One k-step of a sum over keys, d += A B; a tile's first overwrites d with two levels.
-template <int N, int D>
+// One k-step of a sum over keys, d += A B; with Overwrite, a tile's first sets d = A B.
+template <int N, bool Overwrite>
 __device__ __forceinline__ void fp8_sum_step(float* d, const uint32_t* a, uint64_t b, int k) {
-    if (fp8_two_level(D) && k == 0) wgmma_fp8_rs<N, false>(d, a, b);
+    if (Overwrite && k == 0) wgmma_fp8_rs<N, false>(d, a, b);
     else wgmma_fp8_rs<N>(d, a, b);
 }
 
@@ -129,28 +153,131 @@ struct Fp8Shared {
     int work[2];
 };
 
-// V^T: V [batch * kv_heads][kv_len][D] to [batch * kv_heads][D][len32] (len32: kv_len rounded up
-// to 32), key j of each group of 32 at slot flash_fp8_v_slot(j), zeros past kv_len. A block a
-// (head, 32 keys), blocks in x (a grid's y stops at 65535): their rows read whole (D bytes each),
-// then each thread writes one row of V^T's 32 bytes.
+// What centre_v gathers of each column of V for transpose_v (flash_fp8_centred_v), zeroed first:
+// the sum in units of 2^-9, exact, and the least and greatest value as order-keeping unsigneds
+// (fp8_order: atomicMax on them is max on the floats; 0, below every float, is "none yet").
+struct Fp8ColumnStats {
+    unsigned long long sum512;
+    unsigned neg_lo, hi;  // fp8_order(-least), fp8_order(greatest)
+};
+__device__ __forceinline__ unsigned fp8_order(float f) {
+    const unsigned b = __float_as_uint(f);
+    return b & 0x80000000u ? ~b : b | 0x80000000u;
+}
+__device__ __forceinline__ float fp8_unorder(unsigned u) {
+    return __uint_as_float(u & 0x80000000u ? u & 0x7fffffffu : ~u);
+}
+constexpr int kCentreKeys = 1024;  // keys a block of centre_v (a whole grid: V read at full speed)
+// A block a (batch * kv_heads head, kCentreKeys keys), 8 warps: each thread 16 columns (one 16-byte
+// load) of every Lanes-th key, four loads in flight, sums in int (at most 1024 * 448 * 512 <
+// 2^31); the lanes of a warp combined with shuffles, the warps in shared memory by one thread a
+// column, which adds the block's into stats with atomics: on integers, the same in any order.
 template <int D>
-__global__ void __launch_bounds__(D) transpose_v(const fp8* __restrict__ V, fp8* __restrict__ Vt,
-                                                 int kv_len, int len32) {
-    __shared__ uint8_t rows[32][D];
-    const int head = blockIdx.x / (len32 / 32), key0 = blockIdx.x % (len32 / 32) * 32;
-    const uint8_t* from = reinterpret_cast<const uint8_t*>(V) + (size_t(head) * kv_len) * D;
-    for (int x = threadIdx.x; x < 32 * D; x += D) {  // (coalesced: consecutive bytes of a row)
-        const int j = x / D, c = x % D;
-        rows[j][c] = key0 + j < kv_len ? from[size_t(key0 + j) * D + c] : 0;
+__global__ void __launch_bounds__(256) centre_v(const fp8* __restrict__ V,
+                                                Fp8ColumnStats* __restrict__ stats, int kv_len) {
+    constexpr int Per = D / 16, Lanes = 256 / Per;  // threads a key; keys a step
+    static_assert(Per <= 32 && D <= 256, "a warp's first Per threads hold every column");
+    __shared__ int sums[8][D];
+    __shared__ float los[8][D], his[8][D];
+    const int chunks = (kv_len + kCentreKeys - 1) / kCentreKeys, head = blockIdx.x / chunks;
+    const int key0 = blockIdx.x % chunks * kCentreKeys, keys = min(kv_len - key0, kCentreKeys);
+    const int c0 = threadIdx.x % Per * 16, lane = threadIdx.x / Per;
+    const fp8* from = V + (size_t(head) * kv_len + key0) * D + c0;
+    int sum[16] = {};
+    float lo[16], hi[16];
+    for (int e = 0; e < 16; e++) lo[e] = INFINITY, hi[e] = -INFINITY;
+#pragma unroll 4
+    for (int j = lane; j < keys; j += Lanes) {
+        const uint4 sixteen = *reinterpret_cast<const uint4*>(from + size_t(j) * D);
+        const uint32_t words[4] = {sixteen.x, sixteen.y, sixteen.z, sixteen.w};
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            __nv_fp8x4_e4m3 four;
+            four.__x = words[w];
+            const float4 f = float4(four);
+            const float v[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = 4 * w + e;
+                sum[c] += int(v[e] * 512.f), lo[c] = fminf(lo[c], v[e]), hi[c] = fmaxf(hi[c], v[e]);
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < 16; c++) {
+        for (int off = Per; off < 32; off *= 2) {  // the warp's other keys, same columns
+            sum[c] += __shfl_xor_sync(~0u, sum[c], off);
+            lo[c] = fminf(lo[c], __shfl_xor_sync(~0u, lo[c], off));
+            hi[c] = fmaxf(hi[c], __shfl_xor_sync(~0u, hi[c], off));
+        }
+        if (threadIdx.x % 32 < Per) {
+            const int warp = threadIdx.x / 32;
+            sums[warp][c0 + c] = sum[c], los[warp][c0 + c] = lo[c], his[warp][c0 + c] = hi[c];
+        }
     }
     __syncthreads();
-    uint8_t out[32];
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+        long long total = 0;
+        float least = INFINITY, greatest = -INFINITY;
+        for (int w = 0; w < 8; w++) {
+            total += sums[w][c];
+            least = fminf(least, los[w][c]), greatest = fmaxf(greatest, his[w][c]);
+        }
+        Fp8ColumnStats& to = stats[size_t(head) * D + c];
+        atomicAdd(&to.sum512, static_cast<unsigned long long>(total));  // (two's complement)
+        atomicMax(&to.neg_lo, fp8_order(-least)), atomicMax(&to.hi, fp8_order(greatest));
+    }
+}
+
+// V^T: V [batch * kv_heads][kv_len][D] to [batch * kv_heads][D][len32] (len32: kv_len rounded up
+// to 32), key j of each group of 32 at slot flash_fp8_v_slot(j), zeros past kv_len; with stats
+// (not null: V centred), each column's keys as e4m3(v - mu), rounded to nearest even, mu from
+// centre_v's stats (flash_fp8_centre), and written to mu by the blocks of key 0 for the output. A
+// block a (head, kTransposeKeys keys), 256 threads, blocks in x (a grid's y stops at 65535): the
+// rows come in whole, 16 bytes a load, to shared memory; then thread (c, g) writes column c's keys
+// 16 g .. 16 g + 15 as 16 bytes, eight threads a whole 128-byte line of V^T's row. Rows are stored
+// with their 16-byte chunks swizzled (chunk ^ row / 16): the 8 g of a warp read 8 banks at once.
+constexpr int kTransposeKeys = 128;
+template <int D>
+__device__ __forceinline__ int transpose_at(int row, int col) {
+    return row * D + (col ^ row / 16 % (D / 16 < 8 ? D / 16 : 8) * 16);
+}
+template <int D>
+__global__ void __launch_bounds__(256) transpose_v(const fp8* __restrict__ V, fp8* __restrict__ Vt,
+                                                   const Fp8ColumnStats* __restrict__ stats,
+                                                   float* __restrict__ mu, int kv_len, int len32) {
+    __shared__ alignas(16) uint8_t rows[kTransposeKeys * D];
+    const int blocks = (len32 + kTransposeKeys - 1) / kTransposeKeys;
+    const int head = blockIdx.x / blocks, key0 = blockIdx.x % blocks * kTransposeKeys;
+    const uint8_t* from = reinterpret_cast<const uint8_t*>(V) + (size_t(head) * kv_len + key0) * D;
+    for (int x = threadIdx.x; x < kTransposeKeys * D / 16; x += 256) {  // (coalesced)
+        const int r = x * 16 / D, c = x * 16 % D;
+        const uint4 zero = {0, 0, 0, 0};
+        *reinterpret_cast<uint4*>(rows + transpose_at<D>(r, c)) =
+            key0 + r < kv_len ? *reinterpret_cast<const uint4*>(from + size_t(r) * D + c) : zero;
+    }
+    __syncthreads();
+    const int g = threadIdx.x % 8;
+    if (key0 + 16 * g >= len32) return;
+#pragma unroll 2
+    for (int c = threadIdx.x / 8; c < D; c += 32) {
+        float m = 0.f;
+        if (stats) {
+            const Fp8ColumnStats st = stats[size_t(head) * D + c];
+            m = flash_fp8_centre(static_cast<long long>(st.sum512), kv_len,
+                                 -fp8_unorder(st.neg_lo), fp8_unorder(st.hi));
+            if (key0 == 0 && g == 0) mu[size_t(head) * D + c] = m;
+        }
+        alignas(16) fp8 out[16];
 #pragma unroll
-    for (int j = 0; j < 32; j++) out[flash_fp8_v_slot(j)] = rows[j][threadIdx.x];
-    uint4* to = reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(Vt) +
-                                         (size_t(head) * D + threadIdx.x) * len32 + key0);
-    to[0] = *reinterpret_cast<const uint4*>(out);
-    to[1] = *reinterpret_cast<const uint4*>(out + 16);
+        for (int j = 0; j < 16; j++) {  // flash_fp8_v_slot keeps each 16 keys within their 16
+            fp8 v;
+            v.__x = rows[transpose_at<D>(16 * g + j, c)];
+            out[flash_fp8_v_slot(j)] = stats && key0 + 16 * g + j < kv_len ? fp8(float(v) - m) : v;
+        }
+        *reinterpret_cast<uint4*>(Vt + (size_t(head) * D + c) * len32 + key0 + 16 * g) =
+            *reinterpret_cast<const uint4*>(out);
+    }
 }
 
 // Four floats as four e4m3 bytes of a register, the first in the low byte (cvt.rn.satfinite:
@@ -172,8 +299,9 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                          const __grid_constant__ CUtensorMap K,
                          const __grid_constant__ CUtensorMap Vt, TO* __restrict__ O,
                          float* __restrict__ L, const __grid_constant__ Layout lay,
-                         const Rows vt, const Policy policy, const Fp8Descales descale, int Tr,
-                         int tiles, int head_group, int group, float scale_log2, int* next) {
+                         const Rows vt, const Policy policy, const Fp8Descales descale,
+                         const float* __restrict__ mu, int Tr, int tiles, int head_group,
+                         int group, float scale_log2, int* next) {
     constexpr int Br = kFp8Br, Bc = flash_fp8_bc(D), Cols = fp8_cols(D), Stages = fp8_stages(D);
     constexpr int VtBlocks = fp8_vt_blocks(D);
     using Turn = Turns<fp8_pingpong(D)>;
@@ -267,10 +395,11 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
                 const char* Vt_j = reinterpret_cast<const char*>(sh.KV[stage].Vt_j[k / 4]);
 #pragma unroll
                 for (int half = 0; half < D / N; half++)
-                    fp8_sum_step<N, D>(O_i.acc + half * N / 2, P[k],
-                                       smem_desc(Vt_j + half * N * kRowBytes + k % 4 * 32, 0), k);
+                    fp8_sum_step<N, fp8_two_level(D)>(
+                        O_i.acc + half * N / 2, P[k],
+                        smem_desc(Vt_j + half * N * kRowBytes + k % 4 * 32, 0), k);
                 if (FP8_TENSOR_SUM)
-                    fp8_sum_step<8, D>(O_i.l_acc(), P[k], smem_desc(sh.ones + k % 4 * 32, 0), k);
+                    fp8_sum_step<8, true>(O_i.l_acc(), P[k], smem_desc(sh.ones + k % 4 * 32, 0), k);
             }
             wgmma_commit();
         };
@@ -349,17 +478,18 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
             if (threadIdx.x % 32 == 0) mbar_arrive(&empty[kv.previous().stage()]);
             O_i.finish();
         }
+        const float l_row[2] = {O_i.row_sum(0), O_i.row_sum(1)};
+        O_i.output(l_row, dv, mu ? mu + size_t(bh / group) * D : nullptr, t);  // (mu: V centred)
 #pragma unroll
         for (int r = 0; r < 2; r++) {  // O = descale_v P~ V / l; L = m + log(l / 256)
             const int row = query + 8 * r;
-            const float l_row = O_i.row_sum(r);
-            const float inv = l_row > 0.f ? dv / l_row : 0.f;
             const bool in = row < policy.q_len;
-            store_row<TO, D>(O + (size_t(bh) * policy.q_len + row) * D, O_i.numerator(), r, inv, t,
+            store_row<TO, D>(O + (size_t(bh) * policy.q_len + row) * D, O_i.numerator(), r, 1.f, t,
                              in);
             if (!in) continue;
             const float L_row =
-                l_row > 0.f ? (m[r] * scale + log2f(l_row) - kPOffsetLog2) * kLn2 : -INFINITY;
+                l_row[r] > 0.f ? (m[r] * scale + log2f(l_row[r]) - kPOffsetLog2) * kLn2
+                               : -INFINITY;
             if (t == 0) L[size_t(bh) * policy.q_len + row] = L_row;
         }
     }
@@ -396,23 +526,40 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
                                  "wgmma, sm_90a: H100, H200); " + prop.name + " is " +
                                  std::to_string(prop.major) + "." + std::to_string(prop.minor));
     const int kvh = flash_kv_heads(s), len32 = (s.kv_len + 31) / 32 * 32;
-    const size_t vt_bytes = size_t(s.batch) * kvh * s.head_dim * len32;
-    const long long groups = (long long)s.batch * kvh * (len32 / 32);  // the transpose's blocks
+    const size_t vt_bytes = size_t(s.batch) * kvh * s.head_dim * len32;  // (a multiple of 32)
+    const size_t columns =  // V centred: a mu and an Fp8ColumnStats a column of each head
+        flash_fp8_centred_v(s.head_dim) ? size_t(s.batch) * kvh * s.head_dim : 0;
+    const long long groups =  // the transpose's blocks
+        (long long)s.batch * kvh * ((len32 + kTransposeKeys - 1) / kTransposeKeys);
     if (groups > INT_MAX)
-        throw std::invalid_argument(std::string(fn) + ": batch * kv_heads * kv_len / 32 is "
-                                    "invalid past 2^31 - 1 (the transpose's grid)");
+        throw std::invalid_argument(std::string(fn) + ": batch * kv_heads * kv_len / " +
+                                    std::to_string(kTransposeKeys) + " is invalid past 2^31 - 1 "
+                                    "(the transpose's grid)");
     const Layout lay = contiguous_layout(s);
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
         constexpr size_t bytes = fp8_shared_bytes<D>();
         const int tiles = grid_blocks(s, s.q_len, kFp8Br, "q_len");
         const int blocks = std::min(tiles, prop.multiProcessorCount);
-        with_scratch(vt_bytes + 16, stream, [&](void* scratch) {
-            fp8* Vt = static_cast<fp8*>(scratch);
-            int* next = reinterpret_cast<int*>(static_cast<char*>(scratch) + vt_bytes);
-            cudaError_t err = cudaMemsetAsync(next, 0, sizeof(int), stream);
+        // Scratch: V^T, then (V centred) mu and the column stats, then the tile counter; the
+        // stats and the counter zeroed.
+        const size_t stats_at = vt_bytes + columns * sizeof(float);  // (a multiple of 32)
+        const size_t next_at = stats_at + columns * sizeof(Fp8ColumnStats);
+        with_scratch(next_at + 16, stream, [&](void* scratch) {
+            char* base = static_cast<char*>(scratch);
+            fp8* Vt = reinterpret_cast<fp8*>(base);
+            float* mu = columns ? reinterpret_cast<float*>(base + vt_bytes) : nullptr;
+            auto* stats = columns ? reinterpret_cast<Fp8ColumnStats*>(base + stats_at) : nullptr;
+            int* next = reinterpret_cast<int*>(base + next_at);
+            cudaError_t err = cudaMemsetAsync(base + stats_at, 0, next_at + 4 - stats_at, stream);
             if (err != cudaSuccess) return err;
-            transpose_v<D><<<unsigned(groups), D, 0, stream>>>(V, Vt, s.kv_len, len32);
+            if constexpr (flash_fp8_centred_v(D)) {
+                const int chunks = (s.kv_len + kCentreKeys - 1) / kCentreKeys;  // (<= groups)
+                centre_v<D><<<unsigned(s.batch * kvh * chunks), 256, 0, stream>>>(V, stats,
+                                                                                 s.kv_len);
+                if ((err = cudaGetLastError()) != cudaSuccess) return err;
+            }
+            transpose_v<D><<<unsigned(groups), 256, 0, stream>>>(V, Vt, stats, mu, s.kv_len, len32);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
             // V^T as a tensor of batch x kv_heads heads, D rows of len32 "columns" (keys).
             Rows vt;
@@ -425,8 +572,8 @@ static void forward_fp8(const char* fn, const fp8* Q, const fp8* K, const fp8* V
                 const auto kernel = flash_forward_fp8_kernel<D, TO, decltype(policy)>;
                 allow_shared(kernel, bytes);
                 kernel<<<blocks, kWarpgroup * (kFp8Consumers + 1), bytes, stream>>>(
-                    Qm, Km, Vm, O, L, lay, vt, policy, descale, (s.q_len + kFp8Br - 1) / kFp8Br,
-                    tiles,
+                    Qm, Km, Vm, O, L, lay, vt, policy, descale, mu,
+                    (s.q_len + kFp8Br - 1) / kFp8Br, tiles,
                     16, flash_kv_group(s), options_scale_log2(s, AttentionOptions{}), next);
                 return cudaGetLastError();
             };

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 if [ "${AB_KIND:-fp16}" = fp8 ]; then
     call=flash_forward_fp8_hopper driver=${AB_DRIVER:-lab/fp8-ab.cu}
     names=(flash_forward_fp8_hopper flash_forward_fp8_kernel transpose_v flash_fp8_bc
-           fp8_vt_blocks)  # (each variant's own: they differ with its tile)
+           fp8_vt_blocks centre_v)  # (each variant's own: they differ with its tile)
 else
     call=flash_forward_fp16_hopper driver=${AB_DRIVER:-lab/hopper-ab.cu}
     names=(flash_forward_fp16_hopper flash_forward_bf16_hopper flash_forward_hopper_launch

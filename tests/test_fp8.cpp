@@ -67,6 +67,8 @@ struct Fp8Want {
 //    sums the same rounded P~, on the tensor cores): |O| step / l. Elsewhere the same bits.
 //  - l and the P~ V sums: relative w + 2^-12; O rounded to bf16 / fp16: 2^-9.
 //  - L = m + log l: |dm scale| + w, in log2 units, and l's steps.
+//  - V centred (flash_fp8_centred_v): the kernel's V' = e4m3(v - mu) and mu as the kernel makes
+//    them (flash_fp8_centre), and O = descale_v (mu + P~ V' / l); l's steps move the second part.
 // With row_step > 1, only rows i % row_step == 0 (of each head); the others want NaN (unchecked).
 Fp8Want fp8_reference(const Fp8Problem& p, int row_step = 1) {
     const AttentionShape& s = p.s;
@@ -78,7 +80,22 @@ Fp8Want fp8_reference(const Fp8Problem& p, int row_step = 1) {
         for (size_t e = 0; e < x.size(); e++) f[e] = float(x[e]);
         return f;
     };
-    const std::vector<float> Qf = widen(p.Q), Kf = widen(p.K), Vf = widen(p.V);
+    const std::vector<float> Qf = widen(p.Q), Kf = widen(p.K), Vx = widen(p.V);
+    std::vector<float> Vf = Vx, mu(size_t(s.batch) * flash_kv_heads(s) * d, 0.f);
+    if (flash_fp8_centred_v(d))
+        for (size_t h = 0; h < size_t(s.batch) * flash_kv_heads(s); h++)
+            for (int x = 0; x < d; x++) {
+                float* col = &Vf[h * s.kv_len * d + x];
+                long long sum512 = 0;
+                float lo = INFINITY, hi = -INFINITY;
+                for (int j = 0; j < s.kv_len; j++) {
+                    const float v = col[size_t(j) * d];
+                    sum512 += (long long)(v * 512.f), lo = std::min(lo, v), hi = std::max(hi, v);
+                }
+                mu[h * d + x] = flash_fp8_centre(sum512, s.kv_len, lo, hi);
+                for (int j = 0; j < s.kv_len; j++)
+                    col[size_t(j) * d] = float(fp8(col[size_t(j) * d] - mu[h * d + x]));
+            }
     Fp8Want w;
     w.O.assign(q_elems(s), 0), w.O_tol.assign(q_elems(s), 0), w.O_exact.assign(q_elems(s), 0);
     w.L.assign(l_elems(s), 0), w.L_tol.assign(l_elems(s), 0);
@@ -87,7 +104,9 @@ Fp8Want fp8_reference(const Fp8Problem& p, int row_step = 1) {
         const double sc = scale * p.dq[bh] * p.dk[kv], dv = p.dv[kv];
         const float* Q = &Qf[size_t(bh) * s.q_len * d];
         const float* K = &Kf[size_t(kv) * s.kv_len * d];
-        const float* V = &Vf[size_t(kv) * s.kv_len * d];
+        const float* V = &Vf[size_t(kv) * s.kv_len * d];   // (centred or not)
+        const float* Vo = &Vx[size_t(kv) * s.kv_len * d];  // as given
+        const float* mu_h = &mu[size_t(kv) * d];
         for (int i = 0; i < s.q_len; i++) {
             const size_t row = size_t(bh) * s.q_len + i;
             if (i % row_step != 0) {
@@ -135,11 +154,13 @@ Fp8Want fp8_reference(const Fp8Problem& p, int row_step = 1) {
                 }
             }
             for (int x = 0; x < d; x++) {
-                const double O = l > 0 ? dv * o[x] / l : 0;
+                const double divided = l > 0 ? dv * o[x] / l : 0;  // the part divided by l
+                const double O = l > 0 ? divided + dv * mu_h[x] : 0;
                 w.O[row * d + x] = O;
                 w.O_tol[row * d + x] =
                     l > 0 ? dv * (near[x] + (wrel + std::ldexp(1.0, -12)) * oabs[x]) / l +
-                                std::fabs(O) * near_l / l + std::ldexp(std::fabs(O), -9) + 1e-6
+                                std::fabs(divided) * near_l / l + std::ldexp(std::fabs(O), -9) +
+                                1e-6
                           : 0;
             }
             w.L[row] = l > 0 ? (m * sc + std::log2(l) - 8) * std::log(2.0) : -INFINITY;
@@ -150,7 +171,7 @@ Fp8Want fp8_reference(const Fp8Problem& p, int row_step = 1) {
             for (int j = 0; j <= last && j < s.kv_len; j++) {
                 const double pe = std::exp2((S[j] - m) * sc);
                 lx += pe;
-                for (int x = 0; x < d; x++) ox[x] += pe * V[size_t(j) * d + x];
+                for (int x = 0; x < d; x++) ox[x] += pe * Vo[size_t(j) * d + x];
             }
             for (int x = 0; x < d; x++) w.O_exact[row * d + x] = lx > 0 ? dv * ox[x] / lx : 0;
         }
@@ -251,22 +272,44 @@ TEST_CASE("The fp8 reference's own rounding: e4m3 steps, 448 and round to neares
     CHECK(e4m3(std::ldexp(1.0, -11)) == 0.0);      // below half the smallest subnormal
 }
 
+TEST_CASE("flash_fp8_centre is a column's mean, moved just enough that no v - mu passes 448",
+          "[cpu][fp8]") {
+    // (sums in units of 2^-9, as centre_v and the reference add them)
+    const auto centre = [](std::vector<float> col) {
+        long long sum512 = 0;
+        for (float v : col) sum512 += (long long)(v * 512.f);
+        const auto [lo, hi] = std::minmax_element(col.begin(), col.end());
+        return flash_fp8_centre(sum512, int(col.size()), *lo, *hi);
+    };
+    CHECK(centre({1.f, 2.f, 3.5f, 0.25f}) == 1.6875f);        // the mean, exactly
+    CHECK(centre({448.f, 448.f, 448.f, -448.f}) == 0.f);      // mean 224: 448 - mu would be 672
+    CHECK(centre({448.f, -16.f}) == 216.f);                   // within both bounds: the mean
+    CHECK(centre({-448.f, -448.f, 448.f}) == 0.f);            // mean -149.3: 448 - mu > 448
+    CHECK(centre({0.001953125f, 0.f, 0.f, 0.f}) == 0.00048828125f);  // 2^-9 / 4 (subnormal v)
+}
+
 TEST_CASE("The fp8 reference's P rounding stays within its bound of exact attention",
           "[cpu][fp8]") {
     // Each key's e4m3 P~ is within half a step (2^-4 relative, or 2^-10 absolute below 2^-6, of
     // 256 P~), and l sums the rounded P~, so O - O_exact = sum (P^ - P)(v - O_exact) / sum P^:
-    // |O - O_exact| <= dv (2^-4 sum P + n 2^-10 / 256) 2 max|v| / ((1 - 2^-4) sum P).
-    AttentionShape s{1, 2, 70, 300, 64, true};
-    const Fp8Problem p = fp8_problem(s, 24);
+    // |O - O_exact| <= dv (2^-4 sum P + n 2^-10 / 256) 2 max|v| / ((1 - 2^-4) sum P). V centred
+    // (d = 256) adds its own rounding, a weighted mean of e4m3(v - mu) - (v - mu): at most
+    // dv (2^-4 max|v - mu| + 2^-10), and |v - mu| <= 2 max|v| (mu lies between v's extremes).
+    const int d = GENERATE(64, 256);
+    AttentionShape s{1, 2, 70, 300, d, true};
+    CAPTURE(d);
+    const Fp8Problem p = fp8_problem(s, 24, d == 256 ? 1.f : 0.f);
     const Fp8Want w = fp8_reference(p);
     double max_v = 0;
     for (const fp8& v : p.V) max_v = std::max(max_v, std::fabs(double(float(v))));
     const double dv = *std::max_element(p.dv.begin(), p.dv.end());
+    const double centring = flash_fp8_centred_v(d) ? max_v / 8 + std::ldexp(1.0, -10) : 0;
     double worst = 0;
     for (size_t e = 0; e < w.O.size(); e++)
         worst = std::max(worst, std::fabs(w.O[e] - w.O_exact[e]) /
-                                    (dv * max_v * (1.0 / 8 + s.kv_len * std::ldexp(1.0, -17)) /
-                                     (1 - 1.0 / 16)));
+                                    (dv * (max_v * (1.0 / 8 + s.kv_len * std::ldexp(1.0, -17)) /
+                                               (1 - 1.0 / 16) +
+                                           centring)));
     CAPTURE(worst);
     CHECK(worst <= 1.0);
     CHECK(worst > 0.0);  // (it rounds at all)
@@ -323,13 +366,13 @@ TEST_CASE("The fp8 forward on every SM: 32 heads of 4096 causal keys at d = 128 
 }
 
 TEST_CASE("The fp8 forward's long rows: sums over 16k keys stay within its model when V has a "
-          "mean, at d = 64 and 128 (two levels; d = 256 keeps one and drifts)", "[gpu][hopper][fp8]") {
+          "mean, at d = 64, 128 and 256 (two levels, or V centred)", "[gpu][hopper][fp8]") {
     // V's mean makes every P~ v of a column add the same way: a sum that drops low bits as it
     // grows (an fp8 wgmma's accumulator, carried from the first tile to the last) then drifts
     // from the model by several times its tolerance (0.08 of O at 16k keys, 0.28 of L); summed a
-    // tile at a time and in fp32 across tiles (Fp8Sums), it stays within it.
+    // tile at a time and in fp32 across tiles (Fp8Sums), or of centred columns, it stays within.
     if (!hopper_or_warn()) return;
-    const int d = GENERATE(64, 128);
+    const int d = GENERATE(64, 128, 256);
     AttentionShape s{1, 2, 64, 16384, d, false};
     CAPTURE(describe(s));
     const Fp8Problem p = fp8_problem(s, 2403, 1.f);
@@ -342,7 +385,8 @@ TEST_CASE("The fp8 forward's long rows: sums over 16k keys stay within its model
 
 TEST_CASE("The fp8 forward gives the same bits on every call", "[gpu][hopper][fp8]") {
     if (!hopper_or_warn()) return;
-    AttentionShape s{2, 4, 300, 1100, 128, true};
+    // (d = 256: V's column stats are summed with atomics, on integers: the same in any order)
+    AttentionShape s{2, 4, 300, 1100, GENERATE(128, 256), true};
     s.kv_heads = 2;
     const Fp8Problem p = fp8_problem(s, 2401);
     std::vector<float> L1, L2;
