@@ -158,6 +158,8 @@ struct ScoreMod {
 //   score(dot, i, j, du)               the changed score in units of the scale, and du (above)
 //   at(i, j).score(dot, k, du)         the same for the pair at distance i' - j + k, k a constant
 //                                      of the kernel's unrolled loop (below: what it saves)
+//   at(i, j).exponent(dot, k, du, c, o)  c score + o, c folded into the terms' factors (chapter
+//                                      3's backward: its exponent c u - L log2 e)
 //   from_left()                        the backward's order: keys bounded on the right (causal)
 //                                      start from the left
 //   in_units(c)                        the policy for scores that carry a factor c already (the
@@ -209,6 +211,10 @@ struct PlainPolicy {
         POLICY_FN float score(float dot, int, float& du) const {
             du = 1.f;
             return dot;
+        }
+        POLICY_FN float exponent(float dot, int, float& du, float c, float offset) const {
+            du = 1.f;
+            return fmaf(dot, c, offset);
         }
     };
     POLICY_FN Near at(int, int) const { return {}; }
@@ -284,6 +290,18 @@ struct ModelPolicy : WindowMask {
             du = 1.f;
             if (kSoftcap) return mod.capped(dot, du);
             return kAlibi ? mod.biased(dot, d0 + float(k)) : dot;  // (a slope of 0: the same bits)
+        }
+        // c u + offset (c: the exponent's scale log2 e), with c taken into each term's own factor
+        // (c cap_u, c slope_u: once a kernel), so that a softcap costs one product fewer a score
+        // than fmaf(score(), c, offset); equal to it up to the rounding of the factors.
+        POLICY_FN float exponent(float dot, int k, float& du, float c, float offset) const {
+            du = 1.f;
+            const float base =
+                kAlibi ? fmaf(-c * mod.slope_u, fabsf(d0 + float(k)), offset) : offset;
+            if (!kSoftcap) return fmaf(dot, c, base);
+            const float t = fast_tanh(dot * mod.inv_cap);
+            du = 1.f - t * t;                          // d/dx of c tanh(x / c), as capped()
+            return fmaf(t, c * mod.cap_u, base);
         }
     };
     POLICY_FN Near at(int i, int j) const { return {mod, float((i - q_len) + (kv_len - j))}; }
