@@ -132,11 +132,13 @@ struct ScoreMod {
         if (slope_u != 0) u = biased(u, d);
         return u;
     }
-    // Its two terms, for the kernels' policies, which know at compile time which a call has.
-    POLICY_FN float capped(float dot, float& du) const {
+    // Its two terms, for the kernels' policies, which know at compile time which a call has;
+    // the cap's in units of the cap too, t = tanh(x / c) (capped = cap_u t), with du either way.
+    POLICY_FN float capped(float dot, float& du) const { return cap_u * tanh_of(dot, du); }
+    POLICY_FN float tanh_of(float dot, float& du) const {
         const float t = fast_tanh(dot * inv_cap);
         du = 1.f - t * t;                               // d/dx of c tanh(x / c)
-        return cap_u * t;
+        return t;
     }
     POLICY_FN float biased(float u, float d) const { return u - slope_u * fabsf(d); }
 };
@@ -298,10 +300,7 @@ struct ModelPolicy : WindowMask {
             du = 1.f;
             const float base =
                 kAlibi ? fmaf(-c * mod.slope_u, fabsf(d0 + float(k)), offset) : offset;
-            if (!kSoftcap) return fmaf(dot, c, base);
-            const float t = fast_tanh(dot * mod.inv_cap);
-            du = 1.f - t * t;                          // d/dx of c tanh(x / c), as capped()
-            return fmaf(t, c * mod.cap_u, base);
+            return kSoftcap ? fmaf(mod.tanh_of(dot, du), c * mod.cap_u, base) : fmaf(dot, c, base);
         }
     };
     POLICY_FN Near at(int i, int j) const { return {mod, float((i - q_len) + (kv_len - j))}; }
