@@ -216,7 +216,7 @@ struct PlainPolicy {
         }
         POLICY_FN float exponent(float dot, int, float& du, float c, float offset) const {
             du = 1.f;
-            return fmaf(dot, c, offset);
+            return dot * c + offset;                   // (one fma)
         }
     };
     POLICY_FN Near at(int, int) const { return {}; }
@@ -293,14 +293,15 @@ struct ModelPolicy : WindowMask {
             if (kSoftcap) return mod.capped(dot, du);
             return kAlibi ? mod.biased(dot, d0 + float(k)) : dot;  // (a slope of 0: the same bits)
         }
-        // c u + offset (c: the exponent's scale log2 e), with c taken into each term's own factor
-        // (c cap_u, c slope_u: once a kernel), so that a softcap costs one product fewer a score
-        // than fmaf(score(), c, offset); equal to it up to the rounding of the factors.
+        // c u + offset (c: the exponent's scale log2 e). With a softcap, c goes into the cap's
+        // and the slope's own factors (c cap_u, c slope_u: once a kernel), a product fewer a
+        // score than fmaf(score(), c, offset), which it equals up to the factors' rounding.
         POLICY_FN float exponent(float dot, int k, float& du, float c, float offset) const {
+            if (!kSoftcap) return score(dot, k, du) * c + offset;  // (one fma after the score)
             du = 1.f;
             const float base =
                 kAlibi ? fmaf(-c * mod.slope_u, fabsf(d0 + float(k)), offset) : offset;
-            return kSoftcap ? fmaf(mod.tanh_of(dot, du), c * mod.cap_u, base) : fmaf(dot, c, base);
+            return fmaf(mod.tanh_of(dot, du), c * mod.cap_u, base);
         }
     };
     POLICY_FN Near at(int i, int j) const { return {mod, float((i - q_len) + (kv_len - j))}; }
