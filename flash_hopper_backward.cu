@@ -352,8 +352,8 @@ __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du
         for (int c = 0; c < Br / 4; c++) {
             const int qi = 8 * (c / 2) + 2 * me.t + c % 2;
             float& p = acc_at(S, r, c);
-            p = exp2_ftz(near.score(p, 8 * (c / 2) + c % 2, acc_at(du, r, c)) * scale_log2 -
-                         L_i[qi] * kLog2e);
+            p = exp2_ftz(near.exponent(p, 8 * (c / 2) + c % 2, acc_at(du, r, c), scale_log2,
+                                       -L_i[qi] * kLog2e));
             if (edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last)) p = 0.f;
         }
     }

@@ -132,11 +132,13 @@ struct ScoreMod {
         if (slope_u != 0) u = biased(u, d);
         return u;
     }
-    // Its two terms, for the kernels' policies, which know at compile time which a call has.
-    POLICY_FN float capped(float dot, float& du) const {
+    // Its two terms, for the kernels' policies, which know at compile time which a call has;
+    // the cap's in units of the cap too, t = tanh(x / c) (capped = cap_u t), with du either way.
+    POLICY_FN float capped(float dot, float& du) const { return cap_u * tanh_of(dot, du); }
+    POLICY_FN float tanh_of(float dot, float& du) const {
         const float t = fast_tanh(dot * inv_cap);
         du = 1.f - t * t;                               // d/dx of c tanh(x / c)
-        return cap_u * t;
+        return t;
     }
     POLICY_FN float biased(float u, float d) const { return u - slope_u * fabsf(d); }
 };
@@ -158,6 +160,8 @@ struct ScoreMod {
 //   score(dot, i, j, du)               the changed score in units of the scale, and du (above)
 //   at(i, j).score(dot, k, du)         the same for the pair at distance i' - j + k, k a constant
 //                                      of the kernel's unrolled loop (below: what it saves)
+//   at(i, j).exponent(dot, k, du, c, o)  c score + o, c folded into the terms' factors (chapter
+//                                      3's backward: its exponent c u - L log2 e)
 //   from_left()                        the backward's order: keys bounded on the right (causal)
 //                                      start from the left
 //   in_units(c)                        the policy for scores that carry a factor c already (the
@@ -209,6 +213,10 @@ struct PlainPolicy {
         POLICY_FN float score(float dot, int, float& du) const {
             du = 1.f;
             return dot;
+        }
+        POLICY_FN float exponent(float dot, int, float& du, float c, float offset) const {
+            du = 1.f;
+            return dot * c + offset;                   // (one fma)
         }
     };
     POLICY_FN Near at(int, int) const { return {}; }
@@ -284,6 +292,16 @@ struct ModelPolicy : WindowMask {
             du = 1.f;
             if (kSoftcap) return mod.capped(dot, du);
             return kAlibi ? mod.biased(dot, d0 + float(k)) : dot;  // (a slope of 0: the same bits)
+        }
+        // c u + offset (c: the exponent's scale log2 e). With a softcap, c goes into the cap's
+        // and the slope's own factors (c cap_u, c slope_u: once a kernel), a product fewer a
+        // score than fmaf(score(), c, offset), which it equals up to the factors' rounding.
+        POLICY_FN float exponent(float dot, int k, float& du, float c, float offset) const {
+            if (!kSoftcap) return score(dot, k, du) * c + offset;  // (one fma after the score)
+            du = 1.f;
+            const float base =
+                kAlibi ? fmaf(-c * mod.slope_u, fabsf(d0 + float(k)), offset) : offset;
+            return fmaf(mod.tanh_of(dot, du), c * mod.cap_u, base);
         }
     };
     POLICY_FN Near at(int i, int j) const { return {mod, float((i - q_len) + (kv_len - j))}; }
