@@ -240,25 +240,31 @@ TEMPLATE_TEST_CASE("The decode refuses bad input, naming the field, outputs unto
 
 TEMPLATE_TEST_CASE("The decode matches the reference over q_len 1..8, kv_len 1..4099, every group",
                    "[gpu][decode][fp16][bf16]", fp16, bf16) {
-    const AttentionShape s = GENERATE(from_range(decode_grid(false)));
+    const AttentionShape s =
+        GENERATE(from_range(share_for<TestType>(decode_grid(false), {}, Share::fast)));
     check_decode<TestType>(s, 4000, 0);
 }
 TEMPLATE_TEST_CASE("The decode matches the reference over the rest of the grid",
                    "[gpu][decode][fp16][bf16][.stress]", fp16, bf16) {
-    // The rest of the grid above (the same inputs: the same salt).
-    const AttentionShape s = GENERATE(from_range(decode_grid(true)));
+    // The rest of the grid above (the same inputs: the same salt), bf16's four fifths of the
+    // default share first (share_for).
+    const auto shapes = share_for<TestType>(decode_grid(false), decode_grid(true), Share::stress);
+    const AttentionShape s = GENERATE_COPY(from_range(shapes));
     check_decode<TestType>(s, 4000, 0);
 }
 
 TEMPLATE_TEST_CASE("The decode matches the reference at head dims 64 and 256",
                    "[gpu][decode][fp16][bf16]", fp16, bf16) {
-    const AttentionShape s = GENERATE(from_range(decode_head_dim_grid(false)));
+    const AttentionShape s =
+        GENERATE(from_range(share_for<TestType>(decode_head_dim_grid(false), {}, Share::fast)));
     check_decode<TestType>(s, 4100, 0);
 }
 TEMPLATE_TEST_CASE("The decode matches the reference at head dims 64 and 256, the rest of the grid",
                    "[gpu][decode][fp16][bf16][.stress]", fp16, bf16) {
-    // The rest of the grid above (the same salt).
-    const AttentionShape s = GENERATE(from_range(decode_head_dim_grid(true)));
+    // The rest of the grid above (the same salt), bf16's four fifths of the default share first.
+    const auto shapes = share_for<TestType>(decode_head_dim_grid(false),
+                                            decode_head_dim_grid(true), Share::stress);
+    const AttentionShape s = GENERATE_COPY(from_range(shapes));
     check_decode<TestType>(s, 4100, 0);
 }
 

@@ -208,6 +208,53 @@ TEST_CASE("A score taken near another (at(i, j).score(x, k)) has the bits of the
     }
 }
 
+TEST_CASE("The backward's exponent is c times the score plus the offset, c folded into the cap's "
+          "and the slope's factors, with the score's derivative", "[cpu][policy]") {
+    // Chapter 3's backward asks at(i, j).exponent(x, k, du, c, o) for c u + o (c = scale log2 e,
+    // o = -L_i log2 e); with a softcap the policy puts c into the cap's and the slope's factors
+    // (c cap_u, c slope_u) instead of multiplying the score by c. Checked on every instance that
+    // with_policy<true> runs (chapter 3's: plain, a window, ALiBi, softcap, softcap with ALiBi)
+    // against fmaf(score(x, k), c, o): du bit for bit; the exponent within 2^-21 (4 float ulps)
+    // of the sum of the terms' magnitudes, |c u| + |c slope d| + |o|, the few products rounded
+    // in another order. Leaving c out of either factor moves it by (1 - 1/c) of that term.
+    const AttentionShape s{1, 2, 9, 20, 64, true};
+    const float slopes[] = {0.5f, 0.125f};
+    const float c = 0.3f * 1.4426950f;
+    struct Case {
+        const char* name;
+        int left;
+        float softcap;
+        const float* slopes;
+    };
+    for (const Case cs : {Case{"plain", -1, 0.f, nullptr}, Case{"window", 5, 0.f, nullptr},
+                          Case{"alibi", -1, 0.f, slopes}, Case{"softcap", -1, 5.f, nullptr},
+                          Case{"softcap and alibi", 5, 5.f, slopes}}) {
+        AttentionOptions o;
+        o.window_left = cs.left, o.softcap = cs.softcap, o.alibi_slopes = cs.slopes;
+        o.softmax_scale = 0.3f;
+        with_policy<true>(s, o, [&](const auto& policy) {
+            const auto p = policy.for_head(1);
+            for (int i = 0; i < s.q_len; ++i)
+                for (int j = 0; j < s.kv_len; ++j)
+                    for (int k : {-3, 0, 2})
+                        for (float x : {-7.5f, -0.25f, 0.f, 1.5f, 40.f})
+                            for (float offset : {0.f, -6.25f}) {
+                                float du = 0, du_want = 0;
+                                const float u = p.at(i, j).score(x, k, du_want);
+                                const float want = fmaf(u, c, offset);
+                                const float got = p.at(i, j).exponent(x, k, du, c, offset);
+                                const double alibi =
+                                    cs.slopes ? c * slopes[1] / 0.3 * std::abs(i + 11 - j + k) : 0;
+                                const double tol =
+                                    std::ldexp(std::fabs(c * u) + alibi + std::fabs(offset), -21);
+                                CAPTURE(cs.name, i, j, k, x, offset, got, want, du, du_want);
+                                CHECK(std::fabs(double(got) - want) <= tol);
+                                CHECK(std::memcmp(&du, &du_want, sizeof du) == 0);
+                            }
+        });
+    }
+}
+
 namespace {
 // One kernel policy against the visibility rule, on one shape and tile: what chapter 2's forward
 // and backward ask of it (lib/mask_policy.cuh's list). Returns the number of mismatches, each

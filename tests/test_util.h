@@ -309,6 +309,21 @@ std::vector<AttentionShape> share_of(const std::vector<AttentionShape>& all, Sha
 // (batched), at every head dim, causal and not.
 std::vector<AttentionShape> forward_grid(const std::vector<int>& head_dims, Share share);
 std::vector<AttentionShape> backward_grid(const std::vector<int>& head_dims, Share share);
+// A long grid's share for element type T, from the grid's default share `fast` and the rest:
+// Share::fast gives `fast` and Share::stress `rest`, but for bf16, which runs the kernel templates
+// fp16 runs with another element type: its default run takes every fifth shape of `fast` (5 is
+// prime to the grids' inner loops of 2, 4, 6 and 8 shapes, so the kept ones still reach every
+// head dim, mask and group), its [.stress] twin the others of `fast`, then `rest`.
+template <typename T>
+std::vector<AttentionShape> share_for(const std::vector<AttentionShape>& fast,
+                                      const std::vector<AttentionShape>& rest, Share share) {
+    const bool bf = std::is_same<T, bf16>::value;
+    std::vector<AttentionShape> shapes;
+    for (size_t k = 0; k < fast.size(); ++k)
+        if ((!bf || k % 5 == 0) == (share == Share::fast)) shapes.push_back(fast[k]);
+    if (share == Share::stress) shapes.insert(shapes.end(), rest.begin(), rest.end());
+    return shapes;
+}
 
 // The sanitizer's subset (`make sanitize` runs the [sanitize] tests under compute-sanitizer, which
 // slows kernels 10-100x): small shapes that still cover odd and unequal lengths, a partial last
