@@ -422,6 +422,9 @@ namespace {
 }  // namespace
 
 void attention_reference_threads(unsigned threads) { g_threads = threads; }
+void attention_reference_for_each(size_t n, double work, const std::function<void(size_t)>& body) {
+    for_each_index(n, work, body);
+}
 
 void attention_reference(const float* Q, const float* K, const float* V, float* O, float* L,
                          const AttentionShape& shape) {

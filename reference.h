@@ -6,6 +6,8 @@
 
 #include "flash.h"
 
+#include <functional>
+
 void attention_reference(const float* Q, const float* K, const float* V, float* O, float* L,
                          const AttentionShape& shape);
 void attention_reference(const double* Q, const double* K, const double* V, double* O, double* L,
@@ -19,6 +21,10 @@ void attention_reference_backward(const double* Q, const double* K, const double
 // How many threads the reference shares its rows out over: 0 (the default) for
 // std::thread::hardware_concurrency(). The results are the same, bit for bit, for any number.
 void attention_reference_threads(unsigned threads);
+// Runs body(k) for k = 0 .. n-1 over those threads, as the reference shares out its rows (a plain
+// loop below a million multiply-adds of `work`): for a test's own reference, each k writing only
+// its own outputs, so that the results are a plain loop's, bit for bit.
+void attention_reference_for_each(size_t n, double work, const std::function<void(size_t)>& body);
 
 // ---------------------------------------------------------------------------------------------
 // The reference for attention as models call it (chapter 5), in double: FlashAttention-2's score

@@ -99,83 +99,83 @@ Fp8Want fp8_reference(const Fp8Problem& p, int row_step = 1) {
     Fp8Want w;
     w.O.assign(q_elems(s), 0), w.O_tol.assign(q_elems(s), 0), w.O_exact.assign(q_elems(s), 0);
     w.L.assign(l_elems(s), 0), w.L_tol.assign(l_elems(s), 0);
-    for (int bh = 0; bh < s.batch * s.heads; bh++) {
-        const int kv = bh / group;
+    // A row at a time, on the reference's threads (each row writes only its own entries of w).
+    const size_t rows = size_t(s.batch) * s.heads * s.q_len;
+    const double work = double(rows) * s.kv_len * d / row_step;
+    attention_reference_for_each(rows, work, [&](size_t row) {
+        const int bh = int(row / s.q_len), i = int(row % s.q_len), kv = bh / group;
         const double sc = scale * p.dq[bh] * p.dk[kv], dv = p.dv[kv];
         const float* Q = &Qf[size_t(bh) * s.q_len * d];
         const float* K = &Kf[size_t(kv) * s.kv_len * d];
         const float* V = &Vf[size_t(kv) * s.kv_len * d];   // (centred or not)
         const float* Vo = &Vx[size_t(kv) * s.kv_len * d];  // as given
         const float* mu_h = &mu[size_t(kv) * d];
-        for (int i = 0; i < s.q_len; i++) {
-            const size_t row = size_t(bh) * s.q_len + i;
-            if (i % row_step != 0) {
-                std::fill_n(&w.O[row * d], d, NAN), w.L[row] = NAN;
-                continue;
-            }
-            const int last = s.causal ? i + s.kv_len - s.q_len : s.kv_len - 1;
-            std::vector<double> S(s.kv_len), mag(s.kv_len);
-            double m = -INFINITY, mag_max = 0;
-            for (int j = 0; j <= last && j < s.kv_len; j++) {
-                double dot = 0, abs = 0;
-                for (int x = 0; x < d; x++) {
-                    const double a = Q[size_t(i) * d + x], b = K[size_t(j) * d + x];
-                    dot += a * b, abs += std::fabs(a * b);
-                }
-                S[j] = dot, mag_max = std::max(mag_max, abs);
-            }
-            const double wlog = 2 * sc * (d / 32) * std::ldexp(mag_max, -13) + 1e-6;
-            const double wrel = wlog * std::log(2.0);
-            std::vector<double> o(d, 0), oabs(d, 0), near(d, 0);
-            double l = 0, near_l = 0;
-            const int Bc = flash_fp8_bc(d);  // the kernel's tile of keys
-            for (int j0 = 0; j0 <= last && j0 < s.kv_len; j0 += Bc) {  // tile by tile
-                const int j1 = std::min({j0 + Bc, last + 1, s.kv_len});
-                double m_new = m;
-                for (int j = j0; j < j1; j++) m_new = std::max(m_new, S[j]);
-                const double alpha = m == -INFINITY ? 0 : std::exp2((m - m_new) * sc);
-                l *= alpha, near_l *= alpha;
-                for (int x = 0; x < d; x++) o[x] *= alpha, oabs[x] *= alpha, near[x] *= alpha;
-                m = m_new;
-                for (int j = j0; j < j1; j++) {
-                    const double pt = std::exp2((S[j] - m) * sc + 8), ph = e4m3(pt);
-                    l += ph;
-                    // Within relative wrel of the midpoint between ph and its neighbour?
-                    // (below a power of two the step is half the one above it)
-                    const double step = e4m3_step(pt > ph ? ph : ph * (1 - 1e-12));
-                    const double mid = pt > ph ? ph + step / 2 : ph - step / 2;
-                    const bool flips = std::fabs(pt - mid) <= wrel * pt;
-                    if (flips) near_l += step;
-                    for (int x = 0; x < d; x++) {
-                        const double v = V[size_t(j) * d + x];
-                        o[x] += ph * v, oabs[x] += ph * std::fabs(v);
-                        if (flips) near[x] += step * std::fabs(v);
-                    }
-                }
-            }
-            for (int x = 0; x < d; x++) {
-                const double divided = l > 0 ? dv * o[x] / l : 0;  // the part divided by l
-                const double O = l > 0 ? divided + dv * mu_h[x] : 0;
-                w.O[row * d + x] = O;
-                w.O_tol[row * d + x] =
-                    l > 0 ? dv * (near[x] + (wrel + std::ldexp(1.0, -12)) * oabs[x]) / l +
-                                std::fabs(divided) * near_l / l + std::ldexp(std::fabs(O), -9) +
-                                1e-6
-                          : 0;
-            }
-            w.L[row] = l > 0 ? (m * sc + std::log2(l) - 8) * std::log(2.0) : -INFINITY;
-            w.L_tol[row] = (2 * wlog + 1e-6) * std::log(2.0) + (l > 0 ? near_l / l : 0);
-            // Exact attention: P unrounded against the row's final max.
-            double lx = 0;
-            std::vector<double> ox(d, 0);
-            for (int j = 0; j <= last && j < s.kv_len; j++) {
-                const double pe = std::exp2((S[j] - m) * sc);
-                lx += pe;
-                for (int x = 0; x < d; x++) ox[x] += pe * Vo[size_t(j) * d + x];
-            }
-            for (int x = 0; x < d; x++) w.O_exact[row * d + x] = lx > 0 ? dv * ox[x] / lx : 0;
+        if (i % row_step != 0) {
+            std::fill_n(&w.O[row * d], d, NAN), w.L[row] = NAN;
+            return;
         }
-    }
+        const int last = s.causal ? i + s.kv_len - s.q_len : s.kv_len - 1;
+        std::vector<double> S(s.kv_len), mag(s.kv_len);
+        double m = -INFINITY, mag_max = 0;
+        for (int j = 0; j <= last && j < s.kv_len; j++) {
+            double dot = 0, abs = 0;
+            for (int x = 0; x < d; x++) {
+                const double a = Q[size_t(i) * d + x], b = K[size_t(j) * d + x];
+                dot += a * b, abs += std::fabs(a * b);
+            }
+            S[j] = dot, mag_max = std::max(mag_max, abs);
+        }
+        const double wlog = 2 * sc * (d / 32) * std::ldexp(mag_max, -13) + 1e-6;
+        const double wrel = wlog * std::log(2.0);
+        std::vector<double> o(d, 0), oabs(d, 0), near(d, 0);
+        double l = 0, near_l = 0;
+        const int Bc = flash_fp8_bc(d);  // the kernel's tile of keys
+        for (int j0 = 0; j0 <= last && j0 < s.kv_len; j0 += Bc) {  // tile by tile
+            const int j1 = std::min({j0 + Bc, last + 1, s.kv_len});
+            double m_new = m;
+            for (int j = j0; j < j1; j++) m_new = std::max(m_new, S[j]);
+            const double alpha = m == -INFINITY ? 0 : std::exp2((m - m_new) * sc);
+            l *= alpha, near_l *= alpha;
+            for (int x = 0; x < d; x++) o[x] *= alpha, oabs[x] *= alpha, near[x] *= alpha;
+            m = m_new;
+            for (int j = j0; j < j1; j++) {
+                const double pt = std::exp2((S[j] - m) * sc + 8), ph = e4m3(pt);
+                l += ph;
+                // Within relative wrel of the midpoint between ph and its neighbour?
+                // (below a power of two the step is half the one above it)
+                const double step = e4m3_step(pt > ph ? ph : ph * (1 - 1e-12));
+                const double mid = pt > ph ? ph + step / 2 : ph - step / 2;
+                const bool flips = std::fabs(pt - mid) <= wrel * pt;
+                if (flips) near_l += step;
+                for (int x = 0; x < d; x++) {
+                    const double v = V[size_t(j) * d + x];
+                    o[x] += ph * v, oabs[x] += ph * std::fabs(v);
+                    if (flips) near[x] += step * std::fabs(v);
+                }
+            }
+        }
+        for (int x = 0; x < d; x++) {
+            const double divided = l > 0 ? dv * o[x] / l : 0;  // the part divided by l
+            const double O = l > 0 ? divided + dv * mu_h[x] : 0;
+            w.O[row * d + x] = O;
+            w.O_tol[row * d + x] =
+                l > 0 ? dv * (near[x] + (wrel + std::ldexp(1.0, -12)) * oabs[x]) / l +
+                            std::fabs(divided) * near_l / l + std::ldexp(std::fabs(O), -9) +
+                            1e-6
+                      : 0;
+        }
+        w.L[row] = l > 0 ? (m * sc + std::log2(l) - 8) * std::log(2.0) : -INFINITY;
+        w.L_tol[row] = (2 * wlog + 1e-6) * std::log(2.0) + (l > 0 ? near_l / l : 0);
+        // Exact attention: P unrounded against the row's final max.
+        double lx = 0;
+        std::vector<double> ox(d, 0);
+        for (int j = 0; j <= last && j < s.kv_len; j++) {
+            const double pe = std::exp2((S[j] - m) * sc);
+            lx += pe;
+            for (int x = 0; x < d; x++) ox[x] += pe * Vo[size_t(j) * d + x];
+        }
+        for (int x = 0; x < d; x++) w.O_exact[row * d + x] = lx > 0 ? dv * ox[x] / lx : 0;
+    });
     return w;
 }
 
