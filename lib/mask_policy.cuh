@@ -352,8 +352,8 @@ inline ModelPolicy<kSoftcap, kAlibi> model_policy(const AttentionShape& s,
 // serves them, else ModelPolicy, with softcap's derivative only where a softcap is given. ALiBi's
 // term: with kAlibiApart, only where slopes are (chapter 3, whose speed chapter 5's floors
 // measure: four instances); without, in every ModelPolicy (chapter 2 and the decode: two, whose
-// kernels are most of the build's time). A slope of 0 changes no bit. The choice between the two
-// is `if constexpr`: an ordinary `if` would still instantiate, and compile, all four everywhere.
+// kernels are most of the build's time). A slope of 0 changes no bit. kAlibiApart is tested by
+// `if constexpr`: an ordinary `if` would still instantiate, and compile, all four everywhere.
 template <bool kAlibiApart = false, typename Run>
 inline void with_policy(const AttentionShape& s, const AttentionOptions& o, Run&& run) {
     const bool cap = o.softcap > 0, alibi = o.alibi_slopes != nullptr;
