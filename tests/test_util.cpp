@@ -43,6 +43,19 @@ uint32_t seed_of(const AttentionShape& s, uint32_t salt) {
     return h;
 }
 
+void normal_pair(uint64_t key, uint64_t k, double& z0, double& z1) {
+    const auto splitmix64 = [](uint64_t x) {  // (Steele, Lea and Flood's SplitMix64 finalizer)
+        x += 0x9e3779b97f4a7c15ull;
+        x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+        x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+        return x ^ (x >> 31);
+    };
+    const double u1 = double((splitmix64(key + 2 * k) >> 11) + 1) * 0x1p-53;
+    const double u2 = double(splitmix64(key + 2 * k + 1) >> 11) * 0x1p-53;
+    const double r = std::sqrt(-2.0 * std::log(u1)), theta = 2.0 * M_PI * u2;
+    z0 = r * std::cos(theta), z1 = r * std::sin(theta);
+}
+
 // =============================================================================================
 // Shape lists
 
