@@ -509,9 +509,28 @@ static void require_sm80(const cudaDeviceProp& prop, const char* fn) {
 // built at once (the kernels' instances are most of the build's time); without either macro one
 // object holds both (PyTorch's extension build).
 #if !defined(FLASH_FP16_BACKWARD)
-static size_t fp16_shared_bytes(int head_dim, int Bc) {  // Q_i, 2 x K_j, 2 x V_j
+constexpr size_t fp16_shared_bytes(int head_dim, int Bc) {  // Q_i, 2 x K_j, 2 x V_j
     return size_t(fwd_Br(head_dim) + 4 * Bc) * (head_dim + kPad) * sizeof(__half);
 }
+// The chooser's rule: registers' Bc, halved while the block's shared memory would not hold it.
+constexpr int fwd_Bc_fitting(int head_dim, size_t shared_per_block) {
+    int Bc = fwd_max_Bc(head_dim);
+    while (Bc > 32 && fp16_shared_bytes(head_dim, Bc) > shared_per_block) Bc /= 2;
+    return Bc;
+}
+// The tiles built for every call: those the chooser gives on GPUs of compute capability 8.0 and
+// newer, whose blocks may take 99 KiB (8.6, 8.9, 12.0) to 227 KiB (9.0, 10.0) of shared memory.
+// The other tiles run the plain, dense fp16 call alone (flash_forward_fp16_bc), a third of the
+// kernels fewer to compile. Every tile a block of 99 KiB up can get is among them (the assert).
+constexpr size_t kLeastSharedPerBlock = 99 * 1024;
+constexpr bool fwd_tile_built(int head_dim, int Bc) {
+    return Bc == fwd_max_Bc(head_dim) || Bc == fwd_Bc_fitting(head_dim, kLeastSharedPerBlock);
+}
+static_assert([] {
+    for (int d : kFlashFp16HeadDims)
+        if (fwd_Bc_fitting(d, kLeastSharedPerBlock) < fwd_max_Bc(d) / 2) return false;
+    return true;
+}(), "a block of 99 KiB to 227 KiB would get a tile that is not built for every call");
 
 static FlashTile fp16_tile(const cudaDeviceProp& prop, int head_dim, int Bc) {
     const FlashTile tile{fwd_Br(head_dim), Bc, kFwdThreads, 4, fp16_shared_bytes(head_dim, Bc)};
@@ -525,9 +544,7 @@ static FlashTile fp16_tile(const cudaDeviceProp& prop, int head_dim, int Bc) {
 FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
     require_head_dim(head_dim, kFlashFp16HeadDims);
     require_sm80(prop, "flash_forward_fp16");
-    int Bc = fwd_max_Bc(head_dim);
-    while (Bc > 32 && fp16_shared_bytes(head_dim, Bc) > prop.sharedMemPerBlockOptin) Bc /= 2;
-    return fp16_tile(prop, head_dim, Bc);
+    return fp16_tile(prop, head_dim, fwd_Bc_fitting(head_dim, prop.sharedMemPerBlockOptin));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -540,7 +557,8 @@ FlashTile flash_choose_tile_fp16(const cudaDeviceProp& prop, int head_dim) {
 static constexpr int kFwdHeadGroup = 16;
 
 // The policy: with_policy's (lib/mask_policy.cuh), the plain one where it serves the options
-// (none, a packed batch, strides, a scale).
+// (none, a packed batch, strides, a scale). A tile not built for every call (fwd_tile_built) has
+// the plain, dense fp16 kernel alone; forward_fp16_launch refuses anything else there first.
 template <typename T, int D, int Bc>
 static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float* L,
                                 const AttentionShape& s, const Layout& lay,
@@ -558,9 +576,12 @@ static void launch_forward_fp16(const T* Q, const T* K, const T* V, T* O, float*
     };
     const AttentionOptions o = options ? *options : AttentionOptions{};
     const float scale_log2 = options_scale_log2(s, o);  // the options', or 1/sqrt(D)'s
-    if (plain_policy_serves(o, s) && dense(lay, s, false))
-        launch(PlainPolicy{s.q_len, s.kv_len, s.causal}, DenseLayout<D>{}, scale_log2);
-    else with_policy(s, o, [&](auto policy) { launch(policy, lay, scale_log2); });
+    constexpr bool every_call = fwd_tile_built(D, Bc), half = std::is_same<T, __half>::value;
+    if (plain_policy_serves(o, s) && dense(lay, s, false)) {
+        if constexpr (every_call || half)
+            launch(PlainPolicy{s.q_len, s.kv_len, s.causal}, DenseLayout<D>{}, scale_log2);
+    } else if constexpr (every_call)
+        with_policy(s, o, [&](auto policy) { launch(policy, lay, scale_log2); });
 }
 
 // The launch once the arguments are checked (shape, pointers): the device's checks, the tile, the
@@ -574,6 +595,15 @@ static void forward_fp16_launch(const char* fn, const cudaDeviceProp& prop, cons
     require_sm80(prop, fn);
     FlashTile tile = flash_choose_tile_fp16(prop, s.head_dim);
     if (Bc) tile = fp16_tile(prop, s.head_dim, *Bc);
+    const bool plain_fp16 = std::is_same<T, __half>::value && dense(lay, s, false) &&
+                            plain_policy_serves(options ? *options : AttentionOptions{}, s);
+    if (!fwd_tile_built(s.head_dim, tile.Bc) && !plain_fp16)
+        throw std::runtime_error(std::string(fn) + ": Bc = " + std::to_string(tile.Bc) + " at " +
+                                 "head_dim " + std::to_string(s.head_dim) + " runs only the " +
+                                 "plain, dense fp16 call (the tiles of blocks of 99 KiB to " +
+                                 "227 KiB of shared memory run every call); " + prop.name +
+                                 " allows " + std::to_string(prop.sharedMemPerBlockOptin) +
+                                 " bytes a block");
     dispatch_head_dim<kFlashFp16HeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value;
         if constexpr (fwd_max_Bc(D) >= 128)
