@@ -178,6 +178,31 @@ __device__ __forceinline__ void fwd_produce(FwdShared<T, D, Bc, Consumers>& sh,
         mbar_wait(&empty[s.stage()], s.phase());
 }
 
+// Line 9 for row r of a thread's two: P~_ij = exp(S_ij - m), in S's registers, and l. Where m
+// moves (to `seen`: this tile's max, or with Lazy the larger of it and m), alpha[r] rescales l here
+// and O_i after line 10's wait; where it does not, alpha[r] = 1.
+template <bool Lazy, int N>
+__device__ __forceinline__ void exponentials(float (&S_ij)[N], int r, bool moves, float seen,
+                                             float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             float scale_log2) {
+    alpha[r] = 1.f;
+    if (moves) {
+        const float m_new = Lazy ? fmaxf(m[r], seen) : seen;
+        const float new_log2 = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+        alpha[r] = exp2_ftz(m[r] * scale_log2 - new_log2);
+        m[r] = m_new;
+    }
+    const float m_log2 = m[r] == -INFINITY ? 0.f : m[r] * scale_log2;  // no key yet
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < N / 2; c++) {                  // the row's Bc / 4 elements a thread
+        float& s = acc_at(S_ij, r, c);
+        s = exp2_ftz(fmaf(s, scale_log2, -m_log2));
+        sum += s;
+    }
+    l[r] = l[r] * alpha[r] + sum;
+}
+
 // A consumer (lines 5-13): 64 rows of each tile's Q_i, the softmax under the product.
 template <typename T, int D, int Bc, int Consumers, typename Policy, typename Tiles>
 __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, const Tiles& map,
@@ -224,26 +249,6 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
             const char* K_j = reinterpret_cast<const char*>(K_at(read.stage()));
             float S_ij[Bc / 2] = {}, alpha[2], m_tile[2];  // line 8: S_ij = Q_i K_j^T, 16 of d
             bool grows = false;
-            // Line 9's P~_ij = exp(S_ij - m) and l for row query + 8r; where m moves (to the max
-            // seen), alpha rescales l here and O_i after line 10's wait.
-            const auto exponentials = [&](int r, bool moves, float seen) {
-                alpha[r] = 1.f;
-                if (moves) {
-                    const float m_new = hopper_lazy(D) ? fmaxf(m[r], seen) : seen;
-                    const float new_log2 = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-                    alpha[r] = exp2_ftz(m[r] * scale_log2 - new_log2);
-                    m[r] = m_new;
-                }
-                const float m_log2 = m[r] == -INFINITY ? 0.f : m[r] * scale_log2;  // no key yet
-                float sum = 0.f;
-#pragma unroll
-                for (int c = 0; c < Bc / 4; c++) {     // in S's registers
-                    float& s = acc_at(S_ij, r, c);
-                    s = exp2_ftz(fmaf(s, scale_log2, -m_log2));
-                    sum += s;
-                }
-                l[r] = l[r] * alpha[r] + sum;
-            };
             Turn::take(wg);                            // (ping-pong: my turn for line 8)
             wgmma_fence();
 #pragma unroll
@@ -283,7 +288,8 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
                 for (int c = 0; c < Bc / 4; c++)       // the row's max, over its keys here
                     m_row = fmaxf(m_row, acc_at(S_ij, r, c));
                 m_row = quad_reduce(m_row, fmaxf);     // the max over the row's 4 threads
-                if constexpr (!hopper_lazy(D)) exponentials(r, true, m_row);  // m moves every tile
+                if constexpr (!hopper_lazy(D))        // m moves every tile
+                    exponentials<false>(S_ij, r, true, m_row, m, l, alpha, scale_log2);
                 else grows |= m_row * scale_log2 >
                               (m[r] == -INFINITY ? -INFINITY : m[r] * scale_log2 + kLazyLog2);
                 m_tile[r] = m_row;
@@ -292,7 +298,8 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
             if constexpr (hopper_lazy(D)) {            // past its m by more than 2^kLazyLog2)
                 moves = __any_sync(0xffffffffu, grows);
 #pragma unroll
-                for (int r = 0; r < 2; r++) exponentials(r, moves, m_tile[r]);
+                for (int r = 0; r < 2; r++)
+                    exponentials<true>(S_ij, r, moves, m_tile[r], m, l, alpha, scale_log2);
             }
             wgmma_wait<0>(O_i);                        // O_i += P~ V_{j-1} is done
             if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
