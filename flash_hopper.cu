@@ -64,10 +64,11 @@ constexpr bool kPersistent = HOPPER_PERSISTENT;
 #endif
 __host__ __device__ constexpr bool hopper_pingpong(int d) { return HOPPER_PINGPONG && d == 128; }
 // The lazy rescale (FlashAttention-4's rule), at d = 256: a row's m moves only when a tile's scores
-// pass it by more than 2^kLazyLog2 (a warp's rows decide together), so P~ <= 2^8, within fp16's
-// range, and most tiles skip O_i's rescale: 128 multiplies a thread for its 24 scores at d = 256,
-// where it measured 0.99-1.15x (median 1.09x). Elsewhere m moves every tile, as Algorithm 1's
-// line 9. -DHOPPER_LAZY=0 turns it off.
+// pass it by more than 2^kLazyLog2 (a warp's rows decide together, rows past q_len left out: in a
+// packed batch they hold the next sequence's queries), so P~ <= 2^8, within fp16's range, and most
+// tiles skip O_i's rescale: 128 multiplies a thread for its 24 scores at d = 256, where it measured
+// 0.99-1.15x (median 1.09x). Elsewhere m moves every tile, as Algorithm 1's line 9.
+// -DHOPPER_LAZY=0 turns it off.
 #ifndef HOPPER_LAZY
 #define HOPPER_LAZY 1
 #endif
@@ -290,8 +291,9 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
                 m_row = quad_reduce(m_row, fmaxf);     // the max over the row's 4 threads
                 if constexpr (!hopper_lazy(D))        // m moves every tile
                     exponentials<false>(S_ij, r, true, m_row, m, l, alpha, scale_log2);
-                else grows |= m_row * scale_log2 >
-                              (m[r] == -INFINITY ? -INFINITY : m[r] * scale_log2 + kLazyLog2);
+                else grows |= query + 8 * r < q_len &&  // (a row past q_len has no say)
+                              m_row * scale_log2 >
+                                  (m[r] == -INFINITY ? -INFINITY : m[r] * scale_log2 + kLazyLog2);
                 m_tile[r] = m_row;
             }
             bool moves = true;                         // (lazily: when some row of the warp grew

@@ -20,8 +20,8 @@
 namespace {
 
 // One case: each sequence's query and key lengths, the heads, and the options (softcap > 0, a
-// window left >= 0 or ALiBi: chapter 2's policy). pad: rows given strides with 8 elements after
-// each row (NaN there, which any read would spread into an output).
+// window left >= 0 or ALiBi: chapter 2's policy; scale > 0: the softmax scale). pad: rows given
+// strides with 8 elements after each row (NaN there, which any read would spread into an output).
 struct VarlenCase {
     const char* what;
     std::vector<int> q_lens, k_lens;
@@ -30,13 +30,14 @@ struct VarlenCase {
     float softcap = 0;
     int left = -1;
     bool alibi = false, pad = false;
-    bool plain() const { return softcap == 0 && left < 0 && !alibi; }
+    float scale = 0;
+    bool plain() const { return softcap == 0 && left < 0 && !alibi && scale == 0; }
 };
 std::string describe(const VarlenCase& c) {
     std::ostringstream os;
     os << c.what << ": heads " << c.heads << " over " << c.kv_heads << ", d " << c.d << ", causal "
        << c.causal << ", softcap " << c.softcap << ", window left " << c.left << ", alibi "
-       << c.alibi << "; (q_len, kv_len) per sequence:";
+       << c.alibi << ", scale " << c.scale << "; (q_len, kv_len) per sequence:";
     for (size_t b = 0; b < c.q_lens.size(); b++)
         os << " (" << c.q_lens[b] << ", " << c.k_lens[b] << ")";
     return os.str();
@@ -159,7 +160,7 @@ void check_varlen_case(const VarlenCase& c, uint32_t salt) {
     for (int h = 0; h < H; h++) slopes.push_back(std::exp2(-8.0f * (h + 1) / H));
     const DeviceBuffer<float> slopes_gpu(slopes);
     AttentionOptions o;
-    o.softcap = c.softcap, o.window_left = c.left;
+    o.softcap = c.softcap, o.window_left = c.left, o.softmax_scale = c.scale;
     if (c.alibi) o.alibi_slopes = slopes_gpu.ptr;
     // The packed call, its outputs poisoned first.
     const DeviceBuffer<int> cu_q_gpu(cu_q), cu_k_gpu(cu_k);
@@ -242,6 +243,11 @@ std::vector<VarlenCase> varlen_cases() {
          0, -1, false, true},
         {"a window with softcap and ALiBi (chapter 2's policy), d 32", {150, 77, 260},
          {150, 90, 260}, 2, 2, 32, true, 30.f, 40, true},
+        // Scores of about N(0, 16^2): a row's max often grows by 2^8 from one K/V tile to the
+        // next. Sequence 0's last Q tile (at d = 256, 128 rows) reaches into sequence 1's rows,
+        // whose growth must not move sequence 0's rows (chapter 3's lazy rescale: hopper_lazy).
+        {"scores whose max grows along the row, d 256", {70, 190}, {150, 150}, 2, 2, 256, false,
+         0, -1, false, false, 1.f},
     };
 }
 
