@@ -4,7 +4,8 @@
 # side by side on a GPU, the first the baseline: lab/hopper-ab.sh's driver (the plain forward,
 # FlashAttention-2's shapes, d = 64, 128, 256, ROUNDS rounds, default 3; max|dO| against the
 # first) and lab/options-bench.cu against each version's object (plain, softcap 30 and ALiBi at
-# N = 4096, d = 128, causal: forward and backward, the versions in turn, ROUNDS rounds). Run from
+# N = 4096, d = 128, causal: forward and backward, the versions in turn, ROUNDS rounds; AB_DIM=D
+# times only head dim D in the first; AB_OPTIONS=0 skips the second). Run from
 # the repository root with the library's other objects buildable (CPPFLAGS for Catch2 not needed).
 # Logs under OUT; a short table last. lab/chapter3.md, "The exponentials before the max".
 set -uo pipefail
@@ -25,22 +26,23 @@ ab=$!
 make -j16 $objs >>"$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 # The options bench against each tree's flash_hopper.o (the Makefile's flags for it)
 flags="-I. -Ilib -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a"
+[ "${AB_OPTIONS:-1}" = 0 ] && names_opt=() || names_opt=("${names[@]}")
 pids=()
-for v in "${names[@]}"; do
+for v in "${names_opt[@]}"; do
     nvcc $flags -c ".forward-ab/$v.cu" -o ".forward-ab/$v.o" >>"$out/build.log" 2>&1 &
     pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid" || { tail -20 "$out/build.log"; exit 1; }; done
 wait $ab || { tail -20 "$out/hopper-ab-build.log"; exit 1; }
-for v in "${names[@]}"; do
+for v in "${names_opt[@]}"; do
     nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/options-bench.cu $objs ".forward-ab/$v.o" \
         -o ".forward-ab/options_$v" >>"$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 done
 echo "built in $((SECONDS - t0)) s"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-./hopper_ab "$rounds" >"$out/hopper-ab.txt" 2>&1
+./hopper_ab "$rounds" ${AB_DIM:-} >"$out/hopper-ab.txt" 2>&1
 for r in $(seq 1 "$rounds"); do
-    for v in "${names[@]}"; do
+    for v in "${names_opt[@]}"; do
         for c in plain softcap alibi; do
             OPTIONS_BENCH_ONLY=$c ".forward-ab/options_$v" | grep -v '^case' >>"$out/options-$v.csv"
         done
@@ -48,7 +50,7 @@ for r in $(seq 1 "$rounds"); do
 done
 cat "$out/hopper-ab.txt"
 echo "options bench, public call (chapter 3), ms forward / backward, $rounds rounds:"
-for v in "${names[@]}"; do
+for v in "${names_opt[@]}"; do
     for c in plain softcap alibi; do
         printf '%-6s %-8s' "$v" "$c"
         grep "^$c[^,]*,options\|^$c[^,]*,plain" "$out/options-$v.csv" |
