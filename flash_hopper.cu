@@ -179,20 +179,16 @@ __device__ __forceinline__ void fwd_produce(FwdShared<T, D, Bc, Consumers>& sh,
         mbar_wait(&empty[s.stage()], s.phase());
 }
 
-// Line 9 for row r of a thread's two: P~_ij = exp(S_ij - m), in S's registers, and l. Where m
-// moves (to `seen`: this tile's max, or with Lazy the larger of it and m), alpha[r] rescales l here
-// and O_i after line 10's wait; where it does not, alpha[r] = 1.
+// Line 9 for row r of a thread's two: m moves to `seen` (this tile's max, or with Lazy the larger
+// of it and m), alpha[r] = exp(m_old - m) rescales l here and O_i after line 10's wait, and
+// P~_ij = exp(S_ij - m) goes into S's registers and into l.
 template <bool Lazy, int N>
-__device__ __forceinline__ void exponentials(float (&S_ij)[N], int r, bool moves, float seen,
-                                             float (&m)[2], float (&l)[2], float (&alpha)[2],
-                                             float scale_log2) {
-    alpha[r] = 1.f;
-    if (moves) {
-        const float m_new = Lazy ? fmaxf(m[r], seen) : seen;
-        const float new_log2 = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-        alpha[r] = exp2_ftz(m[r] * scale_log2 - new_log2);
-        m[r] = m_new;
-    }
+__device__ __forceinline__ void exponentials(float (&S_ij)[N], int r, float seen, float (&m)[2],
+                                             float (&l)[2], float (&alpha)[2], float scale_log2) {
+    const float m_new = Lazy ? fmaxf(m[r], seen) : seen;
+    const float new_log2 = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+    alpha[r] = exp2_ftz(m[r] * scale_log2 - new_log2);
+    m[r] = m_new;
     const float m_log2 = m[r] == -INFINITY ? 0.f : m[r] * scale_log2;  // no key yet
     float sum = 0.f;
 #pragma unroll
@@ -202,6 +198,38 @@ __device__ __forceinline__ void exponentials(float (&S_ij)[N], int r, bool moves
         sum += s;
     }
     l[r] = l[r] * alpha[r] + sum;
+}
+// Line 9 under the lazy rule, in two halves. lazy_ahead takes P~ against the m the row has while it
+// finds the tile's max (the exponentials need not wait for the max and the warp's vote), and keeps
+// the scores; lazy_settle, after the vote, keeps P~ where the warp's m stays, and where it moves
+// takes P~ again from the scores. Either way the bits are those of exponentials<true>.
+template <int N>
+__device__ __forceinline__ float lazy_ahead(float (&S_ij)[N], int r, float (&raw)[N / 2], float m,
+                                            float& sum, float scale_log2) {
+    const float m_log2 = m == -INFINITY ? 0.f : m * scale_log2;
+    float m_row = -INFINITY;
+    sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < N / 2; c++) {
+        float& s = acc_at(S_ij, r, c);
+        raw[c] = s, m_row = fmaxf(m_row, s);
+        s = exp2_ftz(fmaf(s, scale_log2, -m_log2));
+        sum += s;
+    }
+    return m_row;                                      // (this thread's part of the row)
+}
+template <int N>
+__device__ __forceinline__ void lazy_settle(float (&S_ij)[N], int r, bool moves,
+                                            const float (&raw)[N / 2], float seen, float sum,
+                                            float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                            float scale_log2) {
+    if (!moves) {
+        alpha[r] = 1.f, l[r] += sum;
+        return;
+    }
+#pragma unroll
+    for (int c = 0; c < N / 2; c++) acc_at(S_ij, r, c) = raw[c];
+    exponentials<true>(S_ij, r, seen, m, l, alpha, scale_log2);
 }
 
 // A consumer (lines 5-13): 64 rows of each tile's Q_i, the softmax under the product.
@@ -249,6 +277,7 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
             mbar_wait(&full[read.stage()], read.phase());  // K_j and V_j are in
             const char* K_j = reinterpret_cast<const char*>(K_at(read.stage()));
             float S_ij[Bc / 2] = {}, alpha[2], m_tile[2];  // line 8: S_ij = Q_i K_j^T, 16 of d
+            float raw[2][Bc / 4], sums[2];             // (lazily: the scores, P~'s sums)
             bool grows = false;
             Turn::take(wg);                            // (ping-pong: my turn for line 8)
             wgmma_fence();
@@ -284,13 +313,16 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
                         if (key > hi || (Policy::kLeftEdge && key < lo))
                             acc_at(S_ij, r, c) = -INFINITY;
                     }
-                float m_row = hopper_lazy(D) ? -INFINITY : m[r];  // this tile's max, or all so far
+                float m_row = m[r];                    // the max of all so far (or lazily
+                if constexpr (hopper_lazy(D))          // this tile's, P~ taken meanwhile)
+                    m_row = lazy_ahead(S_ij, r, raw[r], m[r], sums[r], scale_log2);
+                else
 #pragma unroll
-                for (int c = 0; c < Bc / 4; c++)       // the row's max, over its keys here
-                    m_row = fmaxf(m_row, acc_at(S_ij, r, c));
+                    for (int c = 0; c < Bc / 4; c++)   // the row's max, over its keys here
+                        m_row = fmaxf(m_row, acc_at(S_ij, r, c));
                 m_row = quad_reduce(m_row, fmaxf);     // the max over the row's 4 threads
                 if constexpr (!hopper_lazy(D))        // m moves every tile
-                    exponentials<false>(S_ij, r, true, m_row, m, l, alpha, scale_log2);
+                    exponentials<false>(S_ij, r, m_row, m, l, alpha, scale_log2);
                 else grows |= query + 8 * r < q_len &&  // (a row past q_len has no say)
                               m_row * scale_log2 >
                                   (m[r] == -INFINITY ? -INFINITY : m[r] * scale_log2 + kLazyLog2);
@@ -301,7 +333,8 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
                 moves = __any_sync(0xffffffffu, grows);
 #pragma unroll
                 for (int r = 0; r < 2; r++)
-                    exponentials<true>(S_ij, r, moves, m_tile[r], m, l, alpha, scale_log2);
+                    lazy_settle(S_ij, r, moves, raw[r], m_tile[r], sums[r], m, l, alpha,
+                                scale_log2);
             }
             wgmma_wait<0>(O_i);                        // O_i += P~ V_{j-1} is done
             if (j > j0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[read.previous().stage()]);
