@@ -232,6 +232,14 @@ __device__ __forceinline__ void lazy_settle(float (&S_ij)[N], int r, bool moves,
     exponentials<true>(S_ij, r, seen, m, l, alpha, scale_log2);
 }
 
+// The descriptor of the matrix `bytes` further on in shared memory: only the start address (bits
+// 0-13, in 16-byte units) moves, and shared memory is under 256 KiB, so it never carries into the
+// fields above. A loop of wgmmas builds a tile's descriptor once and steps it: one 32-bit add a
+// wgmma operand, where smem_desc each time is about five instructions.
+__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) {
+    return desc >> 32 << 32 | uint32_t(uint32_t(desc) + (bytes >> 4));
+}
+
 // A consumer (lines 5-13): 64 rows of each tile's Q_i, the softmax under the product.
 template <typename T, int D, int Bc, int Consumers, typename Policy, typename Tiles>
 __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, const Tiles& map,
@@ -247,7 +255,7 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
     const int wg = threadIdx.x / kWarpgroup - 1;       // which consumer, 0 .. Consumers - 1
     const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     // The warpgroup's 64 rows of Q_i: in each 64-column block, after wg times 64 rows of 64.
-    const char* Q_w = reinterpret_cast<const char*>(Q_i + wg * 64 * 64);
+    const uint64_t Q_w = smem_desc(Q_i + wg * 64 * 64, 0);  // (a descriptor: desc_plus)
     uint32_t P[Bc / 16][4];                            // P~ of the last tile, in T, as A
     PipelineState<Stages> kv;                          // where the Q tile's K/V tiles start
     for (PipelineState<1> q;; q.advance()) {           // Q_i's ring, of one stage
@@ -261,21 +269,20 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
         const int query = i * Br + 64 * wg + 16 * warp + g;  // this thread's rows: query + 8r
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
         const auto add_PV = [&](int stage) {           // line 10's product: O_i += P~ V_j
-            const char* V_j = reinterpret_cast<const char*>(V_at(stage));
+            const uint64_t V_j = smem_desc(V_at(stage), Bc * kRowBytes);
             constexpr int N = D < 128 ? D : 128;       // columns a wgmma (d = 256: two halves)
 #pragma unroll
             for (int k = 0; k < Bc / 16; k++)
 #pragma unroll
                 for (int half = 0; half < D / N; half++)
                     wgmma_rs<T, N>(O_i + half * N / 2, P[k],
-                                   smem_desc(V_j + (half * N / 64 * Bc + k * 16) * kRowBytes,
-                                             Bc * kRowBytes));
+                                   desc_plus(V_j, (half * N / 64 * Bc + k * 16) * kRowBytes));
             wgmma_commit();
         };
         PipelineState<Stages> read = kv;               // the K/V tile it reads next
         for (int j = j0; j < j0 + Tc; j++, read.advance()) {  // line 6: for each K_j, V_j
             mbar_wait(&full[read.stage()], read.phase());  // K_j and V_j are in
-            const char* K_j = reinterpret_cast<const char*>(K_at(read.stage()));
+            const uint64_t K_j = smem_desc(K_at(read.stage()), 0);
             float S_ij[Bc / 2] = {}, alpha[2], m_tile[2];  // line 8: S_ij = Q_i K_j^T, 16 of d
             float raw[2][Bc / 4], sums[2];             // (lazily: the scores, P~'s sums)
             bool grows = false;
@@ -283,8 +290,8 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < D / 16; k++)
-                wgmma_ss<T, Bc>(S_ij, smem_desc(Q_w + k / 4 * Br * kRowBytes + k % 4 * 32, 0),
-                                smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
+                wgmma_ss<T, Bc>(S_ij, desc_plus(Q_w, k / 4 * Br * kRowBytes + k % 4 * 32),
+                                desc_plus(K_j, k / 4 * Bc * kRowBytes + k % 4 * 32));
             wgmma_commit();
             Turn::pass(wg);                            // (before line 10: after, ptxas serializes)
             // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
