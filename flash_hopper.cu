@@ -232,14 +232,6 @@ __device__ __forceinline__ void lazy_settle(float (&S_ij)[N], int r, bool moves,
     exponentials<true>(S_ij, r, seen, m, l, alpha, scale_log2);
 }
 
-// The descriptor of the matrix `bytes` further on in shared memory: only the start address (bits
-// 0-13, in 16-byte units) moves, and shared memory is under 256 KiB, so it never carries into the
-// fields above. A loop of wgmmas builds a tile's descriptor once and steps it: one 32-bit add a
-// wgmma operand, where smem_desc each time is about five instructions.
-__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) {
-    return desc >> 32 << 32 | uint32_t(uint32_t(desc) + (bytes >> 4));
-}
-
 // A consumer (lines 5-13): 64 rows of each tile's Q_i, the softmax under the product.
 template <typename T, int D, int Bc, int Consumers, typename Policy, typename Tiles>
 __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, const Tiles& map,

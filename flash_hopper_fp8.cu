@@ -368,7 +368,8 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
     setmaxnreg<true, 240>();
     const int wg = threadIdx.x / kWarpgroup - 1;
     const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    const char* Q_w = reinterpret_cast<const char*>(sh.Q_i) + wg * 64 * kRowBytes;
+    const uint64_t Q_w = smem_desc(reinterpret_cast<const char*>(sh.Q_i) + wg * 64 * kRowBytes, 0);
+    const uint64_t ones = smem_desc(sh.ones, 0);       // (descriptors: desc_plus steps them)
     uint32_t P[Bc / 32][4];  // 256 P~ of the last tile, e4m3, as A (keys in V^T's order)
     PipelineState<Stages> kv;
     for (PipelineState<1> q;; q.advance()) {
@@ -392,28 +393,28 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
             constexpr int N = D < 128 ? D : 128;
 #pragma unroll
             for (int k = 0; k < Bc / 32; k++) {  // keys 32k .. 32k + 31: V^T's block k / 4
-                const char* Vt_j = reinterpret_cast<const char*>(sh.KV[stage].Vt_j[k / 4]);
+                const uint64_t Vt_j = smem_desc(sh.KV[stage].Vt_j[k / 4], 0);
 #pragma unroll
                 for (int half = 0; half < D / N; half++)
                     fp8_sum_step<N, fp8_two_level(D)>(
                         O_i.acc + half * N / 2, P[k],
-                        smem_desc(Vt_j + half * N * kRowBytes + k % 4 * 32, 0), k);
+                        desc_plus(Vt_j, half * N * kRowBytes + k % 4 * 32), k);
                 if (FP8_TENSOR_SUM)
-                    fp8_sum_step<8, true>(O_i.l_acc(), P[k], smem_desc(sh.ones + k % 4 * 32, 0), k);
+                    fp8_sum_step<8, true>(O_i.l_acc(), P[k], desc_plus(ones, k % 4 * 32), k);
             }
             wgmma_commit();
         };
         PipelineState<Stages> read = kv;
         for (int j = j0; j < j0 + Tc; j++, read.advance()) {
             mbar_wait(&full[read.stage()], read.phase());
-            const char* K_j = reinterpret_cast<const char*>(sh.KV[read.stage()].K_j);
+            const uint64_t K_j = smem_desc(sh.KV[read.stage()].K_j, 0);
             float S_ij[Bc / 2] = {}, alpha[2], offset[2];
             Turn::take(wg);
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < D / 32; k++)  // 32 of d a step (d = 64: the padding unread)
-                wgmma_fp8_ss<Bc>(S_ij, smem_desc(Q_w + k / 4 * Br * kRowBytes + k % 4 * 32, 0),
-                                 smem_desc(K_j + k / 4 * Bc * kRowBytes + k % 4 * 32, 0));
+                wgmma_fp8_ss<Bc>(S_ij, desc_plus(Q_w, k / 4 * Br * kRowBytes + k % 4 * 32),
+                                 desc_plus(K_j, k / 4 * Bc * kRowBytes + k % 4 * 32));
             wgmma_commit();
             if (j > j0) {  // (the turn passed after both products, in each path: Turns)
                 add_PV(read.previous().stage());

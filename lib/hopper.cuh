@@ -192,6 +192,13 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo) {
     return uint64_t((a & 0x3FFFF) >> 4) | uint64_t(lbo >> 4) << 16 | uint64_t(1024 >> 4) << 32 |
            uint64_t(1) << 62;
 }
+// The descriptor of the matrix `bytes` further on in shared memory: only the start address (bits
+// 0-13, in 16-byte units) moves, and shared memory is under 256 KiB, so it never carries into the
+// fields above. A loop of wgmmas builds a tile's descriptor once and steps it: one 32-bit add a
+// wgmma operand, where smem_desc each time is about five instructions.
+__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) {
+    return desc >> 32 << 32 | uint32_t(uint32_t(desc) + (bytes >> 4));
+}
 // wgmma.fence: registers written before it (accumulators, A) are what the next wgmma reads.
 // wgmma.commit_group: closes the batch of wgmmas issued.
 __device__ __forceinline__ void wgmma_fence() {
