@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# lab/gpu-power-states.sh OUT: chapter 3's fp16 forward and backward against SDPA's cuDNN backend,
+# each in two power states taken alike (lab/power-states.cu, lab/power-states.py), two rounds in
+# turns, nvidia-smi's SM clock sampled every 20 ms beside them. About 5 minutes on an H200; a
+# short table last (lab/power-states-table.py), every log in OUT/power-states.tgz.
+set -uo pipefail
+out=${1:?usage: lab/gpu-power-states.sh OUT} && mkdir -p "$out" && out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.." || exit 1
+export PATH="$PATH:/usr/local/cuda/bin"
+t0=$SECONDS
+objs="build/flash.o build/flash_fp16.o build/backward_passes.o build/flash_decode.o build/checks.o"
+objs="$objs build/dispatch.o build/flash_hopper.o build/flash_hopper_backward.o"
+objs="$objs build/flash_hopper_fp8.o"
+make -j"$(nproc)" $objs >"$out/build.log" 2>&1 &&
+    nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/power-states.cu $objs -o power_states \
+        >>"$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+echo "built in $((SECONDS - t0)) s"
+nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv,noheader |
+    tee "$out/gpu.txt"
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader -lms 20 \
+    >"$out/smi.csv" 2>&1 &
+smi=$!
+for r in 1 2; do
+    ./power_states "ours$r" >"$out/ours$r.txt" 2>&1 || tail -5 "$out/ours$r.txt"
+    python3 lab/power-states.py cudnn >"$out/cudnn$r.txt" 2>&1 || tail -5 "$out/cudnn$r.txt"
+    sed -i "s/^cudnn /cudnn$r /" "$out/cudnn$r.txt"
+    echo "round $r at $((SECONDS - t0)) s"
+done
+kill $smi
+python3 lab/power-states-table.py "$out/smi.csv" "$out"/ours?.txt "$out"/cudnn?.txt \
+    >"$out/table.txt"
+(cd "$out" && tar czf power-states.tgz gpu.txt smi.csv ours?.txt cudnn?.txt table.txt build.log)
+cat "$out/table.txt"
