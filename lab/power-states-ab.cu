@@ -1,0 +1,53 @@
+// lab/power-states-ab.cu: versions of chapter 3's forward (flash_hopper.cu) in lab/power-states.cu's
+// two power states, so that an A/B of a change that may cost or save energy a tile (not only time)
+// is read cold and hot alike, the SM clock beside each (lab/chapter3.md, "Against cuDNN in like
+// power states"). The versions link in as lab/hopper-ab.sh links them for lab/hopper-ab.cu:
+//   AB_DRIVER=lab/power-states-ab.cu lab/hopper-ab.sh NAME=SOURCE [NAME=SOURCE ...]
+//   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader -lms 20 > smi.csv &
+//   ./power_states_ab [ROUNDS [D]] > ab.txt; kill %1     (default 2 rounds, d = 128)
+//   python3 lab/power-states-table.py --ratio NEW/BASE smi.csv ab.txt
+// Each round runs every version in turn at each shape (FlashAttention-2's, N = 4096 and 16384,
+// causal and not); a line per version, tagged NAME and the round, as lab/power-states.cu prints.
+#include "checks.h"
+#include "flash.h"
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "power-states.cuh"  // fill_uniform, both_states: the inputs and the protocol
+
+using Fn = void (*)(const __half*, const __half*, const __half*, __half*, float*,
+                    const AttentionShape&, cudaStream_t);
+#define DECL(v)                                                                            \
+    void flash_forward_fp16_hopper_##v(const __half*, const __half*, const __half*, __half*, \
+                                       float*, const AttentionShape&, cudaStream_t);
+#include "hopper-ab-variants.h"  // written by lab/hopper-ab.sh: DECL(name)..., VARIANT_LIST
+struct Version { const char* name; Fn fn; };
+static std::vector<Version> versions = { VARIANT_LIST };
+
+int main(int argc, char** argv) {
+    const int rounds = argc > 1 ? atoi(argv[1]) : 2, d = argc > 2 ? atoi(argv[2]) : 128;
+    printf("# who pass d D N N causal C cold ms TFLOP/s t0 t1 hot ms TFLOP/s t0 t1\n");
+    for (int N : {4096, 16384})
+        for (int c : {0, 1}) {
+            const AttentionShape s{16384 / N, 2048 / d, N, N, d, bool(c)};
+            const size_t n = q_elems(s);
+            std::vector<__half*> t(4);  // Q K V O
+            for (__half*& p : t) FLASH_CUDA_CHECK(cudaMalloc(&p, n * sizeof(__half)));
+            float* L = nullptr;
+            FLASH_CUDA_CHECK(cudaMalloc(&L, l_elems(s) * sizeof(float)));
+            for (int k : {0, 1, 2}) fill_uniform<<<1024, 256>>>(t[k], n, 1 + k);
+            FLASH_CUDA_CHECK(cudaGetLastError());
+            const double pairs = c ? double(N) * (N + 1) / 2 : double(N) * N;
+            const double flop = 4.0 * s.batch * s.heads * pairs * d;
+            for (int r = 1; r <= rounds; r++)
+                for (const Version& v : versions) {
+                    const std::string tag = v.name + std::to_string(r);
+                    both_states(tag.c_str(), "fwd", s, flop,
+                                [&] { v.fn(t[0], t[1], t[2], t[3], L, s, 0); });
+                }
+            for (__half* p : t) FLASH_CUDA_CHECK(cudaFree(p));
+            FLASH_CUDA_CHECK(cudaFree(L));
+        }
+}
