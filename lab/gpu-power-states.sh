@@ -3,11 +3,31 @@
 # each in two power states taken alike (lab/power-states.cu, lab/power-states.py), two rounds in
 # turns, nvidia-smi's SM clock sampled every 20 ms beside them. About 5 minutes on an H200; a
 # short table last (lab/power-states-table.py), every log in OUT/power-states.tgz.
+# With AB="NAME=SOURCE ..." instead: this tree's flash_hopper.cu ("main") and each version of it
+# named, the forward only at d = ${AB_DIM:-128}, through lab/power-states-ab.cu (no cuDNN); the
+# table's ratio is the first version named over main.
 set -uo pipefail
 out=${1:?usage: lab/gpu-power-states.sh OUT} && mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.." || exit 1
 export PATH="$PATH:/usr/local/cuda/bin"
 t0=$SECONDS
+if [ -n "${AB:-}" ]; then
+    make -j"$(nproc)" build/checks.o >"$out/build.log" 2>&1 &&
+        AB_DRIVER=lab/power-states-ab.cu lab/hopper-ab.sh main=flash_hopper.cu $AB \
+            >>"$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    echo "built in $((SECONDS - t0)) s"
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader -lms 20 \
+        >"$out/smi.csv" 2>&1 &
+    smi=$!
+    ./power_states_ab 2 "${AB_DIM:-128}" >"$out/ab.txt" 2>&1 || tail -5 "$out/ab.txt"
+    kill $smi
+    first=${AB%%=*}
+    python3 lab/power-states-table.py --ratio "$first/main" "$out/smi.csv" "$out/ab.txt" \
+        >"$out/table.txt"
+    (cd "$out" && tar czf power-states.tgz smi.csv ab.txt table.txt build.log)
+    cat "$out/table.txt"
+    exit 0
+fi
 objs="build/flash.o build/flash_fp16.o build/backward_passes.o build/flash_decode.o build/checks.o"
 objs="$objs build/dispatch.o build/flash_hopper.o build/flash_hopper_backward.o"
 objs="$objs build/flash_hopper_fp8.o"
