@@ -5,7 +5,9 @@
 # short table last (lab/power-states-table.py), every log in OUT/power-states.tgz.
 # With AB="NAME=SOURCE ..." instead: this tree's flash_hopper.cu ("main") and each version of it
 # named, the forward only at d = ${AB_DIM:-128}, through lab/power-states-ab.cu (no cuDNN); the
-# table's ratio is the first version named over main.
+# table's ratio is the first version named over main. With OPTIONS=1: issue 45's options against
+# the plain call in the two states (lab/power-states.cu --options), two rounds, no cuDNN; about
+# 2 minutes after the build.
 set -uo pipefail
 out=${1:?usage: lab/gpu-power-states.sh OUT} && mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.." || exit 1
@@ -40,6 +42,15 @@ nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=cs
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader -lms 20 \
     >"$out/smi.csv" 2>&1 &
 smi=$!
+if [ -n "${OPTIONS:-}" ]; then
+    ./power_states --options 2 >"$out/options.txt" 2>&1 || tail -5 "$out/options.txt"
+    kill $smi
+    python3 lab/power-states-table.py --ratio softcap/plain,alibi/plain,scale/plain,window/dense \
+        "$out/smi.csv" "$out/options.txt" >"$out/table.txt"
+    (cd "$out" && tar czf power-states.tgz gpu.txt smi.csv options.txt table.txt build.log)
+    cat "$out/table.txt"
+    exit 0
+fi
 for r in 1 2; do
     ./power_states "ours$r" >"$out/ours$r.txt" 2>&1 || tail -5 "$out/ours$r.txt"
     python3 lab/power-states.py cudnn >"$out/cudnn$r.txt" 2>&1 || tail -5 "$out/cudnn$r.txt"

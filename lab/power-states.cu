@@ -7,23 +7,91 @@
 // Each row prints the medians and the wall-clock window (epoch seconds) of each set of 10, which
 // lab/power-states-table.py joins with nvidia-smi's clock samples. Shapes: FlashAttention-2's
 // (batch x N = 16384, heads = 2048 / d), d = 64, 128, 256, N = 4096, 16384, causal and not.
+// With --options ROUNDS instead: issue 45's floors in the same two states, fp16, d = 128, causal,
+// ROUNDS rounds with the cases in turns (lab/options-bench.cu's shapes and options): plain,
+// softcap 30, ALiBi (BLOOM's slopes) and scale 0.1 at batch 4 x 16 heads x N = 4096; dense causal
+// and a window of 4096 keys at 1 x 16 x 32768, TFLOP/s counting visible pairs. Each line is tagged
+// with the case and the round (plain1, softcap1, ..., dense1, window1).
 // Build and run (lab/gpu-power-states.sh does both, with cuDNN and the clock samples):
 //   make -j16 build/flash.o build/flash_fp16.o build/backward_passes.o build/flash_decode.o \
 //     build/checks.o build/dispatch.o build/flash_hopper.o build/flash_hopper_backward.o \
 //     build/flash_hopper_fp8.o
 //   nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/power-states.cu build/*.o -o power_states
-//   ./power_states ours
+//   ./power_states ours;  ./power_states --options 2
 #include "checks.h"
 #include "flash.h"
 
 #include <cuda_fp16.h>
 
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "power-states.cuh"  // fill_uniform, both_states: the inputs and the protocol
 
+// Visible (query, key) pairs of one causal head of n rows, a window of `left` keys (-1: none).
+static double causal_pairs(int n, int left) {
+    double p = 0;
+    for (long long i = 0; i < n; ++i) p += left < 0 ? i + 1 : std::min<long long>(i, left) + 1;
+    return p;
+}
+
+// Issue 45's options against the plain call, forward and backward, rounds in turns.
+static void options_rows(int rounds) {
+    struct Case { const char* who; int N; AttentionOptions o; int left; };
+    for (int N : {4096, 32768}) {
+        const AttentionShape s{N == 4096 ? 4 : 1, 16, N, N, 128, true};
+        const size_t n = size_t(s.batch) * s.heads * N * s.head_dim;
+        std::vector<__half*> t(8);  // Q K V O dO dQ dK dV
+        for (__half*& p : t) FLASH_CUDA_CHECK(cudaMalloc(&p, n * sizeof(__half)));
+        float *L = nullptr, *slopes = nullptr;
+        FLASH_CUDA_CHECK(cudaMalloc(&L, size_t(s.batch) * s.heads * N * sizeof(float)));
+        std::vector<float> h(s.heads);
+        for (int x = 0; x < s.heads; ++x) h[x] = std::exp2(-8.0f * (x + 1) / s.heads);  // BLOOM's
+        FLASH_CUDA_CHECK(cudaMalloc(&slopes, h.size() * sizeof(float)));
+        FLASH_CUDA_CHECK(
+            cudaMemcpy(slopes, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
+        for (int k : {0, 1, 2, 4}) fill_uniform<<<1024, 256>>>(t[k], n, 1 + k);
+        FLASH_CUDA_CHECK(cudaGetLastError());
+        AttentionOptions none, cap, alibi, scale, window;
+        cap.softcap = 30.f;
+        alibi.alibi_slopes = slopes;
+        scale.softmax_scale = 0.1f;
+        window.window_left = 4096, window.window_right = 0;
+        std::vector<Case> cases;
+        if (N == 4096)
+            cases = {{"plain", N, none, -1}, {"softcap", N, cap, -1}, {"alibi", N, alibi, -1},
+                     {"scale", N, scale, -1}};
+        else
+            cases = {{"dense", N, none, -1}, {"window", N, window, 4096}};
+        for (int r = 1; r <= rounds; r++)
+            for (const Case& c : cases) {
+                const std::string tag = c.who + std::to_string(r);
+                const double flop = 4.0 * s.batch * s.heads * causal_pairs(N, c.left) * s.head_dim;
+                auto fwd = [&] { flash_forward_fp16(t[0], t[1], t[2], t[3], L, s, c.o); };
+                auto bwd = [&] {
+                    flash_backward_fp16(t[0], t[1], t[2], t[3], t[4], L, t[5], t[6], t[7], s,
+                                        c.o);
+                };
+                both_states(tag.c_str(), "fwd", s, flop, fwd);
+                fwd();
+                both_states(tag.c_str(), "bwd", s, 2.5 * flop, bwd);
+            }
+        for (__half* p : t) FLASH_CUDA_CHECK(cudaFree(p));
+        FLASH_CUDA_CHECK(cudaFree(L));
+        FLASH_CUDA_CHECK(cudaFree(slopes));
+    }
+}
+
 int main(int argc, char** argv) {
     const char* tag = argc > 1 ? argv[1] : "ours";
+    if (std::strcmp(tag, "--options") == 0) {
+        printf("# who pass d D N N causal C cold ms TFLOP/s t0 t1 hot ms TFLOP/s t0 t1\n");
+        options_rows(argc > 2 ? std::atoi(argv[2]) : 2);
+        return 0;
+    }
     printf("# who pass d D N N causal C cold ms TFLOP/s t0 t1 hot ms TFLOP/s t0 t1\n");
     for (int d : {64, 128, 256})
         for (int N : {4096, 16384})
