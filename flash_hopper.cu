@@ -74,9 +74,10 @@ __host__ __device__ constexpr bool hopper_pingpong(int d) { return HOPPER_PINGPO
 #endif
 __host__ __device__ constexpr bool hopper_lazy(int d) { return HOPPER_LAZY && d == 256; }
 constexpr float kLazyLog2 = 8.f;
-// Heads whose Q tiles go together (line 3). Under GQA the query heads of a K/V head are
-// consecutive, so 16 of them read 16 / group K/V heads, which then stay in L2.
-constexpr int kHopperHeadGroup = 16;
+// Heads whose Q tiles go together (line 3): 4. The SMs then stream 4 heads' K and V at once (4 /
+// group K/V heads under GQA, whose query heads are consecutive), which stay in L2; 16 heads' did
+// not (128 MB at N = 16384, d = 128), and K/V tiles read again from DRAM cost power, so clock.
+constexpr int kHopperHeadGroup = 4;
 
 // The named barrier (barrier.sync takes an id, 0 being __syncthreads'): the hand-out, where the
 // producer's first warp, which has fetched a tile's number, gives it to the consumer warpgroups,

@@ -7,7 +7,7 @@
 # named, the forward only at d = ${AB_DIM:-128}, through lab/power-states-ab.cu (no cuDNN); the
 # table's ratio is the first version named over main. With OPTIONS=1: issue 45's options against
 # the plain call in the two states (lab/power-states.cu --options), two rounds, no cuDNN; about
-# 2 minutes after the build.
+# 2 minutes after the build. ROUNDS (default 2) rounds; with FWD_ONLY=1 the forward alone.
 set -uo pipefail
 out=${1:?usage: lab/gpu-power-states.sh OUT} && mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.." || exit 1
@@ -51,9 +51,10 @@ if [ -n "${OPTIONS:-}" ]; then
     cat "$out/table.txt"
     exit 0
 fi
-for r in 1 2; do
-    ./power_states "ours$r" >"$out/ours$r.txt" 2>&1 || tail -5 "$out/ours$r.txt"
-    python3 lab/power-states.py cudnn >"$out/cudnn$r.txt" 2>&1 || tail -5 "$out/cudnn$r.txt"
+fwd=""; [ -n "${FWD_ONLY:-}" ] && fwd=fwd
+for r in $(seq "${ROUNDS:-2}"); do
+    ./power_states "ours$r" $fwd >"$out/ours$r.txt" 2>&1 || tail -5 "$out/ours$r.txt"
+    python3 lab/power-states.py cudnn $fwd >"$out/cudnn$r.txt" 2>&1 || tail -5 "$out/cudnn$r.txt"
     sed -i "s/^cudnn /cudnn$r /" "$out/cudnn$r.txt"
     echo "round $r at $((SECONDS - t0)) s"
 done

@@ -17,7 +17,7 @@
 //     build/checks.o build/dispatch.o build/flash_hopper.o build/flash_hopper_backward.o \
 //     build/flash_hopper_fp8.o
 //   nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/power-states.cu build/*.o -o power_states
-//   ./power_states ours;  ./power_states --options 2
+//   ./power_states ours [fwd];  ./power_states --options 2      (fwd: the forward alone)
 #include "checks.h"
 #include "flash.h"
 
@@ -87,6 +87,7 @@ static void options_rows(int rounds) {
 
 int main(int argc, char** argv) {
     const char* tag = argc > 1 ? argv[1] : "ours";
+    const bool fwd_only = argc > 2 && std::strcmp(argv[2], "fwd") == 0;
     if (std::strcmp(tag, "--options") == 0) {
         printf("# who pass d D N N causal C cold ms TFLOP/s t0 t1 hot ms TFLOP/s t0 t1\n");
         options_rows(argc > 2 ? std::atoi(argv[2]) : 2);
@@ -112,7 +113,7 @@ int main(int argc, char** argv) {
                 };
                 both_states(tag, "fwd", s, flop, fwd);
                 fwd();
-                both_states(tag, "bwd", s, 2.5 * flop, bwd);
+                if (!fwd_only) both_states(tag, "bwd", s, 2.5 * flop, bwd);
                 for (__half* p : t) FLASH_CUDA_CHECK(cudaFree(p));
                 FLASH_CUDA_CHECK(cudaFree(L));
             }

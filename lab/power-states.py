@@ -2,7 +2,7 @@
 """SDPA's cuDNN (or flash) backend, forward and backward, fp16, in the two power states and on the
 shapes of lab/power-states.cu, with its protocol and its output lines (lab/chapter3.md, "Against
 cuDNN in like power states"). Run on a GPU machine with PyTorch:
-    python3 lab/power-states.py [cudnn|flash]
+    python3 lab/power-states.py [cudnn|flash] [fwd]     (fwd: the forward alone)
 The backward is torch.autograd.grad of one forward's output given a random dO (graph kept), as in
 lab/sdpa-reference.py; FLOPs as flash_bench counts them (backward 2.5 times the forward's)."""
 import statistics
@@ -45,6 +45,7 @@ def both_states(tag, pass_, d, n, c, flop, call):
 
 def main():
     tag = sys.argv[1] if len(sys.argv) > 1 else "cudnn"
+    fwd_only = len(sys.argv) > 2 and sys.argv[2] == "fwd"
     backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[tag]
     with sdpa_kernel([backend]):
         for d in (64, 128, 256):
@@ -60,12 +61,14 @@ def main():
                         both_states(tag, "fwd", d, n, c, flop,
                                     lambda: F.scaled_dot_product_attention(q, k, v,
                                                                            is_causal=bool(c)))
+                    if fwd_only:
+                        continue
                     out = F.scaled_dot_product_attention(q, k, v, is_causal=bool(c))
                     do = torch.empty_like(out).uniform_(-1, 1)
                     both_states(tag, "bwd", d, n, c, 2.5 * flop,
                                 lambda: torch.autograd.grad(out, (q, k, v), do,
                                                             retain_graph=True))
-                    del q, k, v, out, do
+                    del out, do
 
 
 if __name__ == "__main__":
