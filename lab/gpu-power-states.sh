@@ -14,6 +14,9 @@ cd "$(dirname "$0")/.." || exit 1
 export PATH="$PATH:/usr/local/cuda/bin"
 t0=$SECONDS
 if [ -n "${AB:-}" ]; then
+    for v in $AB; do  # the table reads the round from a tag's last digits (main1, rsq2)
+        [[ ${v%%=*} =~ [0-9]$ ]] && { echo "AB: a NAME must not end in a digit: $v"; exit 2; }
+    done
     make -j"$(nproc)" build/checks.o >"$out/build.log" 2>&1 &&
         AB_DRIVER=lab/power-states-ab.cu lab/hopper-ab.sh main=flash_hopper.cu $AB \
             >>"$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }

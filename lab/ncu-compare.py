@@ -20,6 +20,11 @@ KEEP = re.compile(r"^(gpu__time_duration\.sum|sm__cycles_(elapsed|active)\.(avg|
                   r"smsp__average_warps_issue_stalled_\w+_per_issue_active\.ratio$)")
 
 
+SCALE = {"byte": ("MB", 1e-6), "Kbyte": ("MB", 1e-3), "Mbyte": ("MB", 1), "Gbyte": ("MB", 1e3),
+         "Tbyte": ("MB", 1e6), "ns": ("us", 1e-3), "us": ("us", 1), "usecond": ("us", 1),
+         "ms": ("us", 1e3), "msecond": ("us", 1e3), "s": ("us", 1e6)}
+
+
 def read(path):
     rows = list(csv.reader(open(path)))
     head = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
@@ -28,9 +33,11 @@ def read(path):
     for n, u, v in zip(names, units, vals):
         if KEEP.match(n):
             try:
-                out[n] = (float(v.replace(",", "")), u)
+                x = float(v.replace(",", ""))
             except ValueError:
-                pass
+                continue
+            unit, k = SCALE.get(u, (u, 1))  # one unit a quantity, whatever ncu chose
+            out[n] = (x * k, unit)
     out["name"] = (vals[names.index("Kernel Name")][:60], "")
     return out
 
