@@ -5,7 +5,8 @@
 # short table last (lab/power-states-table.py), every log in OUT/power-states.tgz.
 # With AB="NAME=SOURCE ..." instead: this tree's flash_hopper.cu ("main") and each version of it
 # named, the forward only at d = ${AB_DIM:-128}, through lab/power-states-ab.cu (no cuDNN); the
-# table's ratio is the first version named over main. With OPTIONS=1: issue 45's options against
+# table's ratio is the first version named over main. With AB_KIND=bwd too, versions of
+# flash_hopper_backward.cu the same way, the backward only. With OPTIONS=1: issue 45's options against
 # the plain call in the two states (lab/power-states.cu --options), two rounds, no cuDNN; about
 # 2 minutes after the build. ROUNDS (default 2) rounds; with FWD_ONLY=1 the forward alone.
 set -uo pipefail
@@ -17,8 +18,10 @@ if [ -n "${AB:-}" ]; then
     for v in $AB; do  # the table reads the round from a tag's last digits (main1, rsq2)
         [[ ${v%%=*} =~ [0-9]$ ]] && { echo "AB: a NAME must not end in a digit: $v"; exit 2; }
     done
-    make -j"$(nproc)" build/checks.o >"$out/build.log" 2>&1 &&
-        AB_DRIVER=lab/power-states-ab.cu lab/hopper-ab.sh main=flash_hopper.cu $AB \
+    base=flash_hopper.cu need=build/checks.o  # AB_KIND=bwd: versions of the backward
+    [ "${AB_KIND:-}" = bwd ] && base=flash_hopper_backward.cu need="$need build/backward_passes.o"
+    make -j"$(nproc)" $need >"$out/build.log" 2>&1 &&
+        AB_DRIVER=lab/power-states-ab.cu lab/hopper-ab.sh main=$base $AB \
             >>"$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
     echo "built in $((SECONDS - t0)) s"
     nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader -lms 20 \

@@ -6,24 +6,41 @@
 //   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader -lms 20 > smi.csv &
 //   ./power_states_ab [ROUNDS [D]] > ab.txt; kill %1     (default 2 rounds, d = 128)
 //   python3 lab/power-states-table.py --ratio NEW/BASE smi.csv ab.txt
+// Built with -DAB_BACKWARD (AB_KIND=bwd lab/hopper-ab.sh, or AB_KIND=bwd lab/gpu-power-states.sh):
+// versions of chapter 3's backward (flash_hopper_backward.cu) instead, the same way.
 // Each round runs every version in turn at each shape (FlashAttention-2's, N = 4096 and 16384,
 // causal and not); a line per version, tagged NAME and the round, as lab/power-states.cu prints.
 #include "checks.h"
 #include "flash.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "power-states.cuh"  // fill_uniform, both_states: the inputs and the protocol
 
+#ifndef AB_BACKWARD
 using Fn = void (*)(const __half*, const __half*, const __half*, __half*, float*,
                     const AttentionShape&, cudaStream_t);
 #define DECL(v)                                                                            \
     void flash_forward_fp16_hopper_##v(const __half*, const __half*, const __half*, __half*, \
                                        float*, const AttentionShape&, cudaStream_t);
+#else  // AB_KIND=bwd: versions of chapter 3's backward (flash_hopper_backward.cu)
+using Fn = void (*)(const __half*, const __half*, const __half*, const __half*, const __half*,
+                    const float*, __half*, __half*, __half*, const AttentionShape&, cudaStream_t);
+#define DECL(v)                                                                              \
+    void flash_backward_fp16_hopper_##v(const __half*, const __half*, const __half*,          \
+                                        const __half*, const __half*, const float*, __half*,  \
+                                        __half*, __half*, const AttentionShape&, cudaStream_t);
+#endif
 #include "hopper-ab-variants.h"  // written by lab/hopper-ab.sh: DECL(name)..., VARIANT_LIST
 struct Version { const char* name; Fn fn; };
+__global__ void fill_value(float* p, size_t n, float v) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+         i += size_t(gridDim.x) * blockDim.x)
+        p[i] = v;
+}
 static std::vector<Version> versions = { VARIANT_LIST };
 
 int main(int argc, char** argv) {
@@ -33,19 +50,31 @@ int main(int argc, char** argv) {
         for (int c : {0, 1}) {
             const AttentionShape s{16384 / N, 2048 / d, N, N, d, bool(c)};
             const size_t n = q_elems(s);
-            std::vector<__half*> t(4);  // Q K V O
+            std::vector<__half*> t(8);  // Q K V O dO dQ dK dV
             for (__half*& p : t) FLASH_CUDA_CHECK(cudaMalloc(&p, n * sizeof(__half)));
             float* L = nullptr;
             FLASH_CUDA_CHECK(cudaMalloc(&L, l_elems(s) * sizeof(float)));
-            for (int k : {0, 1, 2}) fill_uniform<<<1024, 256>>>(t[k], n, 1 + k);
+            for (int k : {0, 1, 2, 4}) fill_uniform<<<1024, 256>>>(t[k], n, 1 + k);
             FLASH_CUDA_CHECK(cudaGetLastError());
             const double pairs = c ? double(N) * (N + 1) / 2 : double(N) * N;
             const double flop = 4.0 * s.batch * s.heads * pairs * d;
+#ifdef AB_BACKWARD  // O uniform as the inputs, each row's L log N (its scores are near 0): the
+            // probabilities about 1/N, as a forward of these inputs would leave them
+            fill_uniform<<<1024, 256>>>(t[3], n, 4);
+            fill_value<<<1024, 256>>>(L, l_elems(s), std::log(float(N)));
+            FLASH_CUDA_CHECK(cudaGetLastError());
+#endif
             for (int r = 1; r <= rounds; r++)
                 for (const Version& v : versions) {
                     const std::string tag = v.name + std::to_string(r);
+#ifndef AB_BACKWARD
                     both_states(tag.c_str(), "fwd", s, flop,
                                 [&] { v.fn(t[0], t[1], t[2], t[3], L, s, 0); });
+#else
+                    both_states(tag.c_str(), "bwd", s, 2.5 * flop, [&] {
+                        v.fn(t[0], t[1], t[2], t[3], t[4], L, t[5], t[6], t[7], s, 0);
+                    });
+#endif
                 }
             for (__half* p : t) FLASH_CUDA_CHECK(cudaFree(p));
             FLASH_CUDA_CHECK(cudaFree(L));
