@@ -8,7 +8,8 @@
 // lab/power-states-table.py joins with nvidia-smi's clock samples. Shapes: FlashAttention-2's
 // (batch x N = 16384, heads = 2048 / d), d = 64, 128, 256, N = 4096, 16384, causal and not.
 // With --options ROUNDS instead: issue 45's floors in the same two states, fp16, d = 128, causal,
-// ROUNDS rounds with the cases in turns (lab/options-bench.cu's shapes and options): plain,
+// ROUNDS rounds with the cases in turns (lab/options-bench.cu's shapes and options; with "two"
+// after ROUNDS, plain and softcap alone): plain,
 // softcap 30, ALiBi (BLOOM's slopes) and scale 0.1 at batch 4 x 16 heads x N = 4096; dense causal
 // and a window of 4096 keys at 1 x 16 x 32768, TFLOP/s counting visible pairs. Each line is tagged
 // with the case and the round (plain1, softcap1, ..., dense1, window1).
@@ -17,7 +18,8 @@
 //     build/checks.o build/dispatch.o build/flash_hopper.o build/flash_hopper_backward.o \
 //     build/flash_hopper_fp8.o
 //   nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/power-states.cu build/*.o -o power_states
-//   ./power_states ours [fwd];  ./power_states --options 2      (fwd: the forward alone)
+//   ./power_states ours [fwd [D]];  ./power_states --options 2 [two]  (fwd: the forward alone;
+//   D: that head dim alone)
 #include "checks.h"
 #include "flash.h"
 
@@ -39,9 +41,10 @@ static double causal_pairs(int n, int left) {
 }
 
 // Issue 45's options against the plain call, forward and backward, rounds in turns.
-static void options_rows(int rounds) {
+static void options_rows(int rounds, bool two) {
     struct Case { const char* who; int N; AttentionOptions o; int left; };
     for (int N : {4096, 32768}) {
+        if (two && N > 4096) break;
         const AttentionShape s{N == 4096 ? 4 : 1, 16, N, N, 128, true};
         const size_t n = size_t(s.batch) * s.heads * N * s.head_dim;
         std::vector<__half*> t(8);  // Q K V O dO dQ dK dV
@@ -66,6 +69,7 @@ static void options_rows(int rounds) {
                      {"scale", N, scale, -1}};
         else
             cases = {{"dense", N, none, -1}, {"window", N, window, 4096}};
+        if (two) cases.resize(2);  // plain and softcap (N = 4096 only)
         for (int r = 1; r <= rounds; r++)
             for (const Case& c : cases) {
                 const std::string tag = c.who + std::to_string(r);
@@ -90,13 +94,15 @@ int main(int argc, char** argv) {
     const bool fwd_only = argc > 2 && std::strcmp(argv[2], "fwd") == 0;
     if (std::strcmp(tag, "--options") == 0) {
         printf("# who pass d D N N causal C cold ms TFLOP/s t0 t1 hot ms TFLOP/s t0 t1\n");
-        options_rows(argc > 2 ? std::atoi(argv[2]) : 2);
+        options_rows(argc > 2 ? std::atoi(argv[2]) : 2, argc > 3 && !std::strcmp(argv[3], "two"));
         return 0;
     }
     printf("# who pass d D N N causal C cold ms TFLOP/s t0 t1 hot ms TFLOP/s t0 t1\n");
+    const int only = argc > 3 ? std::atoi(argv[3]) : 0;  // one head dim
     for (int d : {64, 128, 256})
         for (int N : {4096, 16384})
             for (int c : {0, 1}) {
+                if (only && d != only) continue;
                 const AttentionShape s{16384 / N, 2048 / d, N, N, d, bool(c)};
                 const size_t n = size_t(s.batch) * s.heads * N * d;
                 std::vector<__half*> t(8);  // Q K V O dO dQ dK dV
