@@ -64,6 +64,21 @@ int main(int argc, char** argv) {
             fill_value<<<1024, 256>>>(L, l_elems(s), std::log(float(N)));
             FLASH_CUDA_CHECK(cudaGetLastError());
 #endif
+#ifdef AB_BACKWARD  // each version's dQ, dK, dV against the first's, element by element
+            std::vector<__half> first(3 * n), mine(3 * n);
+            for (size_t x = 0; x < versions.size(); x++) {
+                versions[x].fn(t[0], t[1], t[2], t[3], t[4], L, t[5], t[6], t[7], s, 0);
+                for (int k = 0; k < 3; k++)
+                    FLASH_CUDA_CHECK(cudaMemcpy((x ? mine : first).data() + k * n, t[5 + k],
+                                                n * sizeof(__half), cudaMemcpyDeviceToHost));
+                if (x == 0) continue;
+                size_t differ = 0;
+                for (size_t e = 0; e < 3 * n; e++)
+                    differ += __half_as_ushort(mine[e]) != __half_as_ushort(first[e]);
+                printf("# bits: %s against %s, d %d N %d causal %d: %zu of %zu elements differ\n",
+                       versions[x].name, versions[0].name, d, N, c, differ, 3 * n);
+            }
+#endif
             for (int r = 1; r <= rounds; r++)
                 for (const Version& v : versions) {
                     const std::string tag = v.name + std::to_string(r);
