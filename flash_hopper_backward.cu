@@ -337,8 +337,7 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
 // Line 11: P^T = exp(S^T - L_i) of the changed scores (pol: the tile's head's policy) in S's
 // registers, masked where the tile is an edge one (edge: it reaches past a key's queries, kv_len
 // or q_len; seen[r]: key r's queries, none past kv_len); du: each score's derivative (1 without a
-// softcap), times P^T before dP^T is waited for (without a softcap, P^T itself: the compiler keeps
-// no second copy). acc_at(S, r, c): key kw + 16 warp + g + 8r (me.key(j,
+// softcap: the compiler then keeps none). acc_at(S, r, c): key kw + 16 warp + g + 8r (me.key(j,
 // r)), query 8(c/2)+2t+c%2 of the Q tile at row q0.
 template <int D, typename Policy>
 __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du)[kBwdBr / 2],
@@ -356,12 +355,11 @@ __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du
             p = exp2_ftz(near.exponent(p, 8 * (c / 2) + c % 2, acc_at(du, r, c), scale_log2,
                                        -L_i[qi] * kLog2e));
             if (edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last)) p = 0.f;
-            acc_at(du, r, c) *= p;                     // P du, while dP^T runs (du = 1: P)
         }
     }
 }
 
-// Line 14: dS^T = P^T o (dP^T - D_i), in dP's registers (du: P^T o du, line 11's); then P^T and dS^T in T, as the A
+// Line 14: dS^T = P^T o (dP^T - D_i), in dP's registers; then P^T and dS^T in T, as the A
 // fragments of lines 12 and 16 (A's register a: elements 8k + 2a, + 1).
 template <typename T>
 __device__ __forceinline__ void ds_fragments(uint32_t (&P)[kBwdBr / 16][4],
@@ -374,7 +372,8 @@ __device__ __forceinline__ void ds_fragments(uint32_t (&P)[kBwdBr / 16][4],
     for (int c = 0; c < Br / 4; c++)
 #pragma unroll
         for (int r = 0; r < 2; r++)
-            acc_at(dP, r, c) = (acc_at(dP, r, c) - D_i[8 * (c / 2) + 2 * t + c % 2]) *
+            acc_at(dP, r, c) = acc_at(S, r, c) *
+                               (acc_at(dP, r, c) - D_i[8 * (c / 2) + 2 * t + c % 2]) *
                                acc_at(du, r, c);
 #pragma unroll
     for (int k = 0; k < Br / 16; k++)
@@ -386,19 +385,21 @@ __device__ __forceinline__ void ds_fragments(uint32_t (&P)[kBwdBr / 16][4],
 }
 
 // dS^T to shared memory for line 15, keys x queries in the 128-byte swizzle, into tile n's
-// buffer: row `key`, the 16-byte chunk of queries 8b.. at chunk b ^ (key % 8). dS[k][a] holds the
-// pairs (g + 8 (a % 2), 8b + 2t), b = 2k + a / 2: as stmatrix_x4 takes four 8 x 8 tiles, so one
-// store a k, lane 8a + g giving row g of tile a (key % 8 = g: kw and 16 warp are multiples of 8).
+// buffer: row `key`, the 16-byte chunk of queries 8b.. at chunk b ^ (key % 8). Its element pairs
+// (g + 8r, 8b + 2t) are dS[b / 2][2 (b % 2) + r].
 template <typename T, int D>
 __device__ __forceinline__ void store_dS_T(BwdShared<T, D>& sh, int n,
                                            const uint32_t (&dS)[kBwdBr / 16][4],
                                            const ConsumerThread<D> me) {
     char* dS_T = reinterpret_cast<char*>(sh.dS_s[n % 2]);
-    const int lane = threadIdx.x % 32, a = lane / 8, g = lane % 8;
-    const int key = me.kw + 16 * me.warp + g + 8 * (a % 2);
 #pragma unroll
-    for (int k = 0; k < kBwdBr / 16; k++)
-        stmatrix_x4(dS_T + key * kRowBytes + ((2 * k + a / 2) ^ g) * 16, dS[k]);
+    for (int r = 0; r < 2; r++) {
+        const int key = me.kw + 16 * me.warp + me.g + 8 * r;
+#pragma unroll
+        for (int b = 0; b < kBwdBr / 8; b++)
+            *reinterpret_cast<uint32_t*>(dS_T + key * kRowBytes + (b ^ key % 8) * 16 + 4 * me.t) =
+                dS[b / 2][2 * (b % 2) + r];
+    }
     fence_proxy_async();                               // wgmma (the async proxy) reads it next
 }
 

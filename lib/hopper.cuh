@@ -387,16 +387,6 @@ __device__ __forceinline__ void store_row(T* row, float (&acc)[N], int r, float 
     }
 }
 
-// stmatrix (PTX ISA, "Data Movement and Conversion Instructions: stmatrix"): a warp stores four
-// 8 x 8 tiles of 16-bit elements in one instruction, tile i from each lane's v[i], laid out as an
-// accumulator's pairs are (lane 4g + t: row g, columns 2t, 2t + 1), row g of tile i to the 16
-// bytes at the address lane 8i + g gives. One instruction where a 4-byte store a pair takes four.
-__device__ __forceinline__ void stmatrix_x4(void* row, const uint32_t (&v)[4]) {
-    HOPPER_ONLY(asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                             ::"r"(smem_addr(row)), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
-                             : "memory"));
-}
-
 // The pipeline (CUTLASS's PipelineState, ThunderKittens' stage and phase bit): a ring of Stages
 // buffers, each with a full and an empty mbarrier, through which tiles pass in order. Tile n
 // (counted from the block's start) sits in stage n % Stages and completes phase n / Stages of that
