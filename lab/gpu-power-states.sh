@@ -8,7 +8,8 @@
 # table's ratio is the first version named over main. With AB_KIND=bwd too, versions of
 # flash_hopper_backward.cu the same way, the backward only. With OPTIONS=1: issue 45's options against
 # the plain call in the two states (lab/power-states.cu --options), two rounds, no cuDNN; about
-# 2 minutes after the build. ROUNDS (default 2) rounds; with FWD_ONLY=1 the forward alone.
+# 2 minutes after the build. ROUNDS (default 2) rounds; with FWD_ONLY=1 the forward alone, and with
+# DIM=D too one head dim.
 set -uo pipefail
 out=${1:?usage: lab/gpu-power-states.sh OUT} && mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.." || exit 1
@@ -57,7 +58,7 @@ if [ -n "${OPTIONS:-}" ]; then
     cat "$out/table.txt"
     exit 0
 fi
-fwd=""; [ -n "${FWD_ONLY:-}" ] && fwd=fwd
+fwd=""; [ -n "${FWD_ONLY:-}" ] && fwd="fwd ${DIM:-}"
 for r in $(seq "${ROUNDS:-2}"); do
     ./power_states "ours$r" $fwd >"$out/ours$r.txt" 2>&1 || tail -5 "$out/ours$r.txt"
     python3 lab/power-states.py cudnn $fwd >"$out/cudnn$r.txt" 2>&1 || tail -5 "$out/cudnn$r.txt"

@@ -2,7 +2,7 @@
 """SDPA's cuDNN (or flash) backend, forward and backward, fp16, in the two power states and on the
 shapes of lab/power-states.cu, with its protocol and its output lines (lab/chapter3.md, "Against
 cuDNN in like power states"). Run on a GPU machine with PyTorch:
-    python3 lab/power-states.py [cudnn|flash] [fwd]     (fwd: the forward alone)
+    python3 lab/power-states.py [cudnn|flash] [fwd [D]]  (fwd: the forward alone; D: one head dim)
 The backward is torch.autograd.grad of one forward's output given a random dO (graph kept), as in
 lab/sdpa-reference.py; FLOPs as flash_bench counts them (backward 2.5 times the forward's)."""
 import statistics
@@ -46,9 +46,10 @@ def both_states(tag, pass_, d, n, c, flop, call):
 def main():
     tag = sys.argv[1] if len(sys.argv) > 1 else "cudnn"
     fwd_only = len(sys.argv) > 2 and sys.argv[2] == "fwd"
+    dims = (int(sys.argv[3]),) if len(sys.argv) > 3 else (64, 128, 256)
     backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[tag]
     with sdpa_kernel([backend]):
-        for d in (64, 128, 256):
+        for d in dims:
             for n in (4096, 16384):
                 for c in (0, 1):
                     batch, heads = 16384 // n, 2048 // d
