@@ -259,20 +259,6 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
         const Policy pol = map.policy_of(bh);
         const int q_len = pol.q_len;
         mbar_wait(&full[Stages], q.phase());           // Q_i is in
-        // A warpgroup none of whose rows is a query (in the last Q tile, where Br does not divide
-        // the length: at d = 64, Br = 192, two of its three at N = 4096) computes nothing: it
-        // gives each stage back as it comes and passes the turns on. (Tested through a shuffle,
-        // which ptxas knows is the same in a warp; a branch on wg alone makes it serialize every
-        // wgmma of the kernel, C7520.)
-        if (__shfl_sync(0xffffffffu, i * Br + 64 * wg >= q_len, 0)) {
-            for (int j = 0; j < Tc; j++, kv.advance()) {
-                mbar_wait(&full[kv.stage()], kv.phase());
-                Turn::take(wg), Turn::pass(wg);
-                if (threadIdx.x % 32 == 0) mbar_arrive(&empty[kv.stage()]);
-            }
-            if (threadIdx.x % 32 == 0) mbar_arrive(&empty[Stages]);
-            continue;
-        }
         const int query = i * Br + 64 * wg + 16 * warp + g;  // this thread's rows: query + 8r
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
         const auto add_PV = [&](int stage) {           // line 10's product: O_i += P~ V_j
