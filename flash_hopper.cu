@@ -64,10 +64,10 @@ constexpr bool kPersistent = HOPPER_PERSISTENT;
 #endif
 __host__ __device__ constexpr bool hopper_pingpong(int d) { return HOPPER_PINGPONG && d == 128; }
 // The lazy rescale (FlashAttention-4's rule), at d = 256: a row's m moves only when a tile's scores
-// pass it by more than 2^kLazyLog2 (a warp's rows decide together, rows past q_len left out: in a
-// packed batch they hold the next sequence's queries), so P~ <= 2^8, within fp16's range, and most
-// tiles skip O_i's rescale: 128 multiplies a thread for its 24 scores at d = 256, where it measured
-// 0.99-1.15x (median 1.09x). Elsewhere m moves every tile, as Algorithm 1's line 9.
+// pass it by more than 2^kLazyLog2 (a warp's rows decide together, rows outside the sequence left
+// out: in a packed batch they hold its neighbours' queries), so P~ <= 2^8, within fp16's range, and
+// most tiles skip O_i's rescale: 128 multiplies a thread for its 24 scores at d = 256, where it
+// measured 0.99-1.15x (median 1.09x). Elsewhere m moves every tile, as Algorithm 1's line 9.
 // -DHOPPER_LAZY=0 turns it off.
 #ifndef HOPPER_LAZY
 #define HOPPER_LAZY 1
@@ -110,14 +110,19 @@ struct FwdShared {
 // j0 .. j0 + Tc - 1 (the policy's: all to the last row's last key under causal), as chapter 2:
 // heads in groups of head_group, each group's Q tiles longest (causal) first, its heads taking
 // turns. Head bh's policy: its sequence's (a packed batch's lengths, the layout's; else the
-// shape's) and its head's (ALiBi's slope).
+// shape's) and its head's (ALiBi's slope). Q tile i starts at row0 = i Br - (Br - q_len % Br) %
+// Br: the last tile ends on the last row, and where Br does not divide q_len (d = 64: Br = 192)
+// the ragged tile is the first, rows from row0 < 0, which under causal sees the fewest keys, not
+// the last, which sees the most (d = 64, N = 4096, causal: 1.05-1.07x). Rows outside 0 .. q_len - 1
+// are computed (TMA reads rows before a sequence as zeros, or a packed batch's sequence before)
+// and never written.
 template <int Br, int Bc, typename Policy>
 struct FwdTiles {
     const Layout& lay;
     const Policy& policy;
     int Tr, tiles, head_group, group;
     struct Work {
-        int i, bh, j0, Tc;
+        int row0, bh, j0, Tc;
     };
     __device__ Policy policy_of(int bh) const {
         const int q_len = lay.Q.len(bh, policy.q_len);
@@ -128,9 +133,11 @@ struct FwdTiles {
         const int head0 = tile / (head_group * Tr) * head_group;
         const int heads = min(head_group, tiles / Tr - head0), place = tile % (head_group * Tr);
         const int i = Tr - 1 - place / heads, bh = head0 + place % heads;
-        const KeySpan keys = policy_of(bh).keys(i * Br, Br);
+        const Policy pol = policy_of(bh);
+        const int row0 = i * Br - (Br - pol.q_len % Br) % Br, first = max(row0, 0);
+        const KeySpan keys = pol.keys(first, row0 + Br - first);  // the keys of its rows >= 0
         const int j0 = keys.begin / Bc;
-        return Work{i, bh, j0, keys.end > keys.begin ? (keys.end - 1) / Bc - j0 + 1 : 0};
+        return Work{row0, bh, j0, keys.end > keys.begin ? (keys.end - 1) / Bc - j0 + 1 : 0};
     }
 };
 
@@ -154,12 +161,12 @@ __device__ __forceinline__ void fwd_produce(FwdShared<T, D, Bc, Consumers>& sh,
     for (PipelineState<1> q;; q.advance()) {       // Q_i's ring, of one stage
         if (issuer) work[q.phase()] = tile;        // the next tile (past the end: none left)
         if (tile >= map.tiles) break;
-        const auto [i, bh, j0, Tc] = map.decode(tile);
+        const auto [row0, bh, j0, Tc] = map.decode(tile);
         if (q.n > 0) mbar_wait(&empty[Stages], q.phase_before());  // the last Q_i is read
         if (issuer) mbar_expect_bytes(&full[Stages], Br * D * sizeof(T));  // line 4: load Q_i
         // Where the maps have head bh's row 0 (row, head, batch), and its K/V head's, bh /
         // group: the group query heads of a K/V head (GQA) share it.
-        const int3 q0 = lay.Q.box_at(bh, i * Br), k0 = lay.K.box_at(bh / map.group, j0 * Bc);
+        const int3 q0 = lay.Q.box_at(bh, row0), k0 = lay.K.box_at(bh / map.group, j0 * Bc);
         if (issuer) load_tile<Br, D>(Q_i, Q, q0.x, q0.y, q0.z, &full[Stages]);
         for (int j = 0; j < Tc; j++, kv.advance()) {  // line 7: K_j, V_j, in a free stage
             if (j == Stages) handout<Consumers>();  // the consumers start this tile
@@ -255,11 +262,12 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
         handout<Consumers>();                          // the producer has written work[q.phase()]
         const int tile = work[q.phase()];
         if (tile >= map.tiles) break;
-        const auto [i, bh, j0, Tc] = map.decode(tile);
+        const auto [row0, bh, j0, Tc] = map.decode(tile);
         const Policy pol = map.policy_of(bh);
         const int q_len = pol.q_len;
         mbar_wait(&full[Stages], q.phase());           // Q_i is in
-        const int query = i * Br + 64 * wg + 16 * warp + g;  // this thread's rows: query + 8r
+        const int query = row0 + 64 * wg + 16 * warp + g;  // this thread's rows: query + 8r
+        const auto real = [&](int row) { return 0 <= row && row < q_len; };  // (row0 may be < 0)
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
         const auto add_PV = [&](int stage) {           // line 10's product: O_i += P~ V_j
             const uint64_t V_j = smem_desc(V_at(stage), Bc * kRowBytes);
@@ -323,7 +331,7 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
                 m_row = quad_reduce(m_row, fmaxf);     // the max over the row's 4 threads
                 if constexpr (!hopper_lazy(D))        // m moves every tile
                     exponentials<false>(S_ij, r, m_row, m, l, alpha, scale_log2);
-                else grows |= query + 8 * r < q_len &&  // (a row past q_len has no say)
+                else grows |= real(query + 8 * r) &&  // (a row outside the sequence: no say)
                               m_row * scale_log2 >
                                   (m[r] == -INFINITY ? -INFINITY : m[r] * scale_log2 + kLazyLog2);
                 m_tile[r] = m_row;
@@ -360,8 +368,8 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
             const int row = query + 8 * r;
             const float l_row = quad_reduce(l[r], add);  // the sum over the row's 4 threads
             const float inv = l_row > 0.f ? 1.f / l_row : 0.f;  // a row that sees no key: O = 0
-            store_row<T, D>(O + lay.O.at(bh) + row * lay.O.row, O_i, r, inv, t, row < q_len);
-            if (row >= q_len) continue;
+            store_row<T, D>(O + lay.O.at(bh) + row * lay.O.row, O_i, r, inv, t, real(row));
+            if (!real(row)) continue;
             const float L_row = l_row > 0.f ? (m[r] * scale_log2 + log2f(l_row)) * kLn2 : -INFINITY;
             if (t == 0) L[lay.L.at(bh, q_len) + row] = L_row;
         }
