@@ -79,10 +79,13 @@ constexpr float kLazyLog2 = 8.f;
 // not (128 MB at N = 16384, d = 128), and K/V tiles read again from DRAM cost power, so clock.
 constexpr int kHopperHeadGroup = 4;
 
-// The named barrier (barrier.sync takes an id, 0 being __syncthreads'): the hand-out, where the
+// The named barriers (barrier.sync takes an id, 0 being __syncthreads'): the hand-out, where the
 // producer's first warp, which has fetched a tile's number, gives it to the consumer warpgroups,
-// which take it as they start the tile.
-constexpr int kBarrierHandout = 1;
+// which take it as they start the tile; and the registers', which the consumers pass only once
+// the producer has given its registers back (setmaxnreg.dec), so that their setmaxnreg.inc never
+// waits: the GPU would wait for them, but compute-sanitizer's racecheck hung in half its runs at
+// d = 64 (where the block's registers are all taken) when the consumers asked first.
+constexpr int kBarrierHandout = 1, kBarrierRegisters = 4;
 template <int Consumers>
 __device__ __forceinline__ void handout() {
     named_barrier(kBarrierHandout, 32 + kWarpgroup * Consumers);
@@ -405,8 +408,10 @@ flash_forward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     Turns<hopper_pingpong(D)>::start(int(threadIdx.x / kWarpgroup) - 1);  // (consumer 1: 0 first)
     if (threadIdx.x < kWarpgroup) {                    // the producer: lines 4 and 7
         setmaxnreg<false, producer_regs(Consumers)>();  // it needs few registers; the math, many
+        named_arrive(kBarrierRegisters, kWarpgroup * (Consumers + 1));  // (given back)
         return fwd_produce(sh, Q, K, V, map, lay, next);
     }
+    named_barrier(kBarrierRegisters, kWarpgroup * (Consumers + 1));  // taken only once given back
     setmaxnreg<true, consumer_regs(Consumers)>();
     fwd_consume<T, D, Bc, Consumers, Policy>(sh, map, O, L, lay, scale_log2);
 }
