@@ -201,6 +201,7 @@ bench: flash_bench
 plot:
 	gnuplot -e "csv='bench.csv'; out='bench.png'" bench/plot.gp
 # The sanitizers slow kernels 10-100x: the tests' deadlines (tests/test_util.h) stretch 20x.
+# Every tool runs, whatever the one before found; the last line names those that failed.
 # Without compute-sanitizer or a GPU it says so in one line, before building anything.
 sanitize:
 	@command -v $(SANITIZER) >/dev/null 2>&1 || [ -x $(SANITIZER) ] || { echo "make sanitize: \
@@ -208,10 +209,13 @@ sanitize:
 	@[ "$(HAVE_GPU)" = 1 ] || { echo "make sanitize: no NVIDIA GPU here: the [sanitize] tests \
 	need one; nothing was run"; exit 0; }
 	@$(MAKE) --no-print-directory test_flash
-	@for tool in memcheck racecheck synccheck initcheck; do \
+	@failed=; for tool in memcheck racecheck synccheck initcheck; do \
 	    echo "== compute-sanitizer --tool $$tool"; \
-	    FLASH_TEST_DEADLINE_SCALE=20 $(SANITIZER) --tool $$tool --error-exitcode 1 ./test_flash "[sanitize]" || exit 1; \
-	done
+	    FLASH_TEST_DEADLINE_SCALE=20 $(SANITIZER) --tool $$tool --error-exitcode 1 ./test_flash "[sanitize]" || \
+	        failed="$$failed $$tool"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "make sanitize: failed under$$failed (each tool's output is above)"; exit 1; fi; \
+	echo "make sanitize: no tool found an error"
 # Not part of all or test: the C++ half needs no Python. pytorch/flash_torch.py builds its extension
 # on first use (cached in pytorch/.torch_build/); run as a script it builds now, or says in one line
 # what is missing (torch >= 2.3 with CUDA, a GPU, nvcc, ninja).
