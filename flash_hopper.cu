@@ -83,8 +83,8 @@ constexpr int kHopperHeadGroup = 4;
 // producer's first warp, which has fetched a tile's number, gives it to the consumer warpgroups,
 // which take it as they start the tile; and the registers', which the consumers pass only once
 // the producer has given its registers back (setmaxnreg.dec), so that their setmaxnreg.inc never
-// waits: the GPU would wait for them, but compute-sanitizer's racecheck hung in half its runs at
-// d = 64 (where the block's registers are all taken) when the consumers asked first.
+// waits: the GPU would block it until the block's pool has them, but compute-sanitizer's
+// racecheck hung in about half its runs at d = 64 when the consumers asked first.
 constexpr int kBarrierHandout = 1, kBarrierRegisters = 4;
 template <int Consumers>
 __device__ __forceinline__ void handout() {
