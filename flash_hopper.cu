@@ -184,8 +184,8 @@ __device__ __forceinline__ void fwd_produce(FwdShared<T, D, Bc, Consumers>& sh,
         tile = __shfl_sync(0xffffffffu, issuer ? atomicAdd(next, 1) + int(gridDim.x) : 0, 0);
     }
     handout<Consumers>();                          // the consumers learn that none is left
-    // It leaves only once the last tiles it filled are read: a producer that returns at once
-    // leaves blocks that never finish under compute-sanitizer's racecheck.
+    // It leaves only once the last tiles it filled are read: no copy it issued outlives it
+    // (blocks of a cluster need that; whether racecheck needs it here: exercise 3.4).
     for (PipelineState<Stages> s{max(kv.n - Stages, 0)}; s.n < kv.n; s.advance())
         mbar_wait(&empty[s.stage()], s.phase());
 }
