@@ -49,6 +49,10 @@ __host__ __device__ constexpr int hopper_Bc(int head_dim) { return head_dim == 2
 // only, and with two, tile j + 1's copies wait until O_i += P~ V_{j-1} is done). A function of
 // the head dim all the same, as Br and Bc are, so that one head dim can be given its own count.
 __host__ __device__ constexpr int hopper_stages(int /* head_dim */) { return 3; }
+// Q_i in registers at d = 128 (32 a thread, read once a Q tile by load_A_fragments), so that
+// S_ij = Q_i K_j^T is an RS product and does not read Q_i from shared memory for every K/V tile
+// (lab/chapter3.md, "Q_i in registers"). At d = 256 it would take 64 registers a thread.
+__host__ __device__ constexpr bool hopper_q_regs(int head_dim) { return head_dim == 128; }
 // The grid: persistent, one block an SM looping over the tiles. -DHOPPER_PERSISTENT=0 gives every
 // tile its own block instead, to measure what the persistent grid buys.
 #ifndef HOPPER_PERSISTENT
@@ -260,6 +264,8 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
     // The warpgroup's 64 rows of Q_i: in each 64-column block, after wg times 64 rows of 64.
     const uint64_t Q_w = smem_desc(Q_i + wg * 64 * 64, 0);  // (a descriptor: desc_plus)
     uint32_t P[Bc / 16][4];                            // P~ of the last tile, in T, as A
+    constexpr bool kQregs = hopper_q_regs(D);
+    uint32_t Q_r[kQregs ? D / 16 : 1][4];              // (hopper_q_regs) the warp's rows of Q_i
     PipelineState<Stages> kv;                          // where the Q tile's K/V tiles start
     for (PipelineState<1> q;; q.advance()) {           // Q_i's ring, of one stage
         handout<Consumers>();                          // the producer has written work[q.phase()]
@@ -269,6 +275,7 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
         const Policy pol = map.policy_of(bh);
         const int q_len = pol.q_len;
         mbar_wait(&full[Stages], q.phase());           // Q_i is in
+        if constexpr (kQregs) load_A_fragments<D>(Q_r, Q_i, Br, 64 * wg + 16 * warp);
         const int query = row0 + 64 * wg + 16 * warp + g;  // this thread's rows: query + 8r
         const auto real = [&](int row) { return 0 <= row && row < q_len; };  // (row0 may be < 0)
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, O_i[D / 2] = {};  // line 5
@@ -293,9 +300,13 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
             Turn::take(wg);                            // (ping-pong: my turn for line 8)
             wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < D / 16; k++)
-                wgmma_ss<T, Bc>(S_ij, desc_plus(Q_w, k / 4 * Br * kRowBytes + k % 4 * 32),
-                                desc_plus(K_j, k / 4 * Bc * kRowBytes + k % 4 * 32));
+            for (int k = 0; k < D / 16; k++) {
+                const uint64_t K_k = desc_plus(K_j, k / 4 * Bc * kRowBytes + k % 4 * 32);
+                if constexpr (kQregs)
+                    wgmma_rs<T, Bc, false>(S_ij, Q_r[k], K_k);
+                else
+                    wgmma_ss<T, Bc>(S_ij, desc_plus(Q_w, k / 4 * Br * kRowBytes + k % 4 * 32), K_k);
+            }
             wgmma_commit();
             Turn::pass(wg);                            // (before line 10: after, ptxas serializes)
             // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.

@@ -236,8 +236,9 @@ __device__ __forceinline__ void a_operand_fence(uint32_t (&A)[K][4]) {
 // wgmma.mma_async m64nNk16 with fp32 accumulators d (N / 2 a thread, laid out as mma.m16n8's, a
 // warp's 16 rows each). SS: A and B in shared memory, both K-major (S_ij = Q_i K_j^T), or, with
 // Trans, both read transposed (imm-trans-a, -b 1: the backward's dQ_i = dS K_j, dS stored as dS^T,
-// keys x queries, and K_j keys x columns). RS: A in registers as mma.m16n8k16's A fragment (P~),
-// B in shared memory read transposed (imm-trans-b 1: V_j is stored keys x columns).
+// keys x queries, and K_j keys x columns). RS: A in registers as mma.m16n8k16's A fragment (P~,
+// or Q_i: load_A_fragments), B in shared memory read transposed (TransB, imm-trans-b 1: V_j is
+// stored keys x columns) or K-major (S_ij = Q_i K_j^T with Q_i in registers).
 #define ACC8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), \
                 "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
 #define ACC4 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -264,7 +265,7 @@ __device__ __forceinline__ void a_operand_fence(uint32_t (&A)[K][4]) {
                  ", 1, 1, 1, " TR ";\n" : ACC : "l"(a), "l"(b))
 #define WGMMA_RS(N, REGS, ACC, AB, TY)                                                          \
     asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", " AB    \
-                 ", 1, 1, 1, 1;\n" : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+                 ", 1, 1, 1, " TRB ";\n" : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
 template <typename T, int N, bool Trans = false>
 __device__ __forceinline__ void wgmma_ss(float* d, uint64_t a, uint64_t b) {
     static_assert(N == 48 || N == 64 || N == 128, "wgmma_ss is written for N = 48, 64, 128");
@@ -286,14 +287,43 @@ __device__ __forceinline__ void wgmma_ss(float* d, uint64_t a, uint64_t b) {
 #undef TR
     }
 }
-template <typename T, int N>
+template <typename T, int N, bool TransB = true>
 __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b) {
     static_assert(N == 64 || N == 128, "wgmma_rs is written for N = 64, 128");
     constexpr bool h = std::is_same<T, __half>::value;
-    if constexpr (N == 64 && h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "f16"));
-    if constexpr (N == 64 && !h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "bf16"));
-    if constexpr (N == 128 && h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "f16"));
-    if constexpr (N == 128 && !h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "bf16"));
+    if constexpr (TransB) {
+#define TRB "1"
+        if constexpr (N == 64 && h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "f16"));
+        if constexpr (N == 64 && !h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "bf16"));
+        if constexpr (N == 128 && h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "f16"));
+        if constexpr (N == 128 && !h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "bf16"));
+#undef TRB
+    } else {
+#define TRB "0"
+        static_assert(N == 128, "wgmma_rs reads a K-major B at N = 128");
+        if constexpr (h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "f16"));
+        else HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "bf16"));
+#undef TRB
+    }
+}
+// An A operand in registers from shared memory: a warp's 16 rows of a tile stored as TMA's 128-byte
+// swizzled rows in blocks of 64 columns (rows x 64, one after another; the 16-byte chunk c of row
+// r sits at chunk c ^ (r % 8)), all D columns, as D / 16 sets of mma.m16n8k16's A fragment, one
+// ldmatrix.x4 each: lanes 0-15 name rows 0-15 at the set's columns 0-7, lanes 16-31 at 8-15, so
+// the four 8 x 8 matrices land in a0 (rows 0-7, k 0-7), a1 (rows 8-15), a2 and a3 (k 8-15).
+// rows: the tile's rows (a block's), row: the warp's first.
+template <int D>
+__device__ __forceinline__ void load_A_fragments(uint32_t (&A)[D / 16][4], const void* tile,
+                                                 int rows, int row) {
+    const int r = row + threadIdx.x % 16, half = threadIdx.x % 32 / 16;
+    const uint32_t base = smem_addr(tile) + r * kRowBytes;
+#pragma unroll
+    for (int k = 0; k < D / 16; k++) {
+        const uint32_t at = base + k / 4 * rows * kRowBytes + ((k % 4 * 2 + half) ^ r % 8) * 16;
+        HOPPER_ONLY(asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(A[k][0]), "=r"(A[k][1]), "=r"(A[k][2]), "=r"(A[k][3])
+                                 : "r"(at) : "memory"));
+    }
 }
 // The fp8 (e4m3) forms (chapter 3's fp8 forward): m64nNk32, 32 elements of k a step, 32 bytes,
 // the same bytes as a k16 step of fp16. fp8 wgmma reads both shared-memory operands K-major only
