@@ -312,6 +312,7 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
             // Line 10 of the tile before, O_i += P~ V_{j-1}, runs while this tile's softmax does.
             if (j > j0) add_PV(read.previous().stage());
             j > j0 ? wgmma_wait<1>(S_ij) : wgmma_wait<0>(S_ij);  // S_ij done (P~ V_{j-1}: not yet)
+            if constexpr (kQregs) a_operand_fence(Q_r);  // (S_ij's product has read Q_r)
 #pragma unroll
             for (int r = 0; r < 2; r++) {              // line 9 for row query + 8r
                 float du;                              // (a derivative only the backward needs)
