@@ -51,7 +51,8 @@ __host__ __device__ constexpr int hopper_Bc(int head_dim) { return head_dim == 2
 __host__ __device__ constexpr int hopper_stages(int /* head_dim */) { return 3; }
 // Q_i in registers at d = 128 (32 a thread, read once a Q tile by load_A_fragments), so that
 // S_ij = Q_i K_j^T is an RS product and does not read Q_i from shared memory for every K/V tile
-// (lab/chapter3.md, "Q_i in registers"). At d = 256 it would take 64 registers a thread.
+// (lab/chapter3.md, "Q_i in registers"). At d = 256 it would take 64 registers a thread; at
+// d = 64 16 more do not fit the three consumers' 160 (ptxas serializes the wgmmas).
 __host__ __device__ constexpr bool hopper_q_regs(int head_dim) { return head_dim == 128; }
 // The grid: persistent, one block an SM looping over the tiles. -DHOPPER_PERSISTENT=0 gives every
 // tile its own block instead, to measure what the persistent grid buys.
