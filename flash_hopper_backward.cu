@@ -311,9 +311,16 @@ struct ConsumerThread {
 
 // Line 10: S^T = K_j Q_i^T; line 13: dP^T = V_j dO_i^T (the warpgroup's 64 keys), 16 of d a step,
 // both operands K-major in shared memory. S^T is waited for, dP^T left running.
+// K_j's rows in registers at d = 64 (the warpgroup's 64 keys as A, 16 a thread, read once a
+// block by load_A_fragments), so that S^T = K_j Q_i^T is RS; at d = 128 and 256 they do not fit
+// beside dK_j and dV_j (ptxas serializes the wgmmas).
+__host__ __device__ constexpr bool bwd_k_regs(int d) { return d == 64; }
+template <int D>
+using KFragments = uint32_t[bwd_k_regs(D) ? D / 16 : 1][4];
 template <typename T, int D>
 __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP)[kBwdBr / 2],
-                                              const BwdShared<T, D>& sh, int s, int kw) {
+                                              const BwdShared<T, D>& sh, int s, int kw,
+                                              const KFragments<D>& K_r) {
     constexpr int Br = kBwdBr, Bc = bwd_Bc(D);
     const char* K_w = reinterpret_cast<const char*>(sh.K_j) + kw * kRowBytes;
     const char* V_w = reinterpret_cast<const char*>(sh.V_j) + kw * kRowBytes;
@@ -322,9 +329,13 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
     written(S), written(dP);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < D / 16; k++)
-        wgmma_ss<T, Br>(S, smem_desc(K_w + k / 4 * Bc * kRowBytes + k % 4 * 32, 0),
-                        smem_desc(Q_i + k / 4 * Br * kRowBytes + k % 4 * 32, 0));
+    for (int k = 0; k < D / 16; k++) {
+        const uint64_t Q_k = smem_desc(Q_i + k / 4 * Br * kRowBytes + k % 4 * 32, 0);
+        if constexpr (bwd_k_regs(D))
+            wgmma_rs<T, Br, false>(S, K_r[k], Q_k);
+        else
+            wgmma_ss<T, Br>(S, smem_desc(K_w + k / 4 * Bc * kRowBytes + k % 4 * 32, 0), Q_k);
+    }
     wgmma_commit();
 #pragma unroll
     for (int k = 0; k < D / 16; k++)
@@ -513,6 +524,8 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
     const ConsumerThread<D> me;
     float dK_j[D / Split / 2] = {}, dV_j[D / Split / 2] = {};  // line 7
     mbar_wait(&sh.kv_full, 0);                         // K_j and V_j are in
+    KFragments<D> K_r;                                 // (bwd_k_regs) the warp's keys of K_j
+    if constexpr (bwd_k_regs(D)) load_A_fragments<D>(K_r, sh.K_j, Bc, me.kw + 16 * me.warp);
     const int j = blk.j;                               // (line 11's mask: once a block)
     const Span all = blk.pol.all_queries(j * Bc, (j + 1) * Bc);  // the rows that see every key
     const Span seen[2] = {blk.pol.key_queries(me.key(j, 0)), blk.pol.key_queries(me.key(j, 1))};
@@ -522,7 +535,7 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
         const int s = st.stage(), q0 = i * Br;
         mbar_wait(&sh.full[s], st.phase());            // Q_i, dO_i, L_i, D_i are in
         float S[Br / 2] = {}, dP[Br / 2] = {}, du[Br / 2];
-        products_S_dP(S, dP, sh, s, me.kw);            // lines 10, 13
+        products_S_dP(S, dP, sh, s, me.kw, K_r);       // lines 10, 13
         // Line 11 masks only where the tile reaches past a key's queries, kv_len or q_len.
         const bool edge = (j + 1) * Bc > blk.kv_len || q0 + Br > blk.q_len || q0 < all.first ||
                           q0 + Br - 1 > all.last;

@@ -300,9 +300,11 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b
 #undef TRB
     } else {
 #define TRB "0"
-        static_assert(N == 128, "wgmma_rs reads a K-major B at N = 128");
-        if constexpr (h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "f16"));
-        else HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "bf16"));
+        static_assert(N == 64 || N == 128, "wgmma_rs reads a K-major B at N = 64 or 128");
+        if constexpr (N == 64 && h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "f16"));
+        if constexpr (N == 64 && !h) HOPPER_ONLY(WGMMA_RS(64, REGS32, ACC32, AB32, "bf16"));
+        if constexpr (N == 128 && h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "f16"));
+        if constexpr (N == 128 && !h) HOPPER_ONLY(WGMMA_RS(128, REGS64, ACC64, AB64, "bf16"));
 #undef TRB
     }
 }
