@@ -348,14 +348,18 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
 // Line 11: P^T = exp(S^T - L_i) of the changed scores (pol: the tile's head's policy) in S's
 // registers, masked where the tile is an edge one (edge: it reaches past a key's queries, kv_len
 // or q_len; seen[r]: key r's queries, none past kv_len); du: each score's derivative (1 without a
-// softcap: the compiler then keeps none). acc_at(S, r, c): key kw + 16 warp + g + 8r (me.key(j,
-// r)), query 8(c/2)+2t+c%2 of the Q tile at row q0.
+// softcap: the compiler then keeps none). The mask: behind one branch a tile, which most tiles
+// skip (a select a score would cost every tile an ISETP, a PLOP3 and an FSEL a score); at d = 256
+// a select a score, which measured faster there (lab/chapter3-backward.md, "The mask behind a
+// branch"). acc_at(S, r, c): key kw + 16 warp + g + 8r (me.key(j, r)), query 8(c/2)+2t+c%2 of
+// the Q tile at row q0.
 template <int D, typename Policy>
 __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du)[kBwdBr / 2],
                                               const float* L_i, int q0, bool edge,
                                               const Span (&seen)[2], int j, const Policy& pol,
                                               const ConsumerThread<D> me, float scale_log2) {
     constexpr int Br = kBwdBr;
+    constexpr bool kSelects = D == 256;  // the mask's form, below
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const auto near = pol.at(q0 + 2 * me.t, me.key(j, r));  // query q0 + 2t + (qi - 2t)
@@ -365,9 +369,21 @@ __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du
             float& p = acc_at(S, r, c);
             p = exp2_ftz(near.exponent(p, 8 * (c / 2) + c % 2, acc_at(du, r, c), scale_log2,
                                        -L_i[qi] * kLog2e));
-            if (edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last)) p = 0.f;
+            if (kSelects && edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last)) p = 0.f;
         }
     }
+    if constexpr (!kSelects)
+        if (edge)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int first = seen[r].first - q0 - 2 * me.t;
+                const int last = seen[r].last - q0 - 2 * me.t;
+#pragma unroll
+                for (int c = 0; c < Br / 4; c++) {
+                    const int qc = 8 * (c / 2) + c % 2;  // qi - 2t: a constant
+                    if (qc < first || qc > last) acc_at(S, r, c) = 0.f;
+                }
+            }
 }
 
 // Line 14: dS^T = P^T o (dP^T - D_i), in dP's registers; then P^T and dS^T in T, as the A
