@@ -345,6 +345,11 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
     wgmma_wait<1>(S);                                  // S^T is done (dP^T may not be)
 }
 
+// Under a softcap each score takes two XU instructions, its tanh and its exponential, and the
+// consumers' softmax waits on the XU: there one exponential in kCappedFmaEvery of a thread's goes
+// to the FMA pipe instead (exp2_at, lib/log2_units.h; lab/chapter5.md part 14).
+constexpr int kCappedFmaEvery = 4;
+
 // Line 11: P^T = exp(S^T - L_i) of the changed scores (pol: the tile's head's policy) in S's
 // registers, masked where the tile is an edge one (edge: it reaches past a key's queries, kv_len
 // or q_len; seen[r]: key r's queries, none past kv_len); du: each score's derivative (1 without a
@@ -367,8 +372,9 @@ __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du
         for (int c = 0; c < Br / 4; c++) {
             const int qi = 8 * (c / 2) + 2 * me.t + c % 2;
             float& p = acc_at(S, r, c);
-            p = exp2_ftz(near.exponent(p, 8 * (c / 2) + c % 2, acc_at(du, r, c), scale_log2,
-                                       -L_i[qi] * kLog2e));
+            const float x = near.exponent(p, 8 * (c / 2) + c % 2, acc_at(du, r, c), scale_log2,
+                                          -L_i[qi] * kLog2e);
+            p = exp2_at<Policy::kCapped ? kCappedFmaEvery : 0>(x, c);
             if (kSelects && edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last)) p = 0.f;
         }
     }

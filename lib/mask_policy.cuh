@@ -169,6 +169,8 @@ struct ScoreMod {
 //                                      c u for the dot product c x
 //   kLeftEdge                          whether a row's first key can be past key 0 (a window's
 //                                      left side): where not, chapter 3 tests one side only
+//   kCapped                            whether scores take a softcap's tanh (chapter 3's backward
+//                                      then takes some exponentials on the FMA pipe)
 struct KeySpan {
     int begin, end, all_begin, all_end;
 };
@@ -181,6 +183,7 @@ struct PlainPolicy {
     int q_len, kv_len;  // the shape's (packed: the longest sequence's, until for_sequence)
     bool causal;
     static constexpr bool kLeftEdge = false;  // every row's keys start at key 0
+    static constexpr bool kCapped = false;    // no softcap
 
     POLICY_FN PlainPolicy for_sequence(int q, int kv) const { return {q, kv, causal}; }
     POLICY_FN PlainPolicy for_head(size_t) const { return *this; }
@@ -234,6 +237,7 @@ struct PlainPolicy {
 template <bool kSoftcap, bool kAlibi = true>
 struct ModelPolicy : WindowMask {
     static constexpr bool kLeftEdge = true;  // a window's rows start past key 0
+    static constexpr bool kCapped = kSoftcap;
     ScoreMod mod;
     const float* slopes;
     int heads;
