@@ -1,4 +1,4 @@
-# lab/exp2-poly.py: the coefficients of lab/patches/exp2-fma.patch's 2^f, f in [-1/2, 1/2]: for
+# lab/exp2-poly.py: the coefficients of lib/log2_units.h's exp2_fma, 2^f, f in [-1/2, 1/2]: for
 # degrees 3 to 5, the polynomial with p(0) = 1 of least maximum relative error (Remez exchange on
 # a grid of 20,001 points; plain Python, no numpy). Prints each degree's coefficients and error.
 #   python3 lab/exp2-poly.py
