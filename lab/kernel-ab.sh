@@ -9,8 +9,8 @@
 #  3. issue 45's softcap against plain (lab/power-states.cu --options 1 two), each version's binary
 #     in turn, ROUNDS (default 3) rounds, softcap over plain printed a binary, round and state.
 # NEW_FLAGS: nvcc flags for NEW (e.g. -DKNOB=2; the A/B driver passes them to main's object too,
-# where a knob main lacks changes nothing). Every log in OUT/kernel-ab.tgz; the short
-# tables last. About 5 minutes on an H200 from a clean build.
+# where a knob main lacks changes nothing). Every log in OUT/kernel-ab.tgz (the only file left
+# in OUT); the short tables last. About 5 minutes on an H200 from a clean build.
 set -uo pipefail
 out=${1:?usage: lab/kernel-ab.sh OUT FILE NEW} file=${2:?FILE} new=${3:?NEW}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
@@ -93,3 +93,6 @@ PY
     table*.txt softcap.txt)
 for d in ${AB_DIMS:-128}; do echo "d = $d (new / main, plain $kind)"; cat "$out/table$d.txt"; done
 cat "$out/softcap.txt"
+# Only the archive stays in OUT: the device returns a few files a call, and two runs' loose logs
+# (OUT1, OUT2 of one call) would crowd out the second archive.
+(cd "$out" && find . -maxdepth 1 -type f ! -name kernel-ab.tgz -delete)
