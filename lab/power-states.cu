@@ -9,7 +9,7 @@
 // (batch x N = 16384, heads = 2048 / d), d = 64, 128, 256, N = 4096, 16384, causal and not.
 // With --options ROUNDS instead: issue 45's floors in the same two states, fp16, d = 128, causal,
 // ROUNDS rounds with the cases in turns (lab/options-bench.cu's shapes and options; with "two"
-// after ROUNDS, plain and softcap alone): plain,
+// after ROUNDS, plain and softcap alone, and a head dim D after "two", at that dim): plain,
 // softcap 30, ALiBi (BLOOM's slopes) and scale 0.1 at batch 4 x 16 heads x N = 4096; dense causal
 // and a window of 4096 keys at 1 x 16 x 32768, TFLOP/s counting visible pairs. Each line is tagged
 // with the case and the round (plain1, softcap1, ..., dense1, window1).
@@ -18,8 +18,8 @@
 //     build/checks.o build/dispatch.o build/flash_hopper.o build/flash_hopper_backward.o \
 //     build/flash_hopper_fp8.o
 //   nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/power-states.cu build/*.o -o power_states
-//   ./power_states ours [fwd [D]];  ./power_states --options 2 [two]  (fwd: the forward alone;
-//   D: that head dim alone)
+//   ./power_states ours [fwd [D]];  ./power_states --options 2 [two [D]]  (fwd: the forward
+//   alone; D: that head dim alone)
 #include "checks.h"
 #include "flash.h"
 
@@ -41,11 +41,11 @@ static double causal_pairs(int n, int left) {
 }
 
 // Issue 45's options against the plain call, forward and backward, rounds in turns.
-static void options_rows(int rounds, bool two) {
+static void options_rows(int rounds, bool two, int d) {
     struct Case { const char* who; int N; AttentionOptions o; int left; };
     for (int N : {4096, 32768}) {
         if (two && N > 4096) break;
-        const AttentionShape s{N == 4096 ? 4 : 1, 16, N, N, 128, true};
+        const AttentionShape s{N == 4096 ? 4 : 1, 16, N, N, d, true};
         const size_t n = size_t(s.batch) * s.heads * N * s.head_dim;
         std::vector<__half*> t(8);  // Q K V O dO dQ dK dV
         for (__half*& p : t) FLASH_CUDA_CHECK(cudaMalloc(&p, n * sizeof(__half)));
@@ -94,7 +94,9 @@ int main(int argc, char** argv) {
     const bool fwd_only = argc > 2 && std::strcmp(argv[2], "fwd") == 0;
     if (std::strcmp(tag, "--options") == 0) {
         printf("# who pass d D N N causal C cold ms TFLOP/s t0 t1 hot ms TFLOP/s t0 t1\n");
-        options_rows(argc > 2 ? std::atoi(argv[2]) : 2, argc > 3 && !std::strcmp(argv[3], "two"));
+        const bool two = argc > 3 && !std::strcmp(argv[3], "two");
+        const int d = two && argc > 4 ? std::atoi(argv[4]) : 128;
+        options_rows(argc > 2 ? std::atoi(argv[2]) : 2, two, d);
         return 0;
     }
     printf("# who pass d D N N causal C cold ms TFLOP/s t0 t1 hot ms TFLOP/s t0 t1\n");
