@@ -12,7 +12,9 @@
 // after ROUNDS, plain and softcap alone, and a head dim D after "two", at that dim): plain,
 // softcap 30, ALiBi (BLOOM's slopes) and scale 0.1 at batch 4 x 16 heads x N = 4096; dense causal
 // and a window of 4096 keys at 1 x 16 x 32768, TFLOP/s counting visible pairs. Each line is tagged
-// with the case and the round (plain1, softcap1, ..., dense1, window1).
+// with the case and the round (plain1, softcap1, ..., dense1, window1). OPTIONS_SOFTCAP=C sets
+// the softcap to C instead of 30: the inputs' scores reach about 2, so a cap of 0.25 puts scores
+// past the cap in every tile (the tiles whose tanh then runs on the XU: lib/mask_policy.cuh).
 // Build and run (lab/gpu-power-states.sh does both, with cuDNN and the clock samples):
 //   make -j16 build/flash.o build/flash_fp16.o build/backward_passes.o build/flash_decode.o \
 //     build/checks.o build/dispatch.o build/flash_hopper.o build/flash_hopper_backward.o \
@@ -59,7 +61,8 @@ static void options_rows(int rounds, bool two, int d) {
         for (int k : {0, 1, 2, 4}) fill_uniform<<<1024, 256>>>(t[k], n, 1 + k);
         FLASH_CUDA_CHECK(cudaGetLastError());
         AttentionOptions none, cap, alibi, scale, window;
-        cap.softcap = 30.f;
+        const char* cap_env = std::getenv("OPTIONS_SOFTCAP");
+        cap.softcap = cap_env ? float(std::atof(cap_env)) : 30.f;
         alibi.alibi_slopes = slopes;
         scale.softmax_scale = 0.1f;
         window.window_left = 4096, window.window_right = 0;
