@@ -49,23 +49,25 @@ static_assert(kBwdBr >= kBackwardMinBr, "the scratch has turns for Q tiles of kB
 __host__ __device__ constexpr int bwd_stages(int d) { return d == 64 ? 4 : 2; }
 __host__ __device__ constexpr int bwd_split(int d) { return d == 256 ? 2 : 1; }
 __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bwd_split(d); }
-// dQ_i (Br x d, fp32) leaves the consumers a chunk of columns at a time, through two shared-memory
-// buffers, to two dQ writer warps, one a buffer (write_dq, below). A consumer computes 64 columns
-// a wgmma (the transposed reads need 64); who computes which:
+// dQ_i (Br x d, fp32) leaves the consumers a chunk of columns at a time, through shared-memory
+// buffers, to dQ writer warps, one a buffer (write_dq, below). A consumer computes 64 columns a
+// wgmma (the transposed reads need 64); who computes which:
 //  - d = 128: each consumer one, into a buffer of its own (chunks of 64 columns, 16 KiB);
 //  - d = 64: the consumers take turns, tile by tile (tile n: consumer n % 2, buffer n % 2); 32
 //    columns each would be narrower than the transposed wgmma reads;
 //  - d = 256: the consumers take turns too (tile n: consumer n % 2), each all four of its tile's
-//    64-column products, passed on as eight chunks of 32 columns, the two buffers in turn (8 KiB
-//    each: two of 16 KiB do not fit beside two stages). While one stages dQ_i, the other computes
-//    the next tile instead of waiting for it.
+//    64-column products, passed on as eight chunks of 32 columns, three buffers in turn (8 KiB
+//    each; the third in the room of a second dS^T buffer: dS^T waits for the last tile's dQ_i
+//    products instead). While one stages dQ_i, the other computes the next tile instead of
+//    waiting for it.
 // A buffer's uses must come in order: the parity of its barriers' phases tells a user which use it
 // waits for, and a user ahead of the other could take an older phase of the same parity for the one
 // it waits for. Where both consumers use a buffer, a barrier orders them: at d = 64 the one each
 // tile has anyway (dS^T is in: kBarrierDsIn), at d = 256 one that tile n's consumer passes to tile
 // n + 1's once its chunks are in (kBarrierDqPass).
-constexpr int kBwdDqBuffers = 2;
-static_assert(kBwdDqBuffers == 2, "a writer warp a buffer, two consumers taking turns at them");
+__host__ __device__ constexpr int bwd_dq_buffers(int d) { return d == 256 ? 3 : 2; }
+__host__ __device__ constexpr int bwd_ds_buffers(int d) { return d == 256 ? 1 : 2; }
+static_assert(bwd_dq_buffers(256) <= 3, "a writer warp a buffer: warpgroup 0's warps 1 .. 3");
 __host__ __device__ constexpr int bwd_dq_cols(int d) { return d == 256 ? 32 : 64; }
 __host__ __device__ constexpr int bwd_dq_chunks(int d) { return d / bwd_dq_cols(d); }
 // The named barriers (barrier.sync and barrier.arrive take an id, 0 being __syncthreads'), and who
@@ -97,9 +99,10 @@ struct BwdShared {
     alignas(1024) T V_j[Bc * D];
     alignas(1024) T Q_s[Stages][Br * D];               // stage s: Q_s[s] and dO_s[s] hold
     alignas(1024) T dO_s[Stages][Br * D];              // Q_i and dO_i (line 9)
-    alignas(1024) T dS_s[2][Bc * Br];                  // dS^T (Bc x Br, swizzled as TMA would):
-                                                       // tile n's in dS_s[n % 2]
-    alignas(1024) float dQ_s[kBwdDqBuffers][Br * bwd_dq_cols(D)];  // dQ buffer b: its chunk as
+    static constexpr int DsBufs = bwd_ds_buffers(D), DqBufs = bwd_dq_buffers(D);
+    alignas(1024) T dS_s[DsBufs][Bc * Br];             // dS^T (Bc x Br, swizzled as TMA would):
+                                                       // tile n's in dS_s[n % DsBufs]
+    alignas(1024) float dQ_s[DqBufs][Br * bwd_dq_cols(D)];  // dQ buffer b: its chunk as
                                                        // boxes of Br rows x 32 floats, swizzled
     struct { float L_i[Br], D_i[Br]; } LD[Stages];     // stage s: L_i, D_i (line 9)
     // The mbarriers: the stages' full (the producer's 32 lanes, with the bytes of its copies) and
@@ -107,7 +110,7 @@ struct BwdShared {
     // warpgroup's 128 arrivals) and read (its writer's one).
     uint64_t full[Stages], empty[Stages];
     uint64_t kv_full;
-    uint64_t dq_full[kBwdDqBuffers], dq_empty[kBwdDqBuffers];
+    uint64_t dq_full[DqBufs], dq_empty[DqBufs];
 };
 // The launcher's bytes (shared_bytes_through, lib/hopper.cuh), within the 227 KiB of a block.
 template <int D>
@@ -263,7 +266,7 @@ __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& 
 template <typename T, int D, typename Blk>
 __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap& dQacc,
                                          int* turns, const Blk& blk) {
-    constexpr int Chunks = bwd_dq_chunks(D), Bufs = kBwdDqBuffers, Cols = bwd_dq_cols(D);
+    constexpr int Chunks = bwd_dq_chunks(D), Bufs = bwd_dq_buffers(D), Cols = bwd_dq_cols(D);
     constexpr int Br = kBwdBr;
     const int w = threadIdx.x / 32 - 1;                // writer w, buffer w
     const bool lane0 = threadIdx.x % 32 == 0;
@@ -424,7 +427,7 @@ template <typename T, int D>
 __device__ __forceinline__ void store_dS_T(BwdShared<T, D>& sh, int n,
                                            const uint32_t (&dS)[kBwdBr / 16][4],
                                            const ConsumerThread<D> me) {
-    char* dS_T = reinterpret_cast<char*>(sh.dS_s[n % 2]);
+    char* dS_T = reinterpret_cast<char*>(sh.dS_s[n % bwd_ds_buffers(D)]);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int key = me.kw + 16 * me.warp + me.g + 8 * r;
@@ -487,7 +490,7 @@ template <typename T, int D>
 __device__ __forceinline__ void product_dQ(float (&dQ_i)[32], const BwdShared<T, D>& sh, int n,
                                            int c) {
     constexpr int Bc = bwd_Bc(D);
-    const char* dS_T = reinterpret_cast<const char*>(sh.dS_s[n % 2]);
+    const char* dS_T = reinterpret_cast<const char*>(sh.dS_s[n % bwd_ds_buffers(D)]);
     const char* K_c = reinterpret_cast<const char*>(sh.K_j);
     written(dQ_i);
     wgmma_fence();
@@ -505,7 +508,7 @@ __device__ __forceinline__ void product_dQ(float (&dQ_i)[32], const BwdShared<T,
 // buffer's full barrier once all of its boxes are in.
 template <typename T, int D>
 __device__ __forceinline__ void send_dq(BwdShared<T, D>& sh, float (&dQ_i)[32], int n, int c) {
-    constexpr int Br = kBwdBr, Bufs = kBwdDqBuffers, Chunks = bwd_dq_chunks(D);
+    constexpr int Br = kBwdBr, Bufs = bwd_dq_buffers(D), Chunks = bwd_dq_chunks(D);
     constexpr int Cols = bwd_dq_cols(D);
 #pragma unroll
     for (int h = 0; h < 2; h++) {                      // its boxes of 32 columns: chunk q, buffer b
@@ -567,13 +570,16 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
         uint32_t P[Br / 16][4], dS[Br / 16][4];        // P^T and dS^T in T, as A fragments
         ds_fragments<T>(P, dS, S, dP, du, sh.LD[s].D_i, me.t);  // line 14
         // dS^T for line 15. At Split = 2 both warpgroups hold it; the one that computes dQ_i
-        // (kBwdDqBuffers' comment) stores it, into its own buffer: n % 2 = wg.
+        // (the dQ buffers' comment) stores it, into the one buffer once tile n - 1's dQ_i products
+        // have read it (they are done when that tile's consumer passes kBarrierDqPass on).
         const bool adds = D == 128 || me.wg == n % C;  // it computes dQ_i, or its part
-        if (Split == 1 || adds) store_dS_T(sh, n, dS, me);
+        if (Split == 1) store_dS_T(sh, n, dS, me);
         products_dV_dK(dV_j, dK_j, P, dS, sh, s, me.cw);  // lines 12, 16 run on meanwhile
         if (Split == 1) named_barrier(kBarrierDsIn, kWarpgroup * C);  // every dS^T is in
-        else if (adds && n > 0)                        // tile n - 1's dQ_i is staged
-            named_barrier(kBarrierDqPass + n % 2, kWarpgroup * C);
+        else if (adds) {
+            if (n > 0) named_barrier(kBarrierDqPass + n % 2, kWarpgroup * C);  // tile n - 1's
+            store_dS_T(sh, n, dS, me);                 // dQ_i is staged, its dS^T read
+        }
 #pragma unroll 1
         for (int cb = 0; cb < (adds ? D / 64 / (D == 128 ? C : 1) : 0); cb++) {
             const int c = D == 128 ? me.wg : cb;       // line 15: dQ_i, columns 64c..
@@ -614,7 +620,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     BwdShared<T, D>& sh = shared_storage<BwdShared<T, D>>();
     if (threadIdx.x == 0) {                            // the mbarriers, before any use
         mbar_init(&sh.kv_full, 1);
-        for (int b = 0; b < kBwdDqBuffers; b++)
+        for (int b = 0; b < bwd_dq_buffers(D); b++)
             mbar_init(&sh.dq_full[b], 128), mbar_init(&sh.dq_empty[b], 1);
         init_barriers(sh.full, sh.empty, bwd_stages(D), 128 * kBwdConsumers, 32);
     }
@@ -622,7 +628,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     const auto blk = bwd_block<bwd_Bc(D), kBwdBr>(ticket, policy, lay, Tc, BH, group, HG);
     if (threadIdx.x < kWarpgroup) {                    // warpgroup 0: few registers
         setmaxnreg<false, kBwdProducerRegs>();
-        if (threadIdx.x >= 32 * (1 + kBwdDqBuffers)) return;
+        if (threadIdx.x >= 32 * (1 + bwd_dq_buffers(D))) return;
         if (threadIdx.x >= 32) return write_dq(sh, dQacc, turns, blk);  // the dQ writers
         return produce(sh, Q, K, V, dO, L, Dsum, blk, lay);  // the producer
     }
