@@ -63,8 +63,9 @@ __host__ __device__ constexpr int bwd_Bc(int d) { return 64 * kBwdConsumers / bw
 // A buffer's uses must come in order: the parity of its barriers' phases tells a user which use it
 // waits for, and a user ahead of the other could take an older phase of the same parity for the one
 // it waits for. Where both consumers use a buffer, a barrier orders them: at d = 64 the one each
-// tile has anyway (dS^T is in: kBarrierDsIn), at d = 256 one that tile n's consumer passes to tile
-// n + 1's once its chunks are in (kBarrierDqPass).
+// tile has anyway (dS^T is in: kBarrierDsIn), at d = 256 the mbarrier ds_read, on which tile n's
+// consumer arrives once its chunks are in and its dQ_i products have read dS^T, and for which tile
+// n + 1's waits before it stores its dS^T.
 __host__ __device__ constexpr int bwd_dq_buffers(int d) { return d == 256 ? 3 : 2; }
 __host__ __device__ constexpr int bwd_ds_buffers(int d) { return d == 256 ? 1 : 2; }
 static_assert(bwd_dq_buffers(256) <= 3, "a writer warp a buffer: warpgroup 0's warps 1 .. 3");
@@ -73,9 +74,7 @@ __host__ __device__ constexpr int bwd_dq_chunks(int d) { return d / bwd_dq_cols(
 // The named barriers (barrier.sync and barrier.arrive take an id, 0 being __syncthreads'), and who
 // meets at each:
 constexpr int kBarrierDsIn = 2;     // Split = 1: both consumers, each having stored its dS^T
-constexpr int kBarrierDqPass = 3;   // Split = 2: kBarrierDqPass + n % 2 (3 or 4), where tile n's
-                                    // consumer waits until tile n - 1's has staged its chunks
-constexpr int kBarrierWriters = 5;  // the two dQ writers: both have completed a tile's adds
+constexpr int kBarrierWriters = 5;  // the dQ writers: all have completed a tile's adds
 // Registers a thread, set with setmaxnreg (the forward's pair at two consumers, as FlashAttention-3
 // has it). setmaxnreg only moves registers within the block's own: its 384 threads start with 168
 // each (65536 / 384, rounded down to a multiple of 8: ptxas -v), 64512 in all, and
@@ -107,16 +106,18 @@ struct BwdShared {
     struct { float L_i[Br], D_i[Br]; } LD[Stages];     // stage s: L_i, D_i (line 9)
     // The mbarriers: the stages' full (the producer's 32 lanes, with the bytes of its copies) and
     // empty (each consumer thread's arrival); K_j and V_j are in; dQ buffer b is filled (a
-    // warpgroup's 128 arrivals) and read (its writer's one).
+    // warpgroup's 128 arrivals) and read (its writer's one); the one dS^T buffer is read (DsBufs =
+    // 1: the warpgroup's 128 arrivals after its dQ_i products).
     uint64_t full[Stages], empty[Stages];
     uint64_t kv_full;
     uint64_t dq_full[DqBufs], dq_empty[DqBufs];
+    uint64_t ds_read;
 };
 // The launcher's bytes (shared_bytes_through, lib/hopper.cuh), within the 227 KiB of a block.
 template <int D>
 constexpr size_t bwd_hopper_shared_bytes() {
     using Shared = BwdShared<__half, D>;               // (bf16's is the same: 2-byte elements)
-    return shared_bytes_through(offsetof(Shared, dq_empty) + sizeof(Shared::dq_empty));
+    return shared_bytes_through(offsetof(Shared, ds_read) + sizeof(Shared::ds_read));
 }
 static_assert(bwd_hopper_shared_bytes<64>() <= 227 * 1024 &&
                   bwd_hopper_shared_bytes<128>() <= 227 * 1024 &&
@@ -570,15 +571,15 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
         uint32_t P[Br / 16][4], dS[Br / 16][4];        // P^T and dS^T in T, as A fragments
         ds_fragments<T>(P, dS, S, dP, du, sh.LD[s].D_i, me.t);  // line 14
         // dS^T for line 15. At Split = 2 both warpgroups hold it; the one that computes dQ_i
-        // (the dQ buffers' comment) stores it, into the one buffer once tile n - 1's dQ_i products
-        // have read it (they are done when that tile's consumer passes kBarrierDqPass on).
+        // (the dQ buffers' comment) stores it, into the one buffer, once tile n - 1's consumer
+        // has staged its chunks and its dQ_i products have read dS^T (ds_read).
         const bool adds = D == 128 || me.wg == n % C;  // it computes dQ_i, or its part
         if (Split == 1) store_dS_T(sh, n, dS, me);
         products_dV_dK(dV_j, dK_j, P, dS, sh, s, me.cw);  // lines 12, 16 run on meanwhile
         if (Split == 1) named_barrier(kBarrierDsIn, kWarpgroup * C);  // every dS^T is in
         else if (adds) {
-            if (n > 0) named_barrier(kBarrierDqPass + n % 2, kWarpgroup * C);  // tile n - 1's
-            store_dS_T(sh, n, dS, me);                 // dQ_i is staged, its dS^T read
+            if (n > 0) mbar_wait(&sh.ds_read, (n - 1) % 2);  // tile n - 1's arrivals
+            store_dS_T(sh, n, dS, me);
         }
 #pragma unroll 1
         for (int cb = 0; cb < (adds ? D / 64 / (D == 128 ? C : 1) : 0); cb++) {
@@ -587,8 +588,7 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
             product_dQ(dQ_i, sh, n, c);
             send_dq(sh, dQ_i, n, c);
         }
-        if (Split == 2 && adds && n + 1 < blk.tiles)   // tile n's is: tile n + 1's may go on
-            named_arrive(kBarrierDqPass + (n + 1) % 2, kWarpgroup * C);
+        if (Split == 2 && adds) mbar_arrive(&sh.ds_read);  // staged, dS^T read: tile n + 1's
         wgmma_wait<0>(dV_j), written(dK_j);            // lines 12, 16 done: stage, A fragments free
         // Every consumer thread gives the stage back itself, so that its own reads of L_i, D_i
         // (the producer's plain stores) are ordered before the refill by its own arrival: one
@@ -620,6 +620,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     BwdShared<T, D>& sh = shared_storage<BwdShared<T, D>>();
     if (threadIdx.x == 0) {                            // the mbarriers, before any use
         mbar_init(&sh.kv_full, 1);
+        if (bwd_ds_buffers(D) == 1) mbar_init(&sh.ds_read, 128);
         for (int b = 0; b < bwd_dq_buffers(D); b++)
             mbar_init(&sh.dq_full[b], 128), mbar_init(&sh.dq_empty[b], 1);
         init_barriers(sh.full, sh.empty, bwd_stages(D), 128 * kBwdConsumers, 32);
