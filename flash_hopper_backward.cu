@@ -254,16 +254,17 @@ __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The dQ writers (the producer warpgroup's second and third warps; FlashAttention-3's way to add
-// dQ): writer w takes the chunks of buffer w, in the order the consumers fill them (tile n's chunks
-// c = 0 .. Chunks - 1, chunk q = n Chunks + c in buffer q % Bufs); its lane 0 adds each into dQacc
-// with one TMA reduce-add per 32 columns (the first block in the order stores instead) and gives
-// the buffer back once the TMA has read it. Two writers, so that one buffer's read by the TMA
-// overlaps the other's. The order across blocks is chapter 2's: before its first chunk of a tile a
-// writer waits for the block's turn at that (query head, Q tile), and once the tile's adds are
-// complete (both writers', where the tile has chunks in both buffers; at d = 64 a tile is one
-// chunk, in buffer n % 2) the turn passes on, before any wait for the next tile (NOTES section
-// 14). The consumers never wait for a turn, and never issue an atomic.
+// The dQ writers (the producer warpgroup's second and third warps, and its fourth at d = 256;
+// FlashAttention-3's way to add dQ): writer w takes the chunks of buffer w, in the order the
+// consumers fill them (tile n's chunks c = 0 .. Chunks - 1, chunk q = n Chunks + c in buffer
+// q % Bufs); its lane 0 adds each into dQacc with one TMA reduce-add per 32 columns (the first
+// block in the order stores instead) and gives the buffer back once the TMA has read it. A writer
+// a buffer, so that one buffer's read by the TMA overlaps the others'. The order across blocks is
+// chapter 2's: before its first chunk of a tile a writer waits for the block's turn at that (query
+// head, Q tile), and once the tile's adds are complete (every writer's, where the tile has chunks
+// in every buffer; at d = 64 a tile is one chunk, in buffer n % 2) the turn passes on, before any
+// wait for the next tile (NOTES section 14). The consumers never wait for a turn, and never issue
+// an atomic.
 template <typename T, int D, typename Blk>
 __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap& dQacc,
                                          int* turns, const Blk& blk) {
@@ -278,7 +279,7 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
         const int mine = blk.mine(i);                  // its place in dQ_i's order
         bool adding = false;                           // it has chunks of tile n
         for (int c = 0; c < Chunks; c++, q++) {
-            if (q % Bufs != w) continue;               // the other writer's chunk
+            if (q % Bufs != w) continue;               // another writer's chunk
             mbar_wait(&sh.dq_full[w], q / Bufs % 2);   // the chunk is in its buffer
             if (!adding) wait_turn(turn, mine), fence_proxy_async_global(), adding = true;
             if (lane0) {
@@ -291,7 +292,7 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
             __syncwarp();
         }
         if (lane0 && adding) bulk_wait<0>(), fence_proxy_async_global();  // its adds are complete
-        if (Chunks >= Bufs) named_barrier(kBarrierWriters, 32 * Bufs);  // and the other writer's
+        if (Chunks >= Bufs) named_barrier(kBarrierWriters, 32 * Bufs);  // and the others'.
         if (lane0 && (Chunks >= Bufs ? w == 0 : adding)) pass_turn(turn);
         __syncwarp();
     }
@@ -602,8 +603,8 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
 // ---------------------------------------------------------------------------------------------
 // The kernel: one block per (batch*kv head, K/V tile j), in ticket order (chapter 2's). Warpgroup
 // 0's first warp is the producer (lane 0 issues the TMA copies, all 32 lanes copy L_i and D_i), its
-// second and third the dQ writers, its fourth idle; warpgroups 1 and 2 the consumers. Shared
-// memory: BwdShared.
+// second and third the dQ writers (and its fourth at d = 256, else idle); warpgroups 1 and 2 the
+// consumers. Shared memory: BwdShared.
 template <typename T, int D, int Split, typename Policy>
 __global__ void __launch_bounds__(kBwdThreads, 1)
 flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
