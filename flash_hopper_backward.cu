@@ -332,20 +332,22 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
     const char* Q_i = reinterpret_cast<const char*>(sh.Q_s[s]);
     const char* dO_i = reinterpret_cast<const char*>(sh.dO_s[s]);
     written(S), written(dP);
+    const uint64_t Q_d = smem_desc(Q_i, 0), K_d = smem_desc(K_w, 0);  // (desc_plus steps them)
+    const uint64_t V_d = smem_desc(V_w, 0), dO_d = smem_desc(dO_i, 0);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < D / 16; k++) {
-        const uint64_t Q_k = smem_desc(Q_i + k / 4 * Br * kRowBytes + k % 4 * 32, 0);
+        const uint64_t Q_k = desc_plus(Q_d, k / 4 * Br * kRowBytes + k % 4 * 32);
         if constexpr (bwd_k_regs(D))
             wgmma_rs<T, Br, false>(S, K_r[k], Q_k);
         else
-            wgmma_ss<T, Br>(S, smem_desc(K_w + k / 4 * Bc * kRowBytes + k % 4 * 32, 0), Q_k);
+            wgmma_ss<T, Br>(S, desc_plus(K_d, k / 4 * Bc * kRowBytes + k % 4 * 32), Q_k);
     }
     wgmma_commit();
 #pragma unroll
     for (int k = 0; k < D / 16; k++)
-        wgmma_ss<T, Br>(dP, smem_desc(V_w + k / 4 * Bc * kRowBytes + k % 4 * 32, 0),
-                        smem_desc(dO_i + k / 4 * Br * kRowBytes + k % 4 * 32, 0));
+        wgmma_ss<T, Br>(dP, desc_plus(V_d, k / 4 * Bc * kRowBytes + k % 4 * 32),
+                        desc_plus(dO_d, k / 4 * Br * kRowBytes + k % 4 * 32));
     wgmma_commit();
     wgmma_wait<1>(S);                                  // S^T is done (dP^T may not be)
 }
@@ -450,16 +452,16 @@ __device__ __forceinline__ void products_dV_dK(float (&dV_j)[D / bwd_split(D) / 
                                                const uint32_t (&dS)[kBwdBr / 16][4],
                                                const BwdShared<T, D>& sh, int s, int cw) {
     constexpr int Br = kBwdBr, Dw = D / bwd_split(D), N = Dw < 128 ? Dw : 128;
-    const char* Q_i = reinterpret_cast<const char*>(sh.Q_s[s]);
-    const char* dO_i = reinterpret_cast<const char*>(sh.dO_s[s]);
+    const uint64_t Q_d = smem_desc(sh.Q_s[s], Br * kRowBytes);
+    const uint64_t dO_d = smem_desc(sh.dO_s[s], Br * kRowBytes);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < Br / 16; k++)
 #pragma unroll
         for (int h = 0; h < Dw / N; h++) {
             const int at = ((cw + h * N) / 64 * Br + 16 * k) * kRowBytes;
-            wgmma_rs<T, N>(dV_j + h * N / 2, P[k], smem_desc(dO_i + at, Br * kRowBytes));
-            wgmma_rs<T, N>(dK_j + h * N / 2, dS[k], smem_desc(Q_i + at, Br * kRowBytes));
+            wgmma_rs<T, N>(dV_j + h * N / 2, P[k], desc_plus(dO_d, at));
+            wgmma_rs<T, N>(dK_j + h * N / 2, dS[k], desc_plus(Q_d, at));
         }
     wgmma_commit();
 }
@@ -492,15 +494,14 @@ template <typename T, int D>
 __device__ __forceinline__ void product_dQ(float (&dQ_i)[32], const BwdShared<T, D>& sh, int n,
                                            int c) {
     constexpr int Bc = bwd_Bc(D);
-    const char* dS_T = reinterpret_cast<const char*>(sh.dS_s[n % bwd_ds_buffers(D)]);
-    const char* K_c = reinterpret_cast<const char*>(sh.K_j);
-    written(dQ_i);
+    const uint64_t dS_d = smem_desc(sh.dS_s[n % bwd_ds_buffers(D)], Bc * kRowBytes);
+    const uint64_t K_d = smem_desc(sh.K_j, Bc * kRowBytes);  // lbo: where a next 64-column block
+    written(dQ_i);                                     // would be
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < Bc / 16; k++)
-        wgmma_ss<T, 64, true>(dQ_i,  // lbo: where a next 64-column block would be
-                              smem_desc(dS_T + 16 * k * kRowBytes, Bc * kRowBytes),
-                              smem_desc(K_c + (c * Bc + 16 * k) * kRowBytes, Bc * kRowBytes));
+        wgmma_ss<T, 64, true>(dQ_i, desc_plus(dS_d, 16 * k * kRowBytes),
+                              desc_plus(K_d, (c * Bc + 16 * k) * kRowBytes));
     wgmma_commit();
     wgmma_wait<0>(dQ_i);
 }
