@@ -260,7 +260,7 @@ __device__ __forceinline__ void fwd_consume(FwdShared<T, D, Bc, Consumers>& sh, 
     int* work = sh.work;
     const auto K_at = [&](int stage) { return sh.KV[stage].K_j; };
     const auto V_at = [&](int stage) { return sh.KV[stage].V_j; };
-    const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / kWarpgroup), 0) - 1;  // which consumer
+    const int wg = warpgroup_index() - 1;              // which consumer, 0 .. Consumers - 1
     const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     // The warpgroup's 64 rows of Q_i: in each 64-column block, after wg times 64 rows of 64.
     const uint64_t Q_w = smem_desc(Q_i + wg * 64 * 64, 0);  // (a descriptor: desc_plus)

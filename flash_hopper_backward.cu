@@ -309,7 +309,7 @@ struct ConsumerThread {
     static constexpr int Split = bwd_split(D), Dw = D / Split;  // Dw: columns it holds
     int wg, warp, g, t, kw, cw;
     __device__ ConsumerThread()
-        : wg(__shfl_sync(0xffffffffu, int(threadIdx.x / kWarpgroup), 0) - 1), warp(threadIdx.x % kWarpgroup / 32),
+        : wg(warpgroup_index() - 1), warp(threadIdx.x % kWarpgroup / 32),
           g(threadIdx.x % 32 / 4), t(threadIdx.x % 4), kw(wg / Split * 64), cw(wg % Split * Dw) {}
     __device__ int key(int j, int r) const { return j * bwd_Bc(D) + kw + 16 * warp + g + 8 * r; }
 };

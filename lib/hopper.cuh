@@ -29,6 +29,13 @@
 constexpr int kWarpgroup = 128;  // threads in a warpgroup: 4 warps, which issue a wgmma together
 constexpr int kRowBytes = 128;   // bytes of a swizzled row: 64 fp16 or bf16 elements (below)
 
+// This thread's warpgroup, taken from lane 0: the same number, but the compiler then knows it is
+// the same in every lane, so addresses and wgmma descriptors built from it live in uniform
+// registers instead of being copied there before each wgmma (R2UR; NOTES.md section 17).
+__device__ __forceinline__ int warpgroup_index() {
+    return __shfl_sync(0xffffffffu, int(threadIdx.x / kWarpgroup), 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Shared memory: the 128-byte swizzle. wgmma reads a tile as blocks of 64 columns of 16-bit
 // elements (128 bytes a row), rows one after another, and in each row the 16-byte chunk c sits at
