@@ -303,13 +303,16 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
 
 // A consumer thread: its warpgroup wg (0 .. C - 1), warp and lane (lane = 4g + t: acc_at's
 // layout), and the keys kw.. and columns cw.. of dK_j, dV_j it holds (at Split = 2 both
-// warpgroups hold keys 0 .. 63, each half of the columns).
+// warpgroups hold keys 0 .. 63, each half of the columns). wg from lane 0 keeps the descriptors
+// uniform; at d = 128 that gained nothing and made ptxas spill (lab/chapter3-backward.md).
+__host__ __device__ constexpr bool bwd_uniform_wg(int d) { return d != 128; }
 template <int D>
 struct ConsumerThread {
     static constexpr int Split = bwd_split(D), Dw = D / Split;  // Dw: columns it holds
     int wg, warp, g, t, kw, cw;
     __device__ ConsumerThread()
-        : wg(warpgroup_index() - 1), warp(threadIdx.x % kWarpgroup / 32),
+        : wg((bwd_uniform_wg(D) ? warpgroup_index() : int(threadIdx.x / kWarpgroup)) - 1),
+          warp(threadIdx.x % kWarpgroup / 32),
           g(threadIdx.x % 32 / 4), t(threadIdx.x % 4), kw(wg / Split * 64), cw(wg % Split * Dw) {}
     __device__ int key(int j, int r) const { return j * bwd_Bc(D) + kw + 16 * warp + g + 8 * r; }
 };
