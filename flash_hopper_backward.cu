@@ -355,6 +355,32 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
     wgmma_wait<1>(S);                                  // S^T is done (dP^T may not be)
 }
 
+// Line 11's offsets, -L_i log2(e), of a thread's 16 queries (acc_at's column c: query
+// 8(c/2) + 2t + c%2). Read into registers right after the stage's full wait (Ahead), so that line
+// 11's exponentials do not wait on shared memory behind S^T's product. A policy that changes the
+// scores (a softcap, ALiBi) holds registers of its own: there the 16 made ptxas spill and ran
+// slower, so line 11 reads each as it goes (lab/chapter3-backward.md, "L_i in registers").
+template <typename Policy>
+constexpr bool bwd_l_ahead = true;
+template <bool kSoftcap, bool kAlibi>
+constexpr bool bwd_l_ahead<ModelPolicy<kSoftcap, kAlibi>> = !kSoftcap && !kAlibi;
+template <bool Ahead>
+struct RowOffsets {
+    float v[kBwdBr / 4];
+    __device__ RowOffsets(const float* L_i, int t) {
+#pragma unroll
+        for (int c = 0; c < kBwdBr / 4; c++) v[c] = -L_i[8 * (c / 2) + 2 * t + c % 2] * kLog2e;
+    }
+    __device__ float operator[](int c) const { return v[c]; }
+};
+template <>
+struct RowOffsets<false> {
+    const float* L_i;
+    int t;
+    __device__ RowOffsets(const float* L, int t_) : L_i(L), t(t_) {}
+    __device__ float operator[](int c) const { return -L_i[8 * (c / 2) + 2 * t + c % 2] * kLog2e; }
+};
+
 // Under a softcap each score takes two XU instructions, its tanh and its exponential, and the
 // consumers' softmax waits on the XU: there one exponential in kCappedFmaEvery of a thread's goes
 // to the FMA pipe instead (exp2_at, lib/log2_units.h; lab/chapter5.md part 14).
@@ -368,9 +394,9 @@ constexpr int kCappedFmaEvery = 4;
 // a select a score, which measured faster there (lab/chapter3-backward.md, "The mask behind a
 // branch"). acc_at(S, r, c): key kw + 16 warp + g + 8r (me.key(j, r)), query 8(c/2)+2t+c%2 of
 // the Q tile at row q0.
-template <int D, typename Policy>
+template <int D, typename Policy, bool Ahead>
 __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du)[kBwdBr / 2],
-                                              const float* L_i, int q0, bool edge,
+                                              const RowOffsets<Ahead>& nL, int q0, bool edge,
                                               const Span (&seen)[2], int j, const Policy& pol,
                                               const ConsumerThread<D> me, float scale_log2) {
     constexpr int Br = kBwdBr;
@@ -383,7 +409,7 @@ __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du
             const int qi = 8 * (c / 2) + 2 * me.t + c % 2;
             float& p = acc_at(S, r, c);
             const float x = near.exponent(p, 8 * (c / 2) + c % 2, acc_at(du, r, c), scale_log2,
-                                          -L_i[qi] * kLog2e);
+                                          nL[c]);
             p = exp2_at<Policy::kCapped ? kCappedFmaEvery : 0>(x, c);
             if (kSelects && edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last)) p = 0.f;
         }
@@ -566,11 +592,12 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
         const int s = st.stage(), q0 = i * Br;
         mbar_wait(&sh.full[s], st.phase());            // Q_i, dO_i, L_i, D_i are in
         float S[Br / 2] = {}, dP[Br / 2] = {}, du[Br / 2];
+        const RowOffsets<bwd_l_ahead<decltype(blk.pol)>> nL(sh.LD[s].L_i, me.t);
         products_S_dP(S, dP, sh, s, me.kw, K_r);       // lines 10, 13
         // Line 11 masks only where the tile reaches past a key's queries, kv_len or q_len.
         const bool edge = (j + 1) * Bc > blk.kv_len || q0 + Br > blk.q_len || q0 < all.first ||
                           q0 + Br - 1 > all.last;
-        probabilities(S, du, sh.LD[s].L_i, q0, edge, seen, j, blk.pol.for_head(bh), me,
+        probabilities(S, du, nL, q0, edge, seen, j, blk.pol.for_head(bh), me,
                       scale_log2);                     // line 11
         wgmma_wait<0>(dP);                             // dP^T is done
         uint32_t P[Br / 16][4], dS[Br / 16][4];        // P^T and dS^T in T, as A fragments

@@ -366,7 +366,7 @@ flash_forward_fp8_kernel(const __grid_constant__ CUtensorMap Q,
         return;
     }
     setmaxnreg<true, 240>();
-    const int wg = threadIdx.x / kWarpgroup - 1;
+    const int wg = warpgroup_index() - 1;
     const int warp = threadIdx.x % kWarpgroup / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     const uint64_t Q_w = smem_desc(reinterpret_cast<const char*>(sh.Q_i) + wg * 64 * kRowBytes, 0);
     const uint64_t ones = smem_desc(sh.ones, 0);       // (descriptors: desc_plus steps them)
