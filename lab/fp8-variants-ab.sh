@@ -10,7 +10,9 @@
 # copied to the scratch folder first so that it is built against this tree's headers.
 # Each variant is made from its patch's hunks for flash_hopper_fp8.cu in a scratch folder (for e4
 # and e2, with the lines the patch adds to lib/log2_units.h, exp2_fma and exp2_mixed, pasted after
-# the file's includes); the tree is not changed. With SOURCES_ONLY=1 it writes the variants'
+# the file's includes); the tree is not changed. A variant whose patch no longer applies to the
+# file (all four, since the kernel's P~ went into e4m3 pairs) is skipped with a line saying so.
+# With SOURCES_ONLY=1 it writes the variants'
 # sources to OUT and stops (no GPU needed: to read them, or compile them with lab/ptxas-spills.sh).
 # Needs build/checks.o (made here if missing: CPPFLAGS as for make). ROUNDS (default 3). Logs
 # under OUT; the table last (TFLOP/s; max|dO| against base).
@@ -27,24 +29,31 @@ hunks() {
     awk -v want=" $* " '/^diff --git /{keep = index(want, " " substr($3, 3) " ") > 0} keep' \
         "lab/patches/$patch"
 }
-# variant NAME PATCH [DEFINE]: flash_hopper_fp8.cu with PATCH's hunks, as $tmp/NAME.cu
+# variant NAME PATCH [DEFINE]: flash_hopper_fp8.cu with PATCH's hunks, as $tmp/NAME.cu, named in
+# $tmp/list; skipped, with a line saying so, where the hunks no longer apply to the file (the
+# kernel has moved on since the patch was made).
 variant() {
     local name=$1 patch=$2 define=${3:-}
     mkdir -p "$tmp/$name"
     cp flash_hopper_fp8.cu "$tmp/$name/"
-    hunks "$patch" flash_hopper_fp8.cu | patch -s -p1 -d "$tmp/$name"
+    if ! hunks "$patch" flash_hopper_fp8.cu | patch -s -p1 -d "$tmp/$name" >/dev/null 2>&1; then
+        echo "$name: lab/patches/$patch no longer applies to flash_hopper_fp8.cu (skipped)"
+        return 0
+    fi
     # what the patch adds to lib/log2_units.h, after the file's last include
     hunks "$patch" lib/log2_units.h | sed -n 's/^+\([^+]\|$\)/\1/p' >"$tmp/$name/helpers.h"
     awk -v h="$tmp/$name/helpers.h" '{print} /^#include "mask_policy.cuh"/ {
         while ((getline line < h) > 0) print line }' "$tmp/$name/flash_hopper_fp8.cu" \
         >"$tmp/$name.cu"
     [ -z "$define" ] || sed -i "1i #define $define" "$tmp/$name.cu"
+    echo "$name=$tmp/$name.cu" >>"$tmp/list"
 }
 variant e4 exp2-fma.patch "EXP_FMA_EVERY 4"
 variant e2 exp2-fma.patch "EXP_FMA_EVERY 2"
 variant tree fp8-tree-reductions.patch
 variant skip fp8-rescale-skip.patch
 extra=()
+[ -f "$tmp/list" ] && mapfile -t extra <"$tmp/list"
 for arg in "${@:2}"; do
     n=${arg%%=*}
     cp "${arg#*=}" "$tmp/x-$n.cu" && extra+=("$n=$tmp/x-$n.cu")
@@ -52,9 +61,7 @@ done
 [ "${SOURCES_ONLY:-0}" = 1 ] && { cp "$tmp"/*.cu "$out"/; exit 0; }
 [ -f build/checks.o ] || make build/checks.o ARCH=sm_90 >"$out/checks-build.log" 2>&1
 t0=$SECONDS
-AB_KIND=fp8 lab/hopper-ab.sh base=flash_hopper_fp8.cu e4="$tmp/e4.cu" \
-    e2="$tmp/e2.cu" tree="$tmp/tree.cu" \
-    skip="$tmp/skip.cu" "${extra[@]}" >"$out/build.log" 2>&1 ||
+AB_KIND=fp8 lab/hopper-ab.sh base=flash_hopper_fp8.cu "${extra[@]}" >"$out/build.log" 2>&1 ||
     { tail -n 30 "$out/build.log"; exit 1; }
-echo "built $((5 + ${#extra[@]})) variants in $((SECONDS - t0)) s"
+echo "built $((1 + ${#extra[@]})) variants in $((SECONDS - t0)) s"
 ./fp8_ab "${ROUNDS:-3}" | tee "$out/fp8-variants.txt"
