@@ -12,7 +12,8 @@
 # and e2, with the lines the patch adds to lib/log2_units.h, exp2_fma and exp2_mixed, pasted after
 # the file's includes); the tree is not changed. A variant whose patch no longer applies to the
 # file (all four today: the kernel has changed around them) is skipped with a line saying so.
-# With SOURCES_ONLY=1 it writes the variants' sources to OUT and stops (no GPU needed: to read them, or compile them with lab/ptxas-spills.sh).
+# With SOURCES_ONLY=1 it writes the variants' sources to OUT and stops (no GPU needed: to read
+# them, or compile them with lab/ptxas-spills.sh).
 # Needs build/checks.o (made here if missing: CPPFLAGS as for make). ROUNDS (default 3). Logs
 # under OUT; the table last (TFLOP/s; max|dO| against base).
 set -euo pipefail
