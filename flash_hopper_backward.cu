@@ -125,8 +125,8 @@ static_assert(bwd_hopper_shared_bytes<64>() <= 227 * 1024 &&
               "a block past 227 KiB");
 
 // A block's work (lines 5 and 8): K/V tile j of K/V head kvh (of batch * kv_heads), and the Q tiles
-// that see it, `tiles` of them in a fixed order, the n-th being tile_at(n). pol: the mask and the
-// score (lib/mask_policy.cuh: PlainPolicy, or chapter 5's ModelPolicy), as in chapter 2.
+// that see it, `tiles` of them in a fixed order, the n-th being tile_at(walk_at(n)). pol: the mask
+// and the score (lib/mask_policy.cuh: PlainPolicy, or chapter 5's ModelPolicy), as in chapter 2.
 template <typename Policy, int Bc, int Br>
 struct BwdBlock {
     Policy pol;
@@ -141,9 +141,16 @@ struct BwdBlock {
     // head, as chapter 2 walks, a block under the mask would reach each next head before the
     // longer blocks ahead of it in the turns, and wait for them). From the left, from the last Q
     // tile (chapter 2's order, so dQ_i's adds follow j up).
-    __device__ int2 tile_at(int n) const {
-        const int r = n / group;
-        return int2{kvh * group + n % group, from_left ? i_last - r : i_first + r};
+    // Tile n as (g, r), n = r group + g. The producer and the consumers step it by additions
+    // (walk_at's division, once a tile, had 5% of d = 128's samples under Nsight Compute); the dQ
+    // writers divide, since a Walk of their own made their 24 registers spill.
+    struct Walk {
+        int g = 0, r = 0;
+        __device__ void advance(int group) { g = g + 1 == group ? 0 : g + 1, r += g == 0; }
+    };
+    __device__ Walk walk_at(int n) const { return Walk{n % group, n / group}; }
+    __device__ int2 tile_at(Walk w) const {
+        return int2{kvh * group + w.g, from_left ? i_last - w.r : i_first + w.r};
     }
     // The block's place in dQ_i's order of adds: the K/V tiles that see Q tile i before j (from
     // the left: those left of it; else those right of it).
@@ -200,8 +207,9 @@ __device__ __forceinline__ void keep(const uint32_t (&a)[K][4]) {
 // (produce's loop).
 template <int Br, typename Blk>
 __device__ __forceinline__ void load_LD(float (&v)[Br / 32][2], const float* L, const float* Dsum,
-                                        int n, bool exists, const Blk& blk, const Rows& l_rows) {
-    const auto [bh, i] = blk.tile_at(n);
+                                        typename Blk::Walk w, bool exists, const Blk& blk,
+                                        const Rows& l_rows) {
+    const auto [bh, i] = blk.tile_at(w);
     for (int h = 0; h < Br / 32; h++) {
         const int x = threadIdx.x % 32 + 32 * h;
         const bool in = exists && i * Br + x < blk.q_len;
@@ -231,15 +239,17 @@ __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& 
     }
     PipelineState<Stages> st;
     float next[Br / 32][2];                            // L_i, D_i of tile n, then of n + 1
-    load_LD<Br>(next, L, Dsum, 0, 0 < blk.tiles, blk, lay.L);
-    for (int n = 0; n < blk.tiles; n++, st.advance()) {  // line 9: Q_i, dO_i, L_i, D_i
-        const auto [bh, i] = blk.tile_at(n);
+    typename Blk::Walk w;                              // tile n, then n + 1 once L_i, D_i are in
+    load_LD<Br>(next, L, Dsum, w, 0 < blk.tiles, blk, lay.L);
+    for (; st.n < blk.tiles; st.advance()) {           // line 9: Q_i, dO_i, L_i, D_i
+        const auto [bh, i] = blk.tile_at(w);
         const int s = st.stage();
         if (st.n >= Stages) mbar_wait(&sh.empty[s], st.phase_before());
         for (int h = 0; h < Br / 32; h++)
             sh.LD[s].L_i[threadIdx.x + 32 * h] = next[h][0],
             sh.LD[s].D_i[threadIdx.x + 32 * h] = next[h][1];
-        load_LD<Br>(next, L, Dsum, n + 1, n + 1 < blk.tiles, blk, lay.L);
+        w.advance(blk.group);
+        load_LD<Br>(next, L, Dsum, w, st.n + 1 < blk.tiles, blk, lay.L);
         if (threadIdx.x > 0) mbar_arrive(&sh.full[s]);  // its L_i, D_i written: an arrival each
         else {                                         // lane 0's arrival, with the bytes to come
             mbar_expect_bytes(&sh.full[s], 2 * Br * D * sizeof(T));
@@ -272,9 +282,12 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
     constexpr int Br = kBwdBr;
     const int w = threadIdx.x / 32 - 1;                // writer w, buffer w
     const bool lane0 = threadIdx.x % 32 == 0;
-    for (int n = 0, q = 0; n < blk.tiles; n++) {
-        const auto [bh, i] = blk.tile_at(n);
-        const int heads = blk.kv_heads * blk.group;    // query heads a batch
+    const int batch = blk.kvh / blk.kv_heads;         // tile n's query head: batch's head0 + g
+    const int head0 = (blk.kvh - batch * blk.kv_heads) * blk.group;
+    int q = 0;
+    for (int n = 0; n < blk.tiles; n++) {
+        const auto wk = blk.walk_at(n);
+        const auto [bh, i] = blk.tile_at(wk);
         int* turn = turns + size_t(bh) * blk.Tr + i;
         const int mine = blk.mine(i);                  // its place in dQ_i's order
         bool adding = false;                           // it has chunks of tile n
@@ -285,7 +298,7 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
             if (lane0) {
                 for (int h = 0; h < Cols / 32; h++)    // its boxes of 32 columns
                     tma_store(dQacc, sh.dQ_s[w] + 32 * h * Br, Cols * c + 32 * h, i * Br,
-                              bh % heads, bh / heads, mine > 0);
+                              head0 + wk.g, batch, mine > 0);
                 bulk_commit(), bulk_wait_read<0>();
                 mbar_arrive(&sh.dq_empty[w]);
             }
@@ -587,8 +600,9 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
     const Span all = blk.pol.all_queries(j * Bc, (j + 1) * Bc);  // the rows that see every key
     const Span seen[2] = {blk.pol.key_queries(me.key(j, 0)), blk.pol.key_queries(me.key(j, 1))};
     PipelineState<Stages> st;
-    for (int n = 0; n < blk.tiles; n++, st.advance()) {  // line 8: for each Q_i
-        const auto [bh, i] = blk.tile_at(n);
+    typename Blk::Walk w;
+    for (int n = 0; n < blk.tiles; n++, w.advance(blk.group), st.advance()) {  // line 8: each Q_i
+        const auto [bh, i] = blk.tile_at(w);
         const int s = st.stage(), q0 = i * Br;
         mbar_wait(&sh.full[s], st.phase());            // Q_i, dO_i, L_i, D_i are in
         float S[Br / 2] = {}, dP[Br / 2] = {}, du[Br / 2];
