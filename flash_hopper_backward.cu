@@ -141,9 +141,9 @@ struct BwdBlock {
     // head, as chapter 2 walks, a block under the mask would reach each next head before the
     // longer blocks ahead of it in the turns, and wait for them). From the left, from the last Q
     // tile (chapter 2's order, so dQ_i's adds follow j up).
-    // Tile n as (g, r), n = r group + g. The producer and the consumers step it by additions
-    // (walk_at's division, once a tile, had 5% of d = 128's samples under Nsight Compute); the dQ
-    // writers divide, since a Walk of their own made their 24 registers spill.
+    // Tile n as (g, r), n = r group + g. The producer and the consumers step it by additions, not
+    // a division a tile (walk_at: 5% of d = 128's samples; lab/chapter3-backward.md, "The tiles
+    // walked"); the dQ writers divide, since a Walk of their own spilled their 24 registers.
     struct Walk {
         int g = 0, r = 0;
         __device__ void advance(int group) { g = g + 1 == group ? 0 : g + 1, r += g == 0; }
