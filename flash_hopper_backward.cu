@@ -711,9 +711,9 @@ static void run_backward_hopper(const T* Q, const T* K, const T* V, const T* O, 
                           Vm = tensor_map(V, lay.V, x.batch, x.kv_len, D, Bc);
         // Interleaving heads' tiles keeps one head's tiles apart in time (chapter 2's groups): HG
         // heads' tickets at a time, K/V tile by K/V tile. Under the mask about two waves of blocks
-        // a group (HG Tc = 2 SMs, at most 32 heads), but 32 heads at d = 256; without it 4.
+        // a group (HG Tc = 2 SMs, at most 32 heads), but 16 heads at d = 256; without it 4.
         const int sms = flash_device_props().multiProcessorCount;
-        const int HG = !policy.from_left() ? 4 : D == 256 ? 32 : std::clamp(2 * sms / Tc, 1, 32);
+        const int HG = !policy.from_left() ? 4 : D == 256 ? 16 : std::clamp(2 * sms / Tc, 1, 32);
         // The kernel's turns: one a (query head, Q tile of 64), within the passes' B*H*ceil(q_len
         // / 32). dQacc (fp32) is written by the TMA: boxes of Br rows x 32 columns, in
         // [batch][heads][q_len][d] whatever the layout: a packed batch's sequences each q_len

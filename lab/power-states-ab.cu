@@ -5,6 +5,8 @@
 //   AB_DRIVER=lab/power-states-ab.cu lab/hopper-ab.sh NAME=SOURCE [NAME=SOURCE ...]
 //   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader -lms 20 > smi.csv &
 //   ./power_states_ab [ROUNDS [D]] > ab.txt; kill %1     (default 2 rounds, d = 128)
+// AB_SEQS=2048,8192 (the lengths N, default 4096,16384) and AB_CAUSAL=1 (or 0; default both) pick
+// other shapes of the protocol: batch 16384 / N, 2048 / d heads.
 //   python3 lab/power-states-table.py --ratio NEW/BASE smi.csv ab.txt
 // Built with -DAB_BACKWARD (AB_KIND=bwd lab/hopper-ab.sh, or AB_KIND=bwd lab/gpu-power-states.sh):
 // versions of chapter 3's backward (flash_hopper_backward.cu) instead, the same way.
@@ -15,6 +17,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -46,8 +49,15 @@ static std::vector<Version> versions = { VARIANT_LIST };
 int main(int argc, char** argv) {
     const int rounds = argc > 1 ? atoi(argv[1]) : 2, d = argc > 2 ? atoi(argv[2]) : 128;
     printf("# who pass d D N N causal C cold ms TFLOP/s t0 t1 hot ms TFLOP/s t0 t1\n");
-    for (int N : {4096, 16384})
-        for (int c : {0, 1}) {
+    std::vector<int> seqs, masks;
+    for (const char* x = getenv("AB_SEQS") ? getenv("AB_SEQS") : "4096,16384"; *x;
+         x += strcspn(x, ","), x += *x == ',')
+        seqs.push_back(atoi(x));
+    const char* only = getenv("AB_CAUSAL");
+    for (int c : {0, 1})
+        if (!only || atoi(only) == c) masks.push_back(c);
+    for (int N : seqs)
+        for (int c : masks) {
             const AttentionShape s{16384 / N, 2048 / d, N, N, d, bool(c)};
             const size_t n = q_elems(s);
             std::vector<__half*> t(8);  // Q K V O dO dQ dK dV
