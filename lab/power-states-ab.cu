@@ -6,7 +6,8 @@
 //   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader -lms 20 > smi.csv &
 //   ./power_states_ab [ROUNDS [D]] > ab.txt; kill %1     (default 2 rounds, d = 128)
 // AB_SEQS=2048,8192 (the lengths N, default 4096,16384) and AB_CAUSAL=1 (or 0; default both) pick
-// other shapes of the protocol: batch 16384 / N, 2048 / d heads.
+// other shapes of the protocol: batch 16384 / N, 2048 / d heads; AB_HEADS=32 other query heads,
+// AB_GROUP=4 query heads a K/V head (GQA; the buffers are sized as Q, dK and dV compared as such).
 //   python3 lab/power-states-table.py --ratio NEW/BASE smi.csv ab.txt
 // Built with -DAB_BACKWARD (AB_KIND=bwd lab/hopper-ab.sh, or AB_KIND=bwd lab/gpu-power-states.sh):
 // versions of chapter 3's backward (flash_hopper_backward.cu) instead, the same way.
@@ -58,7 +59,9 @@ int main(int argc, char** argv) {
         if (!only || atoi(only) == c) masks.push_back(c);
     for (int N : seqs)
         for (int c : masks) {
-            const AttentionShape s{16384 / N, 2048 / d, N, N, d, bool(c)};
+            AttentionShape s{16384 / N, 2048 / d, N, N, d, bool(c)};
+            if (getenv("AB_HEADS")) s.heads = atoi(getenv("AB_HEADS"));
+            if (getenv("AB_GROUP")) s.kv_heads = s.heads / atoi(getenv("AB_GROUP"));
             const size_t n = q_elems(s);
             std::vector<__half*> t(8);  // Q K V O dO dQ dK dV
             for (__half*& p : t) FLASH_CUDA_CHECK(cudaMalloc(&p, n * sizeof(__half)));
