@@ -232,7 +232,7 @@ void flash_forward_bf16_hopper(const __nv_bfloat16* Q, const __nv_bfloat16* K,
 // head_dim 64, 128 or 256, causal or not (no options), compute capability 9.0 (else
 // std::runtime_error); bad arguments std::invalid_argument naming them, nothing launched. Extra
 // memory, from the library's pool: V^T, batch * kv_heads * head_dim * round_up(kv_len, 32) bytes
-// (at head_dim 256, 20 bytes more a column of each (batch, kv head): flash_fp8_centred_v).
+// (at head_dim 128 and 256, 20 bytes more a column of each (batch, kv head): flash_fp8_centred_v).
 struct Fp8Descales {
     const float* q = nullptr;  // [batch][heads], or none: 1
     const float* k = nullptr;  // [batch][kv_heads], or none
@@ -250,12 +250,13 @@ void flash_forward_fp8_hopper(const __nv_fp8_e4m3* Q, const __nv_fp8_e4m3* K,
 // max as it stands after each tile, so the bits depend on it (tests/test_fp8.cpp's reference tiles
 // the keys alike).
 __host__ __device__ constexpr int flash_fp8_bc(int head_dim) {
-    return head_dim > 0 ? 128 : 0;  // (192 at d = 128 was 2% faster, before the two-level sums)
+    return head_dim == 128 ? 192 : head_dim > 0 ? 128 : 0;
 }
-// Whether the fp8 forward centres V's columns first (head dim 256, where the registers hold no
-// second level for the sums over keys, flash_hopper_fp8.cu's Fp8Sums): V' = e4m3(V - mu), each
-// (batch, kv head, column) its own mu, and O = mu + P~ V' / l (NOTES.md section 24).
-__host__ __device__ constexpr bool flash_fp8_centred_v(int head_dim) { return head_dim > 128; }
+// Whether the fp8 forward centres V's columns first (head dim 128 and 256, where O's sum over keys
+// keeps one level, flash_hopper_fp8.cu's Fp8Sums, and centred columns keep it from growing with the
+// row): V' = e4m3(V - mu), each (batch, kv head, column) its own mu, and O = mu + P~ V' / l
+// (NOTES.md section 24).
+__host__ __device__ constexpr bool flash_fp8_centred_v(int head_dim) { return head_dim >= 128; }
 // A column's mu: the mean of its n values, clamped so that every |v - mu| <= 448 (e4m3's largest:
 // V' never saturates). sum512 is the column's sum in units of 2^-9, which every e4m3 value is a
 // whole number of (an exact sum, in any order); lo and hi its least and greatest value. The same

@@ -13,8 +13,8 @@
 //     as 256 P~ (<= 256, under e4m3's 448), so that probabilities down to 2^-14 stay normal
 //     numbers; l sums the same 256 P~, so O = P~ V / l needs no correction, and L subtracts 8.
 //  4. Sums over keys. fp8 wgmma's accumulators keep about 14 bits, so P~ V and l go through
-//     Fp8Sums: a tile in the accumulators, the tiles in fp32 (at d = 256 only l; V's columns are
-//     centred there, centre_v, so that the sum P~ (v - mu) does not grow with the row).
+//     Fp8Sums: a tile in the accumulators, the tiles in fp32 (at d = 128 and 256 only l; V's
+//     columns are centred there, centre_v, so that the sum P~ (v - mu) does not grow with the row).
 // The ping-pong of FlashAttention-3 is here at d = 256 only (fp8_pingpong); not here: its
 // in-kernel transpose of V, chapter 5's options.
 //
@@ -38,12 +38,11 @@
 
 using fp8 = __nv_fp8_e4m3;
 
-// Tiles: 128 rows of Q_i (two consumer warpgroups); Bc = flash_fp8_bc(d) = 128 keys (flash.h;
-// 192 at d = 128 would leave no registers for Fp8Sums' two levels); a row of Q_i or K_j padded
-// to 128 bytes at d = 64 (the TMA fills columns past d with zeros; the scores read only the first
-// d). V^T_j in blocks of 128 keys, one 128-byte swizzled row each (the last
-// block's keys past Bc are loaded, never read). Stages: three (at d = 256, 64 KiB a stage: 224 KiB
-// with Q_i).
+// Tiles: 128 rows of Q_i (two consumer warpgroups); Bc = flash_fp8_bc(d) keys (flash.h: 192 at
+// d = 128, 128 elsewhere); a row of Q_i or K_j padded to 128 bytes at d = 64 (the TMA fills
+// columns past d with zeros; the scores read only the first d). V^T_j in blocks of 128 keys, one
+// 128-byte swizzled row each (the last block's keys past Bc are loaded, never read). Stages:
+// three (at d = 256, 64 KiB a stage: 224 KiB with Q_i).
 constexpr int kFp8Consumers = 2, kFp8Br = 64 * kFp8Consumers, kVtKeys = 128;
 __host__ __device__ constexpr int fp8_vt_blocks(int d) {
     return (flash_fp8_bc(d) + kVtKeys - 1) / kVtKeys;
@@ -70,10 +69,11 @@ __host__ __device__ constexpr bool fp8_pingpong(int d) { return FP8_PINGPONG && 
 // from the first tile to the last loses more as rows grow (O off by 13%, L by 0.49 at 32k keys).
 // Two levels (DeepSeek-V3's promotion): each tile's sums go to accumulators that the tile's first
 // k-step overwrites (`acc`), and after the wait into fp32 registers (`O`, `l`). For O that costs
-// D / 2 registers a thread: d <= 128 has them (with 128 keys a tile). d = 256 does not: there l
-// has two levels, O's numerator one, and V's columns are centred first (flash_fp8_centred_v): a
-// sum of P~ (v - mu) does not grow with the row as one of P~ v does when a column has a mean.
-__host__ __device__ constexpr bool fp8_two_level(int d) { return d <= 128; }
+// D / 2 registers a thread: d = 64 has them. d = 128 has them only with 128 keys a tile, and 192
+// keys with one level are faster; d = 256 has none. There l has two levels, O's numerator one,
+// and V's columns are centred first (flash_fp8_centred_v): a sum of P~ (v - mu) does not grow
+// with the row as one of P~ v does when a column has a mean.
+__host__ __device__ constexpr bool fp8_two_level(int d) { return d < 128; }
 template <int D>
 struct Fp8Sums {
     static constexpr bool TwoLevel = fp8_two_level(D);  // O's numerator; l's: FP8_TENSOR_SUM

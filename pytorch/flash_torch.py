@@ -337,8 +337,8 @@ def flash_attention_fp8(q, k, v, descale_q=None, descale_k=None, descale_v=None,
     (float32, (B, H) for q, (B, H_kv) for k and v; None: 1, FlashAttention-3's descale_q/k/v).
     head_dim 64, 128 or 256; an H100 or H200. P is rounded to e4m3 for P V (NOTES.md section 24:
     the error bound). Long rows: the fp8 tensor cores' accumulators drop low bits, so the sums
-    over keys go through them a tile at a time, then into fp32; at head_dim 256, short of
-    registers for o's, v's columns are centred first (v - their mean, rounded to e4m3 again)
+    over keys go through them a tile at a time, then into fp32; at head_dim 128 and 256, where
+    o's sum keeps one level, v's columns are centred first (v - their mean, rounded to e4m3 again)
     so that o's sum does not grow with the row (NOTES.md section 24). Returns o
     (B, H, q_len, d) in out_dtype (bfloat16 or float16), and lse with return_lse."""
     if out_dtype not in (torch.bfloat16, torch.float16):
