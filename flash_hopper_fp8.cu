@@ -234,7 +234,8 @@ __global__ void __launch_bounds__(256) centre_v(const fp8* __restrict__ V,
 // (not null: V centred), each column's keys as e4m3(v - mu), rounded to nearest even, mu from
 // centre_v's stats (flash_fp8_centre), and written to mu by the blocks of key 0 for the output. A
 // block a (head, kTransposeKeys keys), 256 threads, blocks in x (a grid's y stops at 65535): the
-// rows come in whole, 16 bytes a load, to shared memory; then thread (c, g) writes column c's keys
+// rows come in whole, 16 bytes a load, to shared memory, and each column's mu is made once, by
+// thread c, while they come; then thread (c, g) writes column c's keys
 // 16 g .. 16 g + 15 as 16 bytes, eight threads a whole 128-byte line of V^T's row. Rows are stored
 // with their 16-byte chunks swizzled (chunk ^ row / 16): the 8 g of a warp read 8 banks at once.
 constexpr int kTransposeKeys = 128;
@@ -246,28 +247,32 @@ template <int D>
 __global__ void __launch_bounds__(256) transpose_v(const fp8* __restrict__ V, fp8* __restrict__ Vt,
                                                    const Fp8ColumnStats* __restrict__ stats,
                                                    float* __restrict__ mu, int kv_len, int len32) {
+    static_assert(D <= 256, "a thread a column's mu");
     __shared__ alignas(16) uint8_t rows[kTransposeKeys * D];
+    __shared__ float mu_c[D];
     const int blocks = (len32 + kTransposeKeys - 1) / kTransposeKeys;
     const int head = blockIdx.x / blocks, key0 = blockIdx.x % blocks * kTransposeKeys;
     const uint8_t* from = reinterpret_cast<const uint8_t*>(V) + (size_t(head) * kv_len + key0) * D;
+    const bool column = stats && threadIdx.x < D;  // thread c makes column c's mu
+    Fp8ColumnStats st{};
+    if (column) st = stats[size_t(head) * D + threadIdx.x];
     for (int x = threadIdx.x; x < kTransposeKeys * D / 16; x += 256) {  // (coalesced)
         const int r = x * 16 / D, c = x * 16 % D;
         const uint4 zero = {0, 0, 0, 0};
         *reinterpret_cast<uint4*>(rows + transpose_at<D>(r, c)) =
             key0 + r < kv_len ? *reinterpret_cast<const uint4*>(from + size_t(r) * D + c) : zero;
     }
+    if (column) {
+        mu_c[threadIdx.x] = flash_fp8_centre(static_cast<long long>(st.sum512), kv_len,
+                                             -fp8_unorder(st.neg_lo), fp8_unorder(st.hi));
+        if (key0 == 0) mu[size_t(head) * D + threadIdx.x] = mu_c[threadIdx.x];
+    }
     __syncthreads();
     const int g = threadIdx.x % 8;
     if (key0 + 16 * g >= len32) return;
 #pragma unroll 2
     for (int c = threadIdx.x / 8; c < D; c += 32) {
-        float m = 0.f;
-        if (stats) {
-            const Fp8ColumnStats st = stats[size_t(head) * D + c];
-            m = flash_fp8_centre(static_cast<long long>(st.sum512), kv_len,
-                                 -fp8_unorder(st.neg_lo), fp8_unorder(st.hi));
-            if (key0 == 0 && g == 0) mu[size_t(head) * D + c] = m;
-        }
+        const float m = stats ? mu_c[c] : 0.f;
         alignas(16) fp8 out[16];
 #pragma unroll
         for (int j = 0; j < 16; j++) {  // flash_fp8_v_slot keeps each 16 keys within their 16
