@@ -169,21 +169,25 @@ __device__ __forceinline__ float fp8_unorder(unsigned u) {
 }
 constexpr int kCentreKeys = 1024;  // keys a block of centre_v (a whole grid: V read at full speed)
 // A block a (batch * kv_heads head, kCentreKeys keys), 8 warps: each thread 16 columns (one 16-byte
-// load) of every Lanes-th key, four loads in flight, sums in int (at most 1024 * 448 * 512 <
-// 2^31); the lanes of a warp combined with shuffles, the warps in shared memory by one thread a
-// column, which adds the block's into stats with atomics: on integers, the same in any order.
+// load) of every Lanes-th key, four loads in flight. A thread's sums are exact in fp32 (every e4m3
+// value a whole number of 2^-9, at most 64 of them of at most 448: under 2^24 units), then ints in
+// units of 2^-9 (a block's at most 1024 * 448 * 512 < 2^31); the lanes of a warp combined with
+// shuffles, the warps in shared memory by one thread a column, which adds the block's into stats
+// with atomics: on integers, the same in any order.
 template <int D>
 __global__ void __launch_bounds__(256) centre_v(const fp8* __restrict__ V,
                                                 Fp8ColumnStats* __restrict__ stats, int kv_len) {
     constexpr int Per = D / 16, Lanes = 256 / Per;  // threads a key; keys a step
     static_assert(Per <= 32 && D <= 256, "a warp's first Per threads hold every column");
+    static_assert((kCentreKeys + Lanes - 1) / Lanes * 448.0 * 512 < (1 << 24), "a thread's fp32 "
+                  "sum of its keys' values is exact");
     __shared__ int sums[8][D];
     __shared__ float los[8][D], his[8][D];
     const int chunks = (kv_len + kCentreKeys - 1) / kCentreKeys, head = blockIdx.x / chunks;
     const int key0 = blockIdx.x % chunks * kCentreKeys, keys = min(kv_len - key0, kCentreKeys);
     const int c0 = threadIdx.x % Per * 16, lane = threadIdx.x / Per;
     const fp8* from = V + (size_t(head) * kv_len + key0) * D + c0;
-    int sum[16] = {};
+    float sum[16] = {};
     float lo[16], hi[16];
     for (int e = 0; e < 16; e++) lo[e] = INFINITY, hi[e] = -INFINITY;
 #pragma unroll 4
@@ -199,20 +203,21 @@ __global__ void __launch_bounds__(256) centre_v(const fp8* __restrict__ V,
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int c = 4 * w + e;
-                sum[c] += int(v[e] * 512.f), lo[c] = fminf(lo[c], v[e]), hi[c] = fmaxf(hi[c], v[e]);
+                sum[c] += v[e], lo[c] = fminf(lo[c], v[e]), hi[c] = fmaxf(hi[c], v[e]);
             }
         }
     }
 #pragma unroll
     for (int c = 0; c < 16; c++) {
+        int units = int(sum[c] * 512.f);  // (exact: above)
         for (int off = Per; off < 32; off *= 2) {  // the warp's other keys, same columns
-            sum[c] += __shfl_xor_sync(~0u, sum[c], off);
+            units += __shfl_xor_sync(~0u, units, off);
             lo[c] = fminf(lo[c], __shfl_xor_sync(~0u, lo[c], off));
             hi[c] = fmaxf(hi[c], __shfl_xor_sync(~0u, hi[c], off));
         }
         if (threadIdx.x % 32 < Per) {
             const int warp = threadIdx.x / 32;
-            sums[warp][c0 + c] = sum[c], los[warp][c0 + c] = lo[c], his[warp][c0 + c] = hi[c];
+            sums[warp][c0 + c] = units, los[warp][c0 + c] = lo[c], his[warp][c0 + c] = hi[c];
         }
     }
     __syncthreads();
