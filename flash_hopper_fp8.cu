@@ -278,12 +278,19 @@ __global__ void __launch_bounds__(256) transpose_v(const fp8* __restrict__ V, fp
 #pragma unroll 2
     for (int c = threadIdx.x / 8; c < D; c += 32) {
         const float m = stats ? mu_c[c] : 0.f;
-        alignas(16) fp8 out[16];
+        alignas(16) __nv_fp8x2_e4m3 out[8];
 #pragma unroll
-        for (int j = 0; j < 16; j++) {  // flash_fp8_v_slot keeps each 16 keys within their 16
-            fp8 v;
-            v.__x = rows[transpose_at<D>(16 * g + j, c)];
-            out[flash_fp8_v_slot(j)] = stats && key0 + 16 * g + j < kv_len ? fp8(float(v) - m) : v;
+        for (int j = 0; j < 16; j += 2) {  // flash_fp8_v_slot keeps each 16 keys within their 16,
+            __nv_fp8x2_e4m3 two;           // and keys 2i, 2i + 1 side by side: two at a time
+            two.__x = rows[transpose_at<D>(16 * g + j, c)] |
+                      rows[transpose_at<D>(16 * g + j + 1, c)] << 8;
+            if (stats) {
+                const int key = key0 + 16 * g + j;
+                const float2 v = float2(two);
+                two = __nv_fp8x2_e4m3(make_float2(key < kv_len ? v.x - m : 0.f,  // (zeros past
+                                                  key + 1 < kv_len ? v.y - m : 0.f));  // kv_len)
+            }
+            out[flash_fp8_v_slot(j) / 2] = two;
         }
         *reinterpret_cast<uint4*>(Vt + (size_t(head) * D + c) * len32 + key0 + 16 * g) =
             *reinterpret_cast<const uint4*>(out);
