@@ -169,6 +169,12 @@ struct AttentionOptions {
     bool alibi_per_batch = false;
     AttentionLayout layout;     // contiguous by default
     PackedBatch packed;         // none by default
+    // The backward's dQ: true (the default) adds each dQ_i's parts in a fixed order, so that a
+    // call's bits are the same every time; false lets the blocks of chapters 2 and 3 add them as
+    // they get there (FlashAttention-2's deterministic=False; faster where blocks would wait for
+    // their turn: chapter 3 at head_dim 256), and dQ's last bits may then differ from call to call.
+    // The forward, the decode and chapter 1 ignore it: they are deterministic either way.
+    bool deterministic = true;
 };
 // The same calls with options. Options that change no score (every field but the layout its
 // default, a window bound no row reaches, the default scale written out) run what the calls above
@@ -195,7 +201,8 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
                          __nv_bfloat16* dQ, __nv_bfloat16* dK, __nv_bfloat16* dV,
                          const AttentionShape& shape, const AttentionOptions& options,
                          cudaStream_t stream = 0);
-// True iff every field is its default, the layout contiguous, nothing packed. (The calls also take
+// True iff every field is its default (deterministic aside: false only permits an unordered add,
+// so a call that keeps the order honours it), the layout contiguous, nothing packed. (The calls also take
 // a window bound no row reaches and the default scale written out for none: the rule above,
 // lib/dispatch.cpp.)
 bool flash_options_plain(const AttentionOptions& options);

@@ -274,7 +274,8 @@ __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& 
 // head, Q tile), and once the tile's adds are complete (every writer's, where the tile has chunks
 // in every buffer; at d = 64 a tile is one chunk, in buffer n % 2) the turn passes on, before any
 // wait for the next tile (NOTES section 14). The consumers never wait for a turn, and never issue
-// an atomic.
+// an atomic. Without the order (options.deterministic false: turns null) no writer waits, and
+// every block adds.
 template <typename T, int D, typename Blk>
 __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap& dQacc,
                                          int* turns, const Blk& blk) {
@@ -288,7 +289,7 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
     for (int n = 0; n < blk.tiles; n++) {
         const auto wk = blk.walk_at(n);
         const auto [bh, i] = blk.tile_at(wk);
-        int* turn = turns + size_t(bh) * blk.Tr + i;
+        int* turn = turn_at(turns, size_t(bh) * blk.Tr + i);  // (none: no order)
         const int mine = blk.mine(i);                  // its place in dQ_i's order
         bool adding = false;                           // it has chunks of tile n
         for (int c = 0; c < Chunks; c++, q++) {
@@ -298,7 +299,7 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
             if (lane0) {
                 for (int h = 0; h < Cols / 32; h++)    // its boxes of 32 columns
                     tma_store(dQacc, sh.dQ_s[w] + 32 * h * Br, Cols * c + 32 * h, i * Br,
-                              head0 + wk.g, batch, mine > 0);
+                              head0 + wk.g, batch, !first_add(turn, mine));
                 bulk_commit(), bulk_wait_read<0>();
                 mbar_arrive(&sh.dq_empty[w]);
             }

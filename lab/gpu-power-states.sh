@@ -9,7 +9,8 @@
 # flash_hopper_backward.cu the same way, the backward only. With OPTIONS=1: issue 45's options against
 # the plain call in the two states (lab/power-states.cu --options), two rounds, no cuDNN; about
 # 2 minutes after the build. ROUNDS (default 2) rounds; with FWD_ONLY=1 the forward alone, and with
-# DIM=D too one head dim.
+# DIM=D too one head dim (DIM=D alone: both passes at D). With UNORDERED=1 ours runs a second time
+# each round with the backward's options.deterministic false (tag "free"), three ratios.
 set -uo pipefail
 out=${1:?usage: lab/gpu-power-states.sh OUT} && mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.." || exit 1
@@ -59,14 +60,20 @@ if [ -n "${OPTIONS:-}" ]; then
     exit 0
 fi
 fwd=""; [ -n "${FWD_ONLY:-}" ] && fwd="fwd ${DIM:-}"
+[ -z "${FWD_ONLY:-}" ] && [ -n "${DIM:-}" ] && fwd="both $DIM"
+ratios=""  # UNORDERED=1: ours without dQ's order too ("free"), each round after ours
+[ -n "${UNORDERED:-}" ] && ratios="--ratio ours/cudnn,free/cudnn,free/ours"
 for r in $(seq "${ROUNDS:-2}"); do
     ./power_states "ours$r" $fwd >"$out/ours$r.txt" 2>&1 || tail -5 "$out/ours$r.txt"
+    [ -n "${UNORDERED:-}" ] && { BWD_DETERMINISTIC=0 ./power_states "free$r" $fwd \
+        >"$out/free$r.txt" 2>&1 || tail -5 "$out/free$r.txt"; }
     python3 lab/power-states.py cudnn $fwd >"$out/cudnn$r.txt" 2>&1 || tail -5 "$out/cudnn$r.txt"
     sed -i "s/^cudnn /cudnn$r /" "$out/cudnn$r.txt"
     echo "round $r at $((SECONDS - t0)) s"
 done
 kill $smi
-python3 lab/power-states-table.py "$out/smi.csv" "$out"/ours?.txt "$out"/cudnn?.txt \
-    >"$out/table.txt"
-(cd "$out" && tar czf power-states.tgz gpu.txt smi.csv ours?.txt cudnn?.txt table.txt build.log)
+python3 lab/power-states-table.py $ratios "$out/smi.csv" "$out"/ours?.txt "$out"/cudnn?.txt \
+    $(ls "$out"/free?.txt 2>/dev/null) >"$out/table.txt"
+(cd "$out" && tar czf power-states.tgz gpu.txt smi.csv ours?.txt cudnn?.txt \
+    $(ls free?.txt 2>/dev/null) table.txt build.log)
 cat "$out/table.txt"

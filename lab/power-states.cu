@@ -21,7 +21,8 @@
 //     build/flash_hopper_fp8.o
 //   nvcc -O3 -std=c++17 -arch=native -I. -Ilib lab/power-states.cu build/*.o -o power_states
 //   ./power_states ours [fwd [D]];  ./power_states --options 2 [two [D]]  (fwd: the forward
-//   alone; D: that head dim alone)
+//   alone; D: that head dim alone; "both D": both passes at D alone). BWD_DETERMINISTIC=0: the
+//   plain rows' backward with options.deterministic false.
 #include "checks.h"
 #include "flash.h"
 
@@ -34,6 +35,10 @@
 #include <vector>
 
 #include "power-states.cuh"  // fill_uniform, both_states: the inputs and the protocol
+
+// The options of the plain rows' backward: the defaults, or deterministic false with
+// BWD_DETERMINISTIC=0 (FlashAttention-2's deterministic=False: dQ's adds in no fixed order).
+static AttentionOptions unordered;
 
 // Visible (query, key) pairs of one causal head of n rows, a window of `left` keys (-1: none).
 static double causal_pairs(int n, int left) {
@@ -94,6 +99,8 @@ static void options_rows(int rounds, bool two, int d) {
 
 int main(int argc, char** argv) {
     const char* tag = argc > 1 ? argv[1] : "ours";
+    const char* det = std::getenv("BWD_DETERMINISTIC");  // 0: the backward without dQ's order
+    unordered.deterministic = !(det && !std::strcmp(det, "0"));
     const bool fwd_only = argc > 2 && std::strcmp(argv[2], "fwd") == 0;
     if (std::strcmp(tag, "--options") == 0) {
         printf("# who pass d D N N causal C cold ms TFLOP/s t0 t1 hot ms TFLOP/s t0 t1\n");
@@ -120,7 +127,8 @@ int main(int argc, char** argv) {
                 const double flop = 4.0 * s.batch * s.heads * pairs * d;  // the forward's
                 auto fwd = [&] { flash_forward_fp16(t[0], t[1], t[2], t[3], L, s); };
                 auto bwd = [&] {
-                    flash_backward_fp16(t[0], t[1], t[2], t[3], t[4], L, t[5], t[6], t[7], s);
+                    flash_backward_fp16(t[0], t[1], t[2], t[3], t[4], L, t[5], t[6], t[7], s,
+                                        unordered);
                 };
                 both_states(tag, "fwd", s, flop, fwd);
                 fwd();

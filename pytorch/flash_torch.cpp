@@ -209,11 +209,12 @@ static std::tuple<torch::Tensor, torch::Tensor> forward(
 static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor o, torch::Tensor dO,
     torch::Tensor L, bool causal, double scale, int64_t left, int64_t right, double softcap,
-    c10::optional<torch::Tensor> alibi) {
+    c10::optional<torch::Tensor> alibi, bool deterministic) {
     const AttentionShape s =
         shape_of("flash_attention backward", {q, k, v, o, dO}, {"q", "k", "v", "o", "do"}, causal);
     AttentionOptions opt = options_of("flash_attention backward", s, q, scale, left, right,
                                       softcap, alibi);
+    opt.deterministic = deterministic;  // (chapter 1, float32, is deterministic either way)
     if (!L.is_cuda() || L.device() != q.device() || !L.is_contiguous() ||
         L.scalar_type() != torch::kFloat32 ||
         L.sizes() != torch::IntArrayRef({q.size(0), q.size(1), q.size(2)}))
@@ -301,12 +302,13 @@ static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> varlen_backward(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor o, torch::Tensor dO,
     torch::Tensor L, torch::Tensor cu_q, torch::Tensor cu_k, int64_t max_q, int64_t max_k,
     bool causal, double scale, int64_t left, int64_t right, double softcap,
-    c10::optional<torch::Tensor> alibi) {
+    c10::optional<torch::Tensor> alibi, bool deterministic) {
     const char* fn = "flash_attention_varlen backward";
     const AttentionShape one =
         shape_of(fn, {q, k, v, o, dO}, {"q", "k", "v", "o", "do"}, causal);
     const AttentionShape s = packed_shape_of(fn, one, q, cu_q, cu_k, max_q, max_k);
     AttentionOptions opt = options_of(fn, s, q, scale, left, right, softcap, alibi);
+    opt.deterministic = deterministic;
     if (!L.is_cuda() || L.device() != q.device() || !L.is_contiguous() ||
         L.scalar_type() != torch::kFloat32 ||
         L.sizes() != torch::IntArrayRef({q.size(1), q.size(2)}))
@@ -478,16 +480,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("alibi") = py::none());
     m.def("backward", &backward,
           "dq, dk, dv = backward(q, k, v, o, do, L, causal, scale, window_left, window_right, "
-          "softcap, alibi)",
+          "softcap, alibi, deterministic)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("do"), py::arg("L"),
           py::arg("causal"), py::arg("scale") = 0.0, py::arg("window_left") = -1,
-          py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi") = py::none());
+          py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi") = py::none(),
+          py::arg("deterministic") = true);
     m.def("varlen_forward", &varlen_forward,
           "O, L = varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, "
           "window_right, softcap, alibi): q, k, v as (1, H, total, d) views");
     m.def("varlen_backward", &varlen_backward,
           "dq, dk, dv = varlen_backward(q, k, v, o, do, L, cu_q, cu_k, max_q, max_k, causal, "
-          "scale, window_left, window_right, softcap, alibi)");
+          "scale, window_left, window_right, softcap, alibi, deterministic)");
     m.def("kvcache_forward", &kvcache_forward,
           "attention of q over a K/V cache (contiguous or paged), new keys appended first");
     m.def("fp8_forward", &fp8_forward,

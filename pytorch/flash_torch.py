@@ -21,7 +21,10 @@ q_len; -1 leaves a side open; causal bounds the right at 0), softcap (s -> softc
 softcap) where > 0) and alibi_slopes (float32, (heads,) or (batch, heads): s -> s - slope |i' -
 j|; they must not change between the forward and the backward). They run where the calls
 without them run (chapter 3 on an H100 or H200, the decode for a short query, chapter 2
-elsewhere).
+elsewhere). deterministic (True by default here; FlashAttention-2's default is False): False lets
+the backward's blocks add dq's parts as they get there, not in a fixed order, faster where blocks
+would wait for their turn (chapter 3 at head_dim 256), dq's last bits then varying from call to
+call; dk, dv, o and lse keep their bits. Any dtype takes it; float32 stays deterministic.
 
 The causal mask is bottom-right aligned, as in FlashAttention-2 >= 2.1: query i sees key j iff
 j <= i + kv_len - q_len. PyTorch's is_causal=True is top-left aligned (j <= i); the two agree
@@ -195,11 +198,12 @@ class FlashAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, options):
+    def forward(ctx, q, k, v, causal, options, deterministic=True):
         q, k, v = (_readable(t) for t in (q, k, v))
         scale, left, right, softcap, alibi = options  # _options' tuple
         alibi = None if alibi is None else _readable(alibi)
         ctx.options = (bool(causal), scale, left, right, softcap, alibi)  # the binding's order
+        ctx.deterministic = bool(deterministic)
         o, lse = build().forward(q, k, v, *ctx.options)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.mark_non_differentiable(lse)
@@ -212,10 +216,11 @@ class FlashAttention(torch.autograd.Function):
         # do comes as the rest of the graph made it: often expanded (stride 0, from a sum or a
         # mean), transposed (a transpose after attention) or a slice of a larger gradient.
         if do is None:  # o takes no part in the loss (lse takes no gradient): none for q, k, v
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = build().backward(q, k, v, o, _readable(do), lse, *ctx.options)
-        return dq, dk, dv, None, None
+        dq, dk, dv = build().backward(q, k, v, o, _readable(do), lse, *ctx.options,
+                                      ctx.deterministic)
+        return dq, dk, dv, None, None, None
 
 
 class FlashAttentionVarlen(torch.autograd.Function):
@@ -225,11 +230,12 @@ class FlashAttentionVarlen(torch.autograd.Function):
     _readable hold (a view is read in place, else copied)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, options):
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, options, deterministic=True):
         q, k, v = (_readable(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v))
         scale, left, right, softcap, alibi = options
         alibi = None if alibi is None else _readable(alibi)
         ctx.options = (bool(causal), scale, left, right, softcap, alibi)
+        ctx.deterministic = bool(deterministic)
         ctx.packed = (cu_q, cu_k, int(max_q), int(max_k))
         o, lse = build().varlen_forward(q, k, v, *ctx.packed, *ctx.options)
         ctx.save_for_backward(q, k, v, o, lse)
@@ -241,11 +247,12 @@ class FlashAttentionVarlen(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, do, _dlse):
         if do is None:
-            return (None,) * 9
+            return (None,) * 10
         q, k, v, o, lse = ctx.saved_tensors
         do = _readable(do.unsqueeze(0).transpose(1, 2))
-        dq, dk, dv = build().varlen_backward(q, k, v, o, do, lse, *ctx.packed, *ctx.options)
-        return (*(t.squeeze(0).transpose(0, 1) for t in (dq, dk, dv)),) + (None,) * 6
+        dq, dk, dv = build().varlen_backward(q, k, v, o, do, lse, *ctx.packed, *ctx.options,
+                                             ctx.deterministic)
+        return (*(t.squeeze(0).transpose(0, 1) for t in (dq, dk, dv)),) + (None,) * 7
 
 
 def _options(softmax_scale, window_size, softcap, alibi_slopes):
@@ -259,32 +266,35 @@ def _options(softmax_scale, window_size, softcap, alibi_slopes):
 
 
 def flash_attention_with_lse(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None):
+                             softcap=0.0, alibi_slopes=None, deterministic=True):
     """(o, lse): attention and the natural-log logsumexp of each row of (changed) scores."""
     return FlashAttention.apply(q, k, v, causal,
-                                _options(softmax_scale, window_size, softcap, alibi_slopes))
+                                _options(softmax_scale, window_size, softcap, alibi_slopes),
+                                deterministic)
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None):
+                    alibi_slopes=None, deterministic=True):
     """softmax(scores) v, scores = q k^T softmax_scale changed by the options, differentiable
     in q, k and v (not in alibi_slopes)."""
     return flash_attention_with_lse(q, k, v, causal, softmax_scale, window_size, softcap,
-                                    alibi_slopes)[0]
+                                    alibi_slopes, deterministic)[0]
 
 
 def flash_attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal=False, softmax_scale=None,
-                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=True):
     """(o, lse) of packed sequences: o (total_q, H, d), lse (H, total_q)."""
     return FlashAttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, causal,
-                                      _options(softmax_scale, window_size, softcap, alibi_slopes))
+                                      _options(softmax_scale, window_size, softcap, alibi_slopes),
+                                      deterministic)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None):
+                           alibi_slopes=None, deterministic=True):
     """flash_attention over sequences of their own lengths packed one after another, with
     FlashAttention-2's flash_attn_varlen_func's arguments: q (total_q, H, d), k and v (total_k,
     H_kv, d), cu_seqlens_q and _k int32 CUDA tensors of batch + 1 offsets from 0, max_seqlen_q
@@ -292,7 +302,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (causal bottom-right at its own lengths); differentiable in q, k and v."""
     return flash_attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                            max_seqlen_k, causal, softmax_scale, window_size,
-                                           softcap, alibi_slopes)[0]
+                                           softcap, alibi_slopes, deterministic)[0]
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None,

@@ -283,3 +283,39 @@ TEST_CASE("ALiBi slopes in host memory, or over an output, are refused, naming t
     CHECK_THAT(overlap, NamesWord("overlaps"));
     CHECK(count_bad(g.O.download_float()) == q_elems(s));
 }
+
+TEMPLATE_TEST_CASE("Without the order (deterministic false) the backward matches the reference, "
+                   "and dK, dV, O and L keep the ordered call's bits",
+                   "[gpu][fp16][bf16][options][backward][determinism]", fp16, bf16) {
+    // Chapter 3 at head dims 64, 128 and 256 (256: where its blocks wait longest for their turn),
+    // chapter 2 at 96 (on any GPU); GQA, and a softcap, which sends the flag through a policy
+    // other than the plain one.
+    const OptionsCase c = GENERATE(
+        OptionsCase{"no order, causal", {2, 2, 333, 333, 256, true}},
+        OptionsCase{"no order, GQA", {2, 4, 300, 461, 128, false, 2}},
+        OptionsCase{"no order, softcap", {1, 3, 257, 300, 64, true}, 0, 5.f},
+        OptionsCase{"no order, chapter 2", {2, 2, 200, 390, 96, true}});
+    INFO(describe(c));
+    const Problem<TestType> p = rounded_problem<TestType>(c.s, 504);
+    AttentionOptions ordered;
+    ordered.softcap = c.softcap;
+    AttentionOptions unordered = ordered;
+    unordered.deterministic = false;
+    GpuAttention<TestType> g(p);
+    forward_with(g, ordered);
+    backward_with(g, ordered);
+    const Outputs<float> in_order = g.outputs(true);
+    backward_with(g, unordered);                       // dQ, dK, dV poisoned again first
+    const Outputs<float> got = g.outputs(true);
+    // dQ: the same fp32 parts summed in another order. That sum's rounding, far below u16, is no
+    // term of the 16-bit tolerances (test_util.h) in any order, so they hold as in order.
+    const Outputs<double> want = reference_with(converted<double>(p), c, {}, true);
+    const Tolerances tol = backward_tolerances16(p, got, want, score_terms(c, {}));
+    CAPTURE(tol.grad_rel, tol.dQ_floor, tol.dK_floor);
+    check_backward(got, want, tol, c.s);
+    // Only dQ's adds lose their order: each block sums its own dK_j and dV_j in registers.
+    check_bitwise("O", in_order.O, got.O, c.s, q_layout(c.s));
+    check_bitwise("L", in_order.L, got.L, c.s, l_layout(c.s));
+    check_bitwise("dK", in_order.dK, got.dK, c.s, kv_layout(c.s));
+    check_bitwise("dV", in_order.dV, got.dV, c.s, kv_layout(c.s));
+}
