@@ -170,10 +170,11 @@ struct AttentionOptions {
     AttentionLayout layout;     // contiguous by default
     PackedBatch packed;         // none by default
     // The backward's dQ: true (the default) adds each dQ_i's parts in a fixed order, so that a
-    // call's bits are the same every time; false lets the blocks of chapters 2 and 3 add them as
-    // they get there (FlashAttention-2's deterministic=False; faster where blocks would wait for
-    // their turn: chapter 3 at head_dim 256), and dQ's last bits may then differ from call to call.
-    // The forward, the decode and chapter 1 ignore it: they are deterministic either way.
+    // call's bits are the same every time; false lets chapter 3's blocks add them as they get
+    // there (FlashAttention-2's deterministic=False; faster where blocks would wait for their
+    // turn: head_dim 256), and dQ's last bits may then differ from call to call. False only
+    // permits: chapter 3 with a window, softcap or ALiBi, chapters 1 and 2, the forward and the
+    // decode keep their order and their bits.
     bool deterministic = true;
 };
 // The same calls with options. Options that change no score (every field but the layout its

@@ -466,13 +466,13 @@ flash_backward_fp16_kernel(const T* __restrict__ Q, const T* __restrict__ K,
         const int dq_q = TQ::row(warp), dq_d = TQ::col(warp);
         float dQ_i[TQ::M][TQ::cols / 8][4] = {};
         mma_AB<TQ::M, Bc, TQ::cols, true, false>(dQ_i, dS_T + dq_q, ldS, K_j + dq_d, ld);
-        added = turn_at(turns, bh * Tr + i);          // (none: no order)
+        added = turns + bh * Tr + i;
         const KeySpan keys = pol.keys(q0, Br);         // Q_i's K/V tiles: keys.begin / Bc ..
         const int mine = from_left ? j - keys.begin / Bc : (keys.end - 1) / Bc - j;
         wait_turn(added, mine);
         const size_t row = lay.L.at(bh, q_len) + q0 + dq_q + g;  // dQacc's rows are L's
         add_tile<TQ::M, TQ::cols, D>(dQacc + row * D + dq_d + 2 * t, dQ_i, q_len - q0 - dq_q - g,
-                                     first_add(added, mine));
+                                     mine == 0);
     }
     commit_and_wait<0>();                              // no copy may land after the block exits
     __syncthreads();                                   // every warp's last adds were issued

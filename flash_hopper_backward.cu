@@ -274,9 +274,8 @@ __device__ __forceinline__ void produce(BwdShared<T, D>& sh, const CUtensorMap& 
 // head, Q tile), and once the tile's adds are complete (every writer's, where the tile has chunks
 // in every buffer; at d = 64 a tile is one chunk, in buffer n % 2) the turn passes on, before any
 // wait for the next tile (NOTES section 14). The consumers never wait for a turn, and never issue
-// an atomic. Without the order (options.deterministic false: turns null) no writer waits, and
-// every block adds.
-template <typename T, int D, typename Blk>
+// an atomic. Ordered false (options.deterministic false): no turns, every block adds (dQacc zeroed).
+template <bool Ordered, typename T, int D, typename Blk>
 __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap& dQacc,
                                          int* turns, const Blk& blk) {
     constexpr int Chunks = bwd_dq_chunks(D), Bufs = bwd_dq_buffers(D), Cols = bwd_dq_cols(D);
@@ -289,17 +288,20 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
     for (int n = 0; n < blk.tiles; n++) {
         const auto wk = blk.walk_at(n);
         const auto [bh, i] = blk.tile_at(wk);
-        int* turn = turn_at(turns, size_t(bh) * blk.Tr + i);  // (none: no order)
+        int* turn = turns + size_t(bh) * blk.Tr + i;
         const int mine = blk.mine(i);                  // its place in dQ_i's order
         bool adding = false;                           // it has chunks of tile n
         for (int c = 0; c < Chunks; c++, q++) {
             if (q % Bufs != w) continue;               // another writer's chunk
             mbar_wait(&sh.dq_full[w], q / Bufs % 2);   // the chunk is in its buffer
-            if (!adding) wait_turn(turn, mine), fence_proxy_async_global(), adding = true;
+            if (!adding) {
+                if constexpr (Ordered) wait_turn(turn, mine);
+                fence_proxy_async_global(), adding = true;
+            }
             if (lane0) {
                 for (int h = 0; h < Cols / 32; h++)    // its boxes of 32 columns
                     tma_store(dQacc, sh.dQ_s[w] + 32 * h * Br, Cols * c + 32 * h, i * Br,
-                              head0 + wk.g, batch, !first_add(turn, mine));
+                              head0 + wk.g, batch, !Ordered || mine > 0);
                 bulk_commit(), bulk_wait_read<0>();
                 mbar_arrive(&sh.dq_empty[w]);
             }
@@ -307,7 +309,7 @@ __device__ __forceinline__ void write_dq(BwdShared<T, D>& sh, const CUtensorMap&
         }
         if (lane0 && adding) bulk_wait<0>(), fence_proxy_async_global();  // its adds are complete
         if (Chunks >= Bufs) named_barrier(kBarrierWriters, 32 * Bufs);  // and the others'.
-        if (lane0 && (Chunks >= Bufs ? w == 0 : adding)) pass_turn(turn);
+        if (Ordered && lane0 && (Chunks >= Bufs ? w == 0 : adding)) pass_turn(turn);
         __syncwarp();
     }
 }
@@ -650,8 +652,8 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
 // The kernel: one block per (batch*kv head, K/V tile j), in ticket order (chapter 2's). Warpgroup
 // 0's first warp is the producer (lane 0 issues the TMA copies, all 32 lanes copy L_i and D_i), its
 // second and third the dQ writers (and its fourth at d = 256, else idle); warpgroups 1 and 2 the
-// consumers. Shared memory: BwdShared.
-template <typename T, int D, int Split, typename Policy>
+// consumers. Shared memory: BwdShared. Ordered: dQ's adds in chapter 2's order, or none.
+template <typename T, int D, int Split, typename Policy, bool Ordered = true>
 __global__ void __launch_bounds__(kBwdThreads, 1)
 flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
                              const __grid_constant__ CUtensorMap K,
@@ -677,7 +679,7 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
     if (threadIdx.x < kWarpgroup) {                    // warpgroup 0: few registers
         setmaxnreg<false, kBwdProducerRegs>();
         if (threadIdx.x >= 32 * (1 + bwd_dq_buffers(D))) return;
-        if (threadIdx.x >= 32) return write_dq(sh, dQacc, turns, blk);  // the dQ writers
+        if (threadIdx.x >= 32) return write_dq<Ordered>(sh, dQacc, turns, blk);  // dQ's writers
         return produce(sh, Q, K, V, dO, L, Dsum, blk, lay);  // the producer
     }
     setmaxnreg<true, kBwdConsumerRegs>();              // the consumers: many
@@ -685,6 +687,16 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
 }
 
 #undef HOPPER_ONLY
+
+// ---------------------------------------------------------------------------------------------
+// The kernel: in order, or without it where the call allows (ordered false: options.deterministic
+// false) and the policy is the plain one (the others keep the order: half the kernels to build).
+template <typename T, int D, typename Policy>
+static auto backward_kernel(bool ordered) {
+    if constexpr (std::is_same<Policy, PlainPolicy>::value)
+        if (!ordered) return flash_backward_hopper_kernel<T, D, bwd_split(D), Policy, false>;
+    return flash_backward_hopper_kernel<T, D, bwd_split(D), Policy, true>;
+}
 
 // ---------------------------------------------------------------------------------------------
 // The launcher: chapter 2's passes around the kernel (flash_backward_passes, lib/chapters.h: its
@@ -698,7 +710,9 @@ static void run_backward_hopper(const T* Q, const T* K, const T* V, const T* O, 
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value, Bc = bwd_Bc(D), Br = kBwdBr;
         constexpr size_t bytes = bwd_hopper_shared_bytes<D>();
-        const auto kernel = flash_backward_hopper_kernel<T, D, bwd_split(D), Policy>;
+        AttentionOptions po = o;                       // the passes zero dQacc without the order
+        po.deterministic = o.deterministic || !std::is_same<Policy, PlainPolicy>::value;
+        const auto kernel = backward_kernel<T, D, Policy>(po.deterministic);
         allow_shared(kernel, bytes);
         AttentionShape kv_shape = s;                   // a block per (batch, kv head, K/V tile)
         kv_shape.heads = flash_kv_heads(s);
@@ -727,7 +741,7 @@ static void run_backward_hopper(const T* Q, const T* K, const T* V, const T* O, 
                 Qm, Km, Vm, dOm, L, m.D, dQm, m.turns, m.next_ticket, dK, dV, lay, policy, Tc,
                 BH, flash_kv_group(s), HG, options_scale_log2(s, o), options_scale(s, o));
             return cudaGetLastError();
-        }, o, &acc_rows);
+        }, po, &acc_rows);
     });
 }
 // The policy: with_policy's (lib/mask_policy.cuh), the plain one where it serves the options

@@ -133,16 +133,15 @@ static void backward_passes(const T* O, const T* dO, const float* L, T* dQ,
             m.next_ticket = m.turns + turns;
             m.D = reinterpret_cast<float*>(m.next_ticket + 1);
             // Zero bytes are the int 0 and the float +0: cudaMemsetAsync is right here. In order,
-            // dQacc needs no zeroing: each dQ_i's first block stores. Without the order
-            // (o.deterministic false) every block adds, so dQacc starts at 0, and there are no
-            // turns (lib/ordered_add.cuh); dQacc, the turns and the ticket are one range.
+            // dQacc needs no zeroing: each dQ_i's first block stores. A kernel without the order
+            // (o.deterministic false: chapter 3's) adds every part, so dQacc starts at 0 there;
+            // dQacc, the turns and the ticket are one range.
             const size_t counters = (turns + 1) * sizeof(int);
             cudaError_t err =
                 o.deterministic
                     ? cudaMemsetAsync(m.turns, 0, counters, stream)
                     : cudaMemsetAsync(memory, 0, sizeof(float) * scratch.dq + counters, stream);
             if (err != cudaSuccess) return err;
-            if (!o.deterministic) m.turns = nullptr;
             flash_backward_dot_fp16_kernel<T, D>
                 <<<grid(size_t(s.q_len) * dot_threads(D)), 256, 0, stream>>>(
                     O, dO, m.D, BH, s.q_len, lay.O, lay.dO, lay.Q, lay.L);

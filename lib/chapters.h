@@ -87,16 +87,15 @@ void flash_backward_hopper_launch(const __nv_bfloat16* Q, const __nv_bfloat16* K
 // it dQ = dQacc scale in T (S is unscaled in both kernels; scale: 1/sqrt(d), or the options'; a
 // row whose L is -inf saw no key and gets 0). kernel(scratch) launches the backward kernel, which
 // adds dQ's parts into dQacc in the ordered add's order (lib/ordered_add.cuh), and returns
-// cudaGetLastError(); with options.deterministic false, dQacc zeroed and turns null: no order.
-// Throws the first CUDA error, as with_scratch does.
+// cudaGetLastError(); with options.deterministic false, dQacc zeroed too, for a kernel that adds
+// every part in no order (chapter 3's). Throws the first CUDA error, as with_scratch does.
 constexpr int kBackwardMinBr = 32;  // the fewest rows a Q tile of either backward takes
 struct BackwardScratch {
     float* dQacc;      // dQ before its scale, fp32, B*H*q_len*d floats (packed: at least
                        // H*total_q*d), rows as the kernel puts them: the first add stores
-                       // (zeroed, and every block adds, without the order)
+                       // (zeroed, every block adding, where options.deterministic is false)
     int* turns;        // B*H*ceil(q_len / kBackwardMinBr) turn counters (one a query head and
-                       // Q tile of kBackwardMinBr rows or more; packed: q_len the longest),
-                       // zeroed; nullptr without the order (options.deterministic false)
+                       // Q tile of kBackwardMinBr rows or more; packed: q_len the longest), zeroed
     int* next_ticket;  // the ticket counter, zeroed
     float* D;          // D_i of line 4, rows as L's (B*H*q_len floats; packed H*total_q)
 };

@@ -5,18 +5,8 @@
 // ticket as it starts (block_ticket), and a turn counter per (query head, Q tile) says how many
 // blocks have added there. A warp waits until the counter reaches its block's place in the order
 // (wait_turn), adds, and one thread passes the turn on once the whole block has (pass_turn). Why
-// it cannot deadlock: NOTES.md section 14. A call with options.deterministic false has no turns
-// (turns: nullptr, dQacc zeroed): every block adds as soon as it gets there, FlashAttention-2's
-// deterministic=False, and dQ's fp32 sums may differ in their last bits from call to call.
+// it cannot deadlock: NOTES.md section 14.
 #pragma once
-
-// The turn of the dQ_i at index at, or none (nullptr) in a call without the order.
-__device__ __forceinline__ int* turn_at(int* turns, size_t at) {
-    return turns ? turns + at : nullptr;
-}
-// Whether this block's add to dQ_i stores: the first in the order does; without the order no block
-// knows it is first, so every one adds to the zeroed dQacc.
-__device__ __forceinline__ bool first_add(const int* turn, int mine) { return turn && mine == 0; }
 
 // The ordered add. block_ticket: this block's place in the order, for every thread.
 __device__ __forceinline__ int block_ticket(int* next) {
@@ -30,7 +20,6 @@ __device__ __forceinline__ int block_ticket(int* next) {
 // (PTX ISA, "Memory Consistency Model"): the adds the blocks before made, before they passed the
 // turn, are then in memory before any of ours.
 __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
-    if (!turn) return;                                 // no order: nothing to wait for
     int now = mine - 1;
     while (threadIdx.x % 32 == 0 && now != mine)
         asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(now) : "l"(turn) : "memory");
@@ -42,6 +31,5 @@ __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
 // every write ordered before it (the other threads' adds, through the barrier) lands first. The
 // release waits for them: a round trip to L2 for the thread's warp.
 __device__ __forceinline__ void pass_turn(int* turn) {
-    if (!turn) return;
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
 }

@@ -22,9 +22,10 @@ softcap) where > 0) and alibi_slopes (float32, (heads,) or (batch, heads): s -> 
 j|; they must not change between the forward and the backward). They run where the calls
 without them run (chapter 3 on an H100 or H200, the decode for a short query, chapter 2
 elsewhere). deterministic (True by default here; FlashAttention-2's default is False): False lets
-the backward's blocks add dq's parts as they get there, not in a fixed order, faster where blocks
-would wait for their turn (chapter 3 at head_dim 256), dq's last bits then varying from call to
-call; dk, dv, o and lse keep their bits. Any dtype takes it; float32 stays deterministic.
+chapter 3's backward add dq's parts as its blocks get there, not in a fixed order, faster where
+blocks would wait for their turn (head_dim 256), dq's last bits then varying from call to call;
+dk, dv, o and lse keep their bits. False only permits: with window_size, softcap or alibi_slopes,
+or off chapter 3 (float32 too), the order stays.
 
 The causal mask is bottom-right aligned, as in FlashAttention-2 >= 2.1: query i sees key j iff
 j <= i + kv_len - q_len. PyTorch's is_causal=True is top-left aligned (j <= i); the two agree

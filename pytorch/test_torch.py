@@ -574,9 +574,9 @@ def test_gqa_gradients_are_bitwise_deterministic(dtype):
 @pytest.mark.parametrize("d", [64, 96, 256])
 def test_deterministic_false_matches_the_reference_and_moves_only_dq(dtype, d):
     """deterministic=False: dq's parts added in whatever order the blocks reach them (chapter 3 at
-    64 and 256, chapter 2 at 96, chapter 1 in float32, which ignores it). dq is within the same
-    tolerance of the float64 reference (an fp32 sum in another order); o, lse, dk and dv are the
-    ordered call's bits."""
+    64 and 256; chapter 2 at 96 and chapter 1 in float32 keep the order, which False permits).
+    dq is within the same tolerance of the float64 reference (an fp32 sum in another order); o,
+    lse, dk and dv are the ordered call's bits."""
     label = f"{str(dtype).split('.')[-1]} d={d} deterministic=False"
     q, k, v, do = inputs((2, 3, 300, 333), d, dtype, seed=d + 7)
     runs = []
