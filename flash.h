@@ -203,9 +203,9 @@ void flash_backward_bf16(const __nv_bfloat16* Q, const __nv_bfloat16* K, const _
                          const AttentionShape& shape, const AttentionOptions& options,
                          cudaStream_t stream = 0);
 // True iff every field is its default (deterministic aside: false only permits an unordered add,
-// so a call that keeps the order honours it), the layout contiguous, nothing packed. (The calls also take
-// a window bound no row reaches and the default scale written out for none: the rule above,
-// lib/dispatch.cpp.)
+// so a call that keeps the order honours it), the layout contiguous, nothing packed. (The calls
+// also take a window bound no row reaches and the default scale written out for none: the rule
+// above, lib/dispatch.cpp.)
 bool flash_options_plain(const AttentionOptions& options);
 
 // ---------------------------------------------------------------------------------------------

@@ -134,8 +134,9 @@ static void backward_passes(const T* O, const T* dO, const float* L, T* dQ,
             m.D = reinterpret_cast<float*>(m.next_ticket + 1);
             // Zero bytes are the int 0 and the float +0: cudaMemsetAsync is right here. In order,
             // dQacc needs no zeroing: each dQ_i's first block stores. A kernel without the order
-            // (o.deterministic false: chapter 3's) adds every part, so dQacc starts at 0 there;
-            // dQacc, the turns and the ticket are one range.
+            // (o.deterministic false: chapter 3's) adds every part, so dQacc starts at 0 there
+            // (chapter 2's, which keeps the order, stores over the zeros); dQacc, the turns and
+            // the ticket are one range.
             const size_t counters = (turns + 1) * sizeof(int);
             cudaError_t err =
                 o.deterministic
