@@ -86,8 +86,9 @@ void flash_forward_fp16(const __half* Q, const __half* K, const __half* V, __hal
                         const AttentionShape& shape, cudaStream_t stream = 0);
 // The fp16 backward: given dO, fills dQ, dK, dV (fp16, shaped as Q, K, V) from the forward's O
 // and fp32 L. Deterministic (bitwise-identical gradients on every call: the one sum over blocks,
-// dQ's, is added in a fixed order); P and dS are rounded to fp16 for the tensor-core products,
-// every sum is fp32. Extra memory: flash_backward_fp16_scratch_bytes, scratch for the call
+// dQ's, is added in a fixed order; with options, AttentionOptions::deterministic may drop it); P
+// and dS are rounded to fp16 for the tensor-core products, every sum is fp32. Extra memory:
+// flash_backward_fp16_scratch_bytes, scratch for the call
 // (flash_release_scratch, below). Head dims and tile: see below. Like the forward, it runs chapter
 // 3's backward on compute capability 9.0 at kFlashHopperHeadDims (flash_backward_fp16_hopper),
 // chapter 2's everywhere else (flash_backward_fp16_ampere).
