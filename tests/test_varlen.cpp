@@ -3,7 +3,8 @@
 // heads, d), K and V (total_k, kv_heads, d). Each sequence of a packed batch gets the bits that
 // sequence gets alone (on the kernels a packed batch runs: chapter 3's where the public call
 // runs it, else chapter 2's; the plain policy, or chapter 5's with a score-changing option),
-// forward and backward; a sequence with no keys gets O = 0, L =
+// forward and backward (and, with deterministic = false, the ordered call's dK and dV, and a dQ
+// within the reference's tolerances); a sequence with no keys gets O = 0, L =
 // -inf, dQ = 0, one with no queries dK = dV = 0; padded rows are neither read nor written; the
 // plain sequences without GQA agree with the CPU reference; and bad cu_seqlens are refused,
 // naming the entry.
@@ -180,6 +181,19 @@ void check_varlen_case(const VarlenCase& c, uint32_t salt) {
                   po, c.plain());
     const PackedOutputs got{Og.download_float(), Lg.download_float(), dQg.download_float(),
                             dKg.download_float(), dVg.download_float()};
+    // The plain cases' backward again with deterministic = false (chapter 3's unordered kernel,
+    // padded rows included, where the public call runs chapter 3): its dQ against the reference
+    // below, its dK and dV the ordered call's bits (only dQ's adds may lose their order).
+    PackedOutputs unordered;
+    if (c.plain()) {
+        AttentionOptions uo = po;
+        uo.deterministic = false;
+        dQg.poison(), dKg.poison(), dVg.poison();
+        backward_call(Qg.ptr, Kg.ptr, Vg.ptr, Og.ptr, dOg.ptr, Lg.ptr, dQg.ptr, dKg.ptr, dVg.ptr,
+                      s, uo, c.plain());
+        unordered = {got.O, got.L, dQg.download_float(), dKg.download_float(),
+                     dVg.download_float()};
+    }
     if (c.pad) {  // The pads (the columns past a row's heads * d): never written, still NaN.
         const auto written_in_pads = [](const std::vector<float>& out, const Packed& p) {
             size_t n = 0;
@@ -191,6 +205,7 @@ void check_varlen_case(const VarlenCase& c, uint32_t salt) {
         CHECK(written_in_pads(got.dQ, pq) == 0);
         CHECK(written_in_pads(got.dK, pk) == 0);
         CHECK(written_in_pads(got.dV, pk) == 0);
+        if (c.plain()) CHECK(written_in_pads(unordered.dQ, pq) == 0);
     }
     // Each sequence against the same sequence alone (or the rule, where it has no queries or
     // no keys, which no dense call takes).
@@ -205,6 +220,16 @@ void check_varlen_case(const VarlenCase& c, uint32_t salt) {
         for (int h = 0; h < H; h++)  // L: [heads][total_q]
             for (int i = 0; i < sb.q_len; i++)
                 mine.L.push_back(got.L[size_t(h) * total_q + cu_q[b] + i]);
+        Outputs<float> mine_unordered = mine;
+        if (c.plain()) {
+            INFO("deterministic = false (second) against the ordered call (first)");
+            mine_unordered.dQ = unpack(unordered.dQ, pq, cu_q[b], sb.q_len);
+            mine_unordered.dK = unpack(unordered.dK, pk, cu_k[b], sb.kv_len);
+            mine_unordered.dV = unpack(unordered.dV, pk, cu_k[b], sb.kv_len);
+            check_bitwise("dK", mine.dK, mine_unordered.dK, sb, kv_layout(sb));
+            check_bitwise("dV", mine.dV, mine_unordered.dV, sb, kv_layout(sb));
+            CHECK(count_bad(mine_unordered.dQ) == 0);
+        }
         if (sb.q_len == 0 || sb.kv_len == 0) {
             const auto all_are = [](const std::vector<float>& v, float x) {
                 return std::all_of(v.begin(), v.end(), [x](float y) { return y == x; });
@@ -214,6 +239,7 @@ void check_varlen_case(const VarlenCase& c, uint32_t salt) {
             CHECK(all_are(mine.dQ, 0.f));
             CHECK(all_are(mine.dK, 0.f));
             CHECK(all_are(mine.dV, 0.f));
+            CHECK(all_are(mine_unordered.dQ, 0.f));
             continue;
         }
         GpuAttention<T> g(seq[b]);
@@ -229,7 +255,11 @@ void check_varlen_case(const VarlenCase& c, uint32_t salt) {
             check_bitwise(g.outputs(true), mine, sb);
         }
         // The reference (test_util's, without GQA: chapter 2's GQA has its own tests).
-        if (c.plain() && c.kv_heads == c.heads) check_against_reference_backward(mine, seq[b]);
+        if (c.plain() && c.kv_heads == c.heads) {
+            check_against_reference_backward(mine, seq[b]);
+            INFO("deterministic = false");
+            check_against_reference_backward(mine_unordered, seq[b]);
+        }
     }
 }
 
