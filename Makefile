@@ -201,6 +201,7 @@ bench: flash_bench
 plot:
 	gnuplot -e "csv='bench.csv'; out='bench.png'" bench/plot.gp
 # The sanitizers slow kernels 10-100x: the tests' deadlines (tests/test_util.h) stretch 20x.
+# initcheck runs with FLASH_ZERO_SCRATCH=1: every scratch zeroed first (lib/checks.h says why).
 # Every tool runs, whatever the one before found; the last line names those that failed.
 # Without compute-sanitizer or a GPU it says so in one line, before building anything.
 sanitize:
@@ -211,7 +212,8 @@ sanitize:
 	@$(MAKE) --no-print-directory test_flash
 	@failed=; for tool in memcheck racecheck synccheck initcheck; do \
 	    echo "== compute-sanitizer --tool $$tool"; \
-	    FLASH_TEST_DEADLINE_SCALE=20 $(SANITIZER) --tool $$tool --error-exitcode 1 ./test_flash "[sanitize]" || \
+	    zero=; [ $$tool = initcheck ] && zero=FLASH_ZERO_SCRATCH=1; \
+	    env $$zero FLASH_TEST_DEADLINE_SCALE=20 $(SANITIZER) --tool $$tool --error-exitcode 1 ./test_flash "[sanitize]" || \
 	        failed="$$failed $$tool"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "make sanitize: failed under$$failed (each tool's output is above)"; exit 1; fi; \

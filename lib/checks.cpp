@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
@@ -328,6 +330,14 @@ cudaMemPool_t flash_kept_pool() {
         FLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
         return pool;
     });
+}
+
+bool flash_zero_scratch() {
+    static const bool on = [] {
+        const char* v = std::getenv("FLASH_ZERO_SCRATCH");
+        return v != nullptr && std::strcmp(v, "1") == 0;
+    }();
+    return on;
 }
 
 void flash_release_scratch() {

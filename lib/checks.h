@@ -200,6 +200,12 @@ int grid_blocks(const AttentionShape& shape, int rows, int tile, const char* wha
 // scratch again, a wait that weighs most on short calls (lab/chapter2.md, the backward's step 10).
 cudaMemPool_t flash_kept_pool();
 
+// Whether every scratch starts zeroed: FLASH_ZERO_SCRATCH=1 in the environment (read once), which
+// `make sanitize` sets for initcheck alone. The kernels never need it: a scratch's first writes
+// are TMA stores (chapter 3's dQ sums), which initcheck does not see, or a counter whose old bits
+// count as no arrival (the decode's), which initcheck reports as a read of uninitialized memory.
+bool flash_zero_scratch();
+
 // Scratch for a launch: calls launch(scratch), which launches kernels on `stream` and returns
 // the first launch error (cudaSuccess if none), with scratch `bytes` of device memory taken from
 // flash_kept_pool() and given back after those kernels, in stream order, whatever happened
@@ -208,6 +214,7 @@ template <typename Launch>
 void with_scratch(size_t bytes, cudaStream_t stream, Launch launch) {
     void* scratch = nullptr;
     FLASH_CUDA_CHECK(cudaMallocFromPoolAsync(&scratch, bytes, flash_kept_pool(), stream));
+    if (flash_zero_scratch()) FLASH_CUDA_CHECK(cudaMemsetAsync(scratch, 0, bytes, stream));
     cudaError_t launched = cudaSuccess;
     try {
         launched = launch(scratch);
