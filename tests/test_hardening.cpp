@@ -484,6 +484,18 @@ TEST_CASE("Element counts are 64-bit products", "[cpu][validation]") {
     CHECK_NOTHROW(validate_shape({70000, 1, 16, 16, 16, true}));
 }
 
+TEST_CASE("A failure's place names batch, head, row and column, and an empty tensor has none",
+          "[cpu][harness]") {
+    const AttentionShape s{2, 3, 5, 7, 16, false};  // batch 2, 3 heads, q_len 5, kv_len 7, d 16
+    // Element 4 * 5 * 16 + 2 * 16 + 9 of Q: the fifth (batch, head) = (1, 1), row 2, column 9.
+    CHECK(where(q_layout(s), 4 * 5 * 16 + 2 * 16 + 9) == "(b=1, h=1, i=2, x=9)");
+    CHECK(where(l_layout(s), 3 * 5 + 4) == "(b=1, h=0, i=4)");
+    // A packed batch's empty sequence has no rows: no place to name, and no division by zero.
+    const AttentionShape empty{1, 3, 0, 0, 16, false};
+    CHECK(where(q_layout(empty), 0) == "(an empty tensor)");
+    check_bitwise("O", {}, {}, empty, q_layout(empty));  // passes: nothing differs
+}
+
 // =============================================================================================
 // GPU: determinism, and the caller-chosen Bc
 

@@ -218,6 +218,7 @@ FlatLayout l_layout(const AttentionShape& s, size_t first_bh) {
 }
 
 std::string where(const FlatLayout& l, size_t e) {
+    if (l.heads <= 0 || l.rows <= 0 || l.row_len <= 0) return "(an empty tensor)";  // (no divisions)
     const size_t row = e / size_t(l.row_len), x = e % size_t(l.row_len);
     const size_t bh = l.first_bh + row / size_t(l.rows);
     std::ostringstream os;
