@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # lab/options-ab.sh OUT BASE [NAME=TREE ...]: chapter 5's options (lab/options-bench.cu) in several
 # trees, timed in turns, for an A/B of one change at a time (lab/chapter5.md). BASE: the tree
-# before the change (e.g. from `git archive`), "base"; this tree, "new"; each NAME=TREE one more
-# variant. All the trees' libraries are built at once. ROUNDS (default 2) rounds, each running
-# every tree in that order. With NCU=1, Nsight Compute on this tree's chapter 3 kernels for the
-# bench's cases NCU_CASES names (default "plain softcap alibi": N = 4096, d = 128, causal; also
-# "dense" and "window", the N = 32k pair): the pipes' use (XU, FMA, ALU), the issue slots, and
-# with NCU_STALLS=1 where the warps wait (WarpStateStats). With SUITE=1, this tree's default suite. Logs under OUT; a
-# short table last: each case's ms forward and backward, tree after tree.
+# before the change (e.g. from `git archive`), "base", or "none" for this tree alone; this tree,
+# "new"; each NAME=TREE one more variant. All the trees' libraries are built at once. ROUNDS
+# (default 2) rounds, each running every tree in that order. With NCU=1, Nsight Compute on this
+# tree's chapter 3 kernels for the bench's cases NCU_CASES names (default "plain softcap alibi":
+# N = 4096, d = 128, causal; also "dense" and "window", the N = 32k pair): the pipes' use (XU,
+# FMA, ALU), the issue slots, and with NCU_STALLS=1 where the warps wait (WarpStateStats). With
+# SUITE=1, this tree's default suite. Logs under OUT; a short table last: each case's ms forward
+# and backward, tree after tree.
 set -uo pipefail
 out=${1:?usage: lab/options-ab.sh OUT BASE [NAME=TREE ...]}
 base=${2:?usage: lab/options-ab.sh OUT BASE [NAME=TREE ...]}
@@ -16,6 +17,7 @@ cd "$(dirname "$0")/.." || exit 1
 export PATH="$PATH:/usr/local/cuda/bin"
 mkdir -p "$out"
 names=(base new) dirs=("$base" .)
+[ "$base" = none ] && names=(new) dirs=(.)  # BASE "none": this tree alone (e.g. NCU=1 only)
 for arg in "$@"; do names+=("${arg%%=*}") dirs+=("${arg#*=}"); done
 objs="build/flash.o build/flash_fp16.o build/backward_passes.o build/flash_decode.o build/checks.o"
 objs="$objs build/dispatch.o build/flash_hopper.o build/flash_hopper_backward.o"
