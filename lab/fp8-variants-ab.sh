@@ -3,15 +3,16 @@
 # (lab/chapter3.md, "Next" of the fp8 part) timed against flash_hopper_fp8.cu as it is, in one
 # process (lab/fp8-ab.cu through lab/hopper-ab.sh), on a GPU with sm_90a:
 #   base   the file as it is
-#   e4, e2 lab/patches/exp2-fma.patch's fp8 hunk: one exponential in 4, or in 2, on the FMA pipe
+#   e8, e4, e2 one exponential of P~ in 8, 4 or 2 on the FMA pipe (exp2_at of lib/log2_units.h,
+#          put in place of the loop's exp2_ftz by sed; lab/chapter3.md, "2^x on the FMA pipe in
+#          the fp8 forward")
 #   tree   lab/patches/fp8-tree-reductions.patch: a row's max and sum in four chains
 #   skip   lab/patches/fp8-rescale-skip.patch: O's rescale skipped when no max of the warp moved
 # and each NAME=SOURCE after OUT, one more version of flash_hopper_fp8.cu (e.g. another tree's),
 # copied to the scratch folder first so that it is built against this tree's headers.
-# Each variant is made from its patch's hunks for flash_hopper_fp8.cu in a scratch folder (for e4
-# and e2, with the lines the patch adds to lib/log2_units.h, exp2_fma and exp2_mixed, pasted after
-# the file's includes); the tree is not changed. A variant whose patch no longer applies to the
-# file (all four today: the kernel has changed around them) is skipped with a line saying so.
+# tree and skip are made from their patches' hunks for flash_hopper_fp8.cu in a scratch folder;
+# the tree is not changed. A variant whose patch no longer applies to the file (both today: the
+# kernel has changed around them) is skipped with a line saying so.
 # With SOURCES_ONLY=1 it writes the variants' sources to OUT and stops (no GPU needed: to read
 # them, or compile them with lab/ptxas-spills.sh).
 # Needs build/checks.o (made here if missing: CPPFLAGS as for make). ROUNDS (default 3). Logs
@@ -48,8 +49,19 @@ variant() {
     [ -z "$define" ] || sed -i "1i #define $define" "$tmp/$name.cu"
     echo "$name=$tmp/$name.cu" >>"$tmp/list"
 }
-variant e4 exp2-fma.patch "EXP_FMA_EVERY 4"
-variant e2 exp2-fma.patch "EXP_FMA_EVERY 2"
+# exp_every NAME EVERY: the file with every EVERY-th exponential of P~ on the FMA pipe
+exp_every() {
+    sed "s/p\[e\] = exp2_ftz(fmaf(s, scale, offset\[a % 2\]));/p[e] = exp2_at<$2>(fmaf(s, scale, offset[a % 2]), 4 * a + e);/" \
+        flash_hopper_fp8.cu >"$tmp/$1.cu"
+    if cmp -s flash_hopper_fp8.cu "$tmp/$1.cu"; then
+        echo "$1: the loop's exp2_ftz line was not found (skipped)"
+    else
+        echo "$1=$tmp/$1.cu" >>"$tmp/list"
+    fi
+}
+exp_every e8 8
+exp_every e4 4
+exp_every e2 2
 variant tree fp8-tree-reductions.patch
 variant skip fp8-rescale-skip.patch
 extra=()
