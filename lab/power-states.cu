@@ -15,6 +15,8 @@
 // with the case and the round (plain1, softcap1, ..., dense1, window1). OPTIONS_SOFTCAP=C sets
 // the softcap to C instead of 30: the inputs' scores reach about 2, so a cap of 0.25 puts scores
 // past the cap in every tile (the tiles whose tanh then runs on the XU: lib/mask_policy.cuh).
+// With "two", OPTIONS_N=N (default 4096; batch 16384 / N) and OPTIONS_CAUSAL=0 (default 1) set the
+// shape of the two cases: the softcap's ratio at other lengths and without the mask.
 // Build and run (lab/gpu-power-states.sh does both, with cuDNN and the clock samples):
 //   make -j16 build/flash.o build/flash_fp16.o build/backward_passes.o build/flash_decode.o \
 //     build/checks.o build/dispatch.o build/flash_hopper.o build/flash_hopper_backward.o \
@@ -50,9 +52,13 @@ static double causal_pairs(int n, int left) {
 // Issue 45's options against the plain call, forward and backward, rounds in turns.
 static void options_rows(int rounds, bool two, int d) {
     struct Case { const char* who; int N; AttentionOptions o; int left; };
-    for (int N : {4096, 32768}) {
-        if (two && N > 4096) break;
-        const AttentionShape s{N == 4096 ? 4 : 1, 16, N, N, d, true};
+    const char* n_env = std::getenv("OPTIONS_N");
+    const char* causal_env = std::getenv("OPTIONS_CAUSAL");
+    const int first = two && n_env ? std::atoi(n_env) : 4096;
+    const bool causal = !(two && causal_env && !std::strcmp(causal_env, "0"));
+    for (int N : {first, 32768}) {
+        if (two && N != first) break;
+        const AttentionShape s{N == 32768 ? 1 : std::max(1, 16384 / N), 16, N, N, d, causal};
         const size_t n = size_t(s.batch) * s.heads * N * s.head_dim;
         std::vector<__half*> t(8);  // Q K V O dO dQ dK dV
         for (__half*& p : t) FLASH_CUDA_CHECK(cudaMalloc(&p, n * sizeof(__half)));
@@ -72,7 +78,7 @@ static void options_rows(int rounds, bool two, int d) {
         scale.softmax_scale = 0.1f;
         window.window_left = 4096, window.window_right = 0;
         std::vector<Case> cases;
-        if (N == 4096)
+        if (N != 32768)
             cases = {{"plain", N, none, -1}, {"softcap", N, cap, -1}, {"alibi", N, alibi, -1},
                      {"scale", N, scale, -1}};
         else
@@ -81,7 +87,8 @@ static void options_rows(int rounds, bool two, int d) {
         for (int r = 1; r <= rounds; r++)
             for (const Case& c : cases) {
                 const std::string tag = c.who + std::to_string(r);
-                const double flop = 4.0 * s.batch * s.heads * causal_pairs(N, c.left) * s.head_dim;
+                const double pairs = causal ? causal_pairs(N, c.left) : double(N) * N;
+                const double flop = 4.0 * s.batch * s.heads * pairs * s.head_dim;
                 auto fwd = [&] { flash_forward_fp16(t[0], t[1], t[2], t[3], L, s, c.o); };
                 auto bwd = [&] {
                     flash_backward_fp16(t[0], t[1], t[2], t[3], t[4], L, t[5], t[6], t[7], s,
