@@ -66,12 +66,12 @@ Outputs<double> reference_with(const Problem<double>& x, const OptionsCase& c,
     return r;
 }
 
-// The score terms of the tolerances (test_util.h's ScoreTerms): the scale; softcap's tanh.approx,
-// c 2^-10; ALiBi's fp32 bias, 4 u of the largest.
+// The score terms of the tolerances (test_util.h's ScoreTerms): the scale; the cap (its
+// tanh.approx); ALiBi's fp32 bias, 4 u of the largest.
 ScoreTerms score_terms(const OptionsCase& c, const std::vector<double>& slopes) {
     ScoreTerms t;
     t.scale = c.scale;
-    t.extra = c.softcap * std::exp2(-10.0);
+    t.softcap = c.softcap;
     for (double slope : slopes)  // |i' - j| < q_len + kv_len
         t.extra += 4 * kUnitRoundoff * slope * (c.s.q_len + c.s.kv_len);
     return t;
