@@ -13,6 +13,11 @@ shift
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$out"
 ids=("$@")
+# A clean build: exercises/run.sh reuses a build it finds when its objects are newer than the
+# sources, but the device keeps build/ from an earlier call while the copy of this tree it gets
+# has this checkout's older mtimes, so objects built from an earlier call's edits (a probe patch
+# applied, then reverted) would look current. KEEP_BUILD=1 keeps it.
+[ "${KEEP_BUILD:-0}" = 1 ] || rm -rf build test_flash
 [ ${#ids[@]} -gt 0 ] || ids=($(exercises/run.sh --stale --list))
 [ ${#ids[@]} -gt 0 ] || { echo "every exercise log is current" | tee "$out/exercises.txt"; exit 0; }
 # Under LIMIT seconds (default 500), so that the logs written by then are archived even when the

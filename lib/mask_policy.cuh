@@ -98,7 +98,8 @@ struct WindowMask {
 };
 
 // tanh, on the GPU in one instruction (tanh.approx.f32, sm_75 on: relative error below 2^-10.9,
-// which the tests' tolerance carries as softcap 2^-10 on each score); on the host the library's.
+// which the tests' tolerance carries as 2^-10 min(softcap, M) on each score, M bounding |s|); on
+// the host the library's.
 POLICY_FN float fast_tanh(float x) {
 #ifdef __CUDA_ARCH__
     float t;

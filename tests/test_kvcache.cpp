@@ -7,8 +7,8 @@
 // The reference (reference.h's general one, in double) reads each sequence's keys from its own
 // length of the cache after the append. The tolerances are chapter 2's forward ones (tolerances16)
 // over the whole cache (a bound over more keys than any row sees: looser, never tighter), with
-// test_options.cpp's score terms for softcap (tanh.approx, c 2^-10) and ALiBi (4 u of the largest
-// bias).
+// test_options.cpp's score terms for softcap (tanh.approx, 2^-10 min(c, M)) and ALiBi (4 u of
+// the largest bias).
 #include "test_util.h"
 
 #include <algorithm>
@@ -184,7 +184,7 @@ void check_cache_case(const CacheCase& c, uint32_t salt) {
     attention_reference_general(p);
     Problem<T> bound{s, Q, Kwant, Vwant, {}};
     ScoreTerms terms;
-    terms.extra = c.softcap * std::exp2(-10.0);
+    terms.softcap = c.softcap;
     for (double slope : slopes_d) terms.extra += 4 * kUnitRoundoff * slope * (c.q_len + cap);
     const Tolerances tol = tolerances16(bound, terms);
     CAPTURE(tol.M, tol.L, tol.O);

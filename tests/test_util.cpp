@@ -158,7 +158,7 @@ Tolerances tolerances16(const Problem<T>& p, const ScoreTerms& terms) {
     const double scale = terms.scale > 0 ? terms.scale : 1 / std::sqrt(d);
     Tolerances t{};
     t.M = max_row_norm(x.Q, p.s.head_dim) * max_row_norm(x.K, p.s.head_dim) * scale;
-    t.L = 2 * d * u * t.M + terms.extra + kSafety * u * (std::sqrt(N) + 8);
+    t.L = 2 * d * u * t.M + softcap_term(terms, t.M) + terms.extra + kSafety * u * (std::sqrt(N) + 8);
     t.O = max_abs(x.V) * (3 * u16 + N * Format16<T>::tiny_weight_error + t.L);
     return t;
 }
@@ -180,7 +180,7 @@ Tolerances backward_tolerances16(const Problem<T>& p, const Outputs<float>& got,
     for (size_t i = 0; i < got.L.size(); ++i)
         if (std::isfinite(double(want.L[i])))
             dL = std::max(dL, std::fabs(got.L[i] - double(want.L[i])));
-    const double eps = dL + 2 * d * u * t.M + terms.extra;
+    const double eps = dL + 2 * d * u * t.M + softcap_term(terms, t.M) + terms.extra;
     const double scale = terms.scale > 0 ? terms.scale : 1 / std::sqrt(d);
     // (b) P, dS and each gradient rounded to T: 3 u16, with the statistical margin.
     t.grad_rel = kSafety16 * (3 * u16 + eps);

@@ -451,16 +451,26 @@ Tolerances tolerances(const Problem<float>& p, Rounding rounding);
 // this derivation (then fix the derivation, here, first).
 
 // Chapter 5's options change the scores, and so the score terms above: with a softmax scale c the
-// bound is M = c max|Q_i| max|K_j| (c = 1/sqrt(d) by default); softcap's c tanh(s / c) has a slope
-// of at most 1, so it carries a score's error through unchanged, but the kernels' tanh.approx.f32
-// adds up to 2^-10.9 relative to tanh, c 2^-10 absolute with a margin; ALiBi's slope |i' - j|,
-// computed in fp32, adds a few u of the largest bias, 4 u max_bias. Both extra terms add to every
-// score's error, so to tol_L and to the backward's eps. ScoreTerms carries them (all 0: the
-// plain scores).
+// bound is M = c max|Q_i| max|K_j| (c = 1/sqrt(d) by default). Softcap's cap tanh(s / cap) has a
+// slope of at most 1, so it carries a score's error through unchanged, but the kernels'
+// tanh.approx.f32 adds up to 2^-10.9 relative to tanh: cap |tanh(s / cap)| <= min(cap, |s|), so
+// a score gains at most 2^-10 min(cap, M), with a margin (softcap_term). At Gemma 2's cap of 50
+// and d = 128 (M about 16 on N(0, 1) inputs) that is a third of 2^-10 cap: tol_L 0.016, which a
+// tanh 1% off exceeds on L (0.020, in double on the CPU), where 2^-10 cap let 2% (0.040) by. The
+// backward's derivative 1 - t^2 is off by up to 2 |t| 2^-10.9 |t|: relative to itself, below that
+// term wherever |s| <= cap / 2 (cap >= 1); past that 1 - t^2 is small, and so is the dS it scales.
+// ALiBi's slope |i' - j|, computed in fp32, adds a few u of the largest bias, 4 u max_bias. Both
+// terms add to every score's error, so to tol_L and to the backward's eps. ScoreTerms carries
+// them (all 0: the plain scores).
 struct ScoreTerms {
     double scale = 0;          // the softmax scale; 0: 1/sqrt(d)
-    double extra = 0;          // absolute error a score gains beyond the products' sums
+    double softcap = 0;        // the cap; 0: none
+    double extra = 0;          // any other absolute error a score gains beyond the products' sums
 };
+// The softcap's tanh.approx term for score bound M (0 without a cap).
+inline double softcap_term(const ScoreTerms& terms, double M) {
+    return terms.softcap > 0 ? std::exp2(-10.0) * std::min(terms.softcap, M) : 0;
+}
 
 // Chapter 2's forward tolerances for problem p (its T values, exactly): M, L and O (see above);
 // the gradient fields stay 0 (backward_tolerances16 fills them). T: __half or __nv_bfloat16.
