@@ -325,10 +325,10 @@ struct ModelPolicy : WindowMask {
 // Chapter 5's score changes under PlainPolicy's mask (causal or none): softcap or ALiBi without a
 // window. The scores change as ModelPolicy's do (its Near), and the kernels test the mask as the
 // plain ones do: one side of a row, the causal tile rule, no window's bounds to hold. In chapter 3
-// that spared the backward its spills at d = 128 and the softcap forward its spills at d = 64
-// (lab/chapter5.md, part 26). One base and its own members, as ModelPolicy: nvcc laid out a
-// second base class of a kernel's argument (PlainPolicy's and the score changes' as two bases)
-// otherwise on the device than on the host, and every field past the first base was read wrong.
+// that spares the backward its spills at d = 128, and the softcap forward its spills at d = 64
+// and 2-4% of its time at d = 128 (lab/chapter5.md, part 26). One base class and its own members,
+// as ModelPolicy: with the score changes as a second base, nvcc laid out this kernel argument one
+// way on the host and another on the device, and the kernels read every score term wrong.
 template <bool kSoftcap, bool kAlibi>
 struct ScoredPolicy : PlainPolicy {
     static constexpr bool kCapped = kSoftcap;
@@ -361,14 +361,15 @@ inline float options_scale(const AttentionShape& s, const AttentionOptions& o) {
 inline float options_scale_log2(const AttentionShape& s, const AttentionOptions& o) {
     return o.softmax_scale > 0 ? o.softmax_scale * kLog2e : scale_log2_for(s.head_dim);
 }
-// Whether PlainPolicy computes a call with these options: no window bound a row reaches
-// (WindowMask::of: one the longest sequence does not reach, no shorter one does), no softcap, no
-// ALiBi. The scale is not the policy's (the kernels take it beside it: options_scale_log2), nor
-// are the layout and a packed batch (where rows are, not what is computed).
+// Whether PlainPolicy's mask serves a call: no window bound a row reaches (WindowMask::of: one the
+// longest sequence does not reach, no shorter one does).
 inline bool plain_mask(const AttentionOptions& o, const AttentionShape& s) {
     const WindowMask m = WindowMask::of(s.q_len, s.kv_len, false, o.window_left, o.window_right);
     return m.left == -1 && (s.causal || m.right == -1);
 }
+// Whether PlainPolicy computes a call with these options: its mask, no softcap, no ALiBi. The
+// scale is not the policy's (the kernels take it beside it: options_scale_log2), nor are the
+// layout and a packed batch (where rows are, not what is computed).
 inline bool plain_policy_serves(const AttentionOptions& o, const AttentionShape& s) {
     return plain_mask(o, s) && o.softcap == 0 && !o.alibi_slopes;
 }
