@@ -375,11 +375,14 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
 // 8(c/2) + 2t + c%2). Read into registers right after the stage's full wait (Ahead), so that line
 // 11's exponentials do not wait on shared memory behind S^T's product. A policy that changes the
 // scores (a softcap, ALiBi) holds registers of its own: there the 16 made ptxas spill and ran
-// slower, so line 11 reads each as it goes (lab/chapter3-backward.md, "L_i in registers").
+// slower, so line 11 reads each as it goes (lab/chapter3-backward.md, "L_i in registers"); ALiBi
+// alone under the plain mask (ScoredPolicy) holds few enough to keep them.
 template <typename Policy>
 constexpr bool bwd_l_ahead = true;
 template <bool kSoftcap, bool kAlibi>
 constexpr bool bwd_l_ahead<ModelPolicy<kSoftcap, kAlibi>> = !kSoftcap && !kAlibi;
+template <bool kSoftcap, bool kAlibi>
+constexpr bool bwd_l_ahead<ScoredPolicy<kSoftcap, kAlibi>> = !kSoftcap;
 template <bool Ahead>
 struct RowOffsets {
     float v[kBwdBr / 4];

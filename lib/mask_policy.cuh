@@ -9,7 +9,8 @@
 // Every tensor-core kernel and the decode take one of the kernel policies at the end as a
 // template argument, with_policy's choice: PlainPolicy (causal or no mask, scores unchanged: the
 // chapters as they were) or ModelPolicy (a window, ALiBi, softcap: an instance with softcap's
-// derivative or without, and in chapter 3 each of them with ALiBi's term or without).
+// derivative or without, and in chapter 3 each of them with ALiBi's term or without); in chapter
+// 3, softcap or ALiBi alone without a window runs ScoredPolicy (their scores, the plain mask).
 #pragma once
 
 #include "checks.h"  // flash_kv_end, flash_first_query
@@ -229,6 +230,20 @@ struct PlainPolicy {
     }
 };
 
+// What the policies that change scores (ModelPolicy, ScoredPolicy) do alike with their score
+// changes (mod, slopes, heads, per_batch, inv_scale): p for head bh (batch * heads + head: its
+// ALiBi slope), and p for scores that carry a factor c already (c u(x) = u'(c x)).
+template <typename P>
+POLICY_FN P head_of(P p, size_t bh) {
+    if (p.slopes) p.mod.slope_u = p.slopes[p.per_batch ? bh : bh % p.heads] * p.inv_scale;
+    return p;
+}
+template <typename P>
+POLICY_FN P units_of(P p, float c) {
+    p.mod.cap_u *= c, p.mod.inv_cap /= c, p.mod.slope_u *= c, p.inv_scale *= c;
+    return p;
+}
+
 // Chapter 5: a sliding window with causal (WindowMask) and the score changes (ScoreMod), with
 // ALiBi's slopes per head (slopes: [heads], or [batch][heads] where per_batch; none: nullptr).
 // kSoftcap: whether a softcap is given. Without one every du is 1, a constant: the backward then
@@ -250,16 +265,8 @@ struct ModelPolicy : WindowMask {
         p.q_len = q, p.kv_len = kv;
         return p;
     }
-    POLICY_FN ModelPolicy for_head(size_t bh) const {
-        ModelPolicy p = *this;
-        if (slopes) p.mod.slope_u = slopes[per_batch ? bh : bh % heads] * inv_scale;
-        return p;
-    }
-    POLICY_FN ModelPolicy in_units(float c) const {  // c u(x) = u'(c x): each term scaled by c
-        ModelPolicy p = *this;
-        p.mod.cap_u *= c, p.mod.inv_cap /= c, p.mod.slope_u *= c, p.inv_scale *= c;
-        return p;
-    }
+    POLICY_FN ModelPolicy for_head(size_t bh) const { return head_of(*this, bh); }
+    POLICY_FN ModelPolicy in_units(float c) const { return units_of(*this, c); }
     POLICY_FN bool from_left() const { return right >= 0; }
     POLICY_FN KeySpan keys(int q0, int rows) const {
         const int q1 = q0 + rows < q_len ? q0 + rows : q_len;
@@ -315,6 +322,36 @@ struct ModelPolicy : WindowMask {
     }
 };
 
+// Chapter 5's score changes under PlainPolicy's mask (causal or none): softcap or ALiBi without a
+// window. The scores change as ModelPolicy's do (its Near), and the kernels test the mask as the
+// plain ones do: one side of a row, the causal tile rule, no window's bounds to hold. In chapter 3
+// that spares the backward its spills at d = 128, and the softcap forward its spills at d = 64
+// and 2-4% of its time at d = 128 (lab/chapter5.md, part 26). One base class and its own members,
+// as ModelPolicy: with the score changes as a second base, nvcc laid out this kernel argument one
+// way on the host and another on the device, and the kernels read every score term wrong.
+template <bool kSoftcap, bool kAlibi>
+struct ScoredPolicy : PlainPolicy {
+    static constexpr bool kCapped = kSoftcap;
+    using Near = typename ModelPolicy<kSoftcap, kAlibi>::Near;
+    ScoreMod mod;
+    const float* slopes;
+    int heads;
+    bool per_batch;
+    float inv_scale;
+
+    POLICY_FN ScoredPolicy for_sequence(int q, int kv) const {
+        ScoredPolicy p = *this;
+        p.q_len = q, p.kv_len = kv;
+        return p;
+    }
+    POLICY_FN ScoredPolicy for_head(size_t bh) const { return head_of(*this, bh); }
+    POLICY_FN ScoredPolicy in_units(float c) const { return units_of(*this, c); }
+    POLICY_FN Near at(int i, int j) const { return {mod, float((i - q_len) + (kv_len - j))}; }
+    POLICY_FN float score(float dot, int i, int j, float& du) const {
+        return at(i, j).score(dot, 0, du);
+    }
+};
+
 // The softmax scale of a call: the options', or 1/sqrt(head_dim) where they leave it at 0.
 inline float options_scale(const AttentionShape& s, const AttentionOptions& o) {
     return o.softmax_scale > 0 ? o.softmax_scale : 1.0f / std::sqrt(float(s.head_dim));
@@ -324,13 +361,17 @@ inline float options_scale(const AttentionShape& s, const AttentionOptions& o) {
 inline float options_scale_log2(const AttentionShape& s, const AttentionOptions& o) {
     return o.softmax_scale > 0 ? o.softmax_scale * kLog2e : scale_log2_for(s.head_dim);
 }
-// Whether PlainPolicy computes a call with these options: no window bound a row reaches
-// (WindowMask::of: one the longest sequence does not reach, no shorter one does), no softcap, no
-// ALiBi. The scale is not the policy's (the kernels take it beside it: options_scale_log2), nor
-// are the layout and a packed batch (where rows are, not what is computed).
-inline bool plain_policy_serves(const AttentionOptions& o, const AttentionShape& s) {
+// Whether PlainPolicy's mask serves a call: no window bound a row reaches (WindowMask::of: one the
+// longest sequence does not reach, no shorter one does).
+inline bool plain_mask(const AttentionOptions& o, const AttentionShape& s) {
     const WindowMask m = WindowMask::of(s.q_len, s.kv_len, false, o.window_left, o.window_right);
-    return m.left == -1 && (s.causal || m.right == -1) && o.softcap == 0 && !o.alibi_slopes;
+    return m.left == -1 && (s.causal || m.right == -1);
+}
+// Whether PlainPolicy computes a call with these options: its mask, no softcap, no ALiBi. The
+// scale is not the policy's (the kernels take it beside it: options_scale_log2), nor are the
+// layout and a packed batch (where rows are, not what is computed).
+inline bool plain_policy_serves(const AttentionOptions& o, const AttentionShape& s) {
+    return plain_mask(o, s) && o.softcap == 0 && !o.alibi_slopes;
 }
 // Whether options change no score and no mask beyond the plain call's: PlainPolicy serves them
 // and the scale is the default (0, or 1/sqrt(d) written out).
@@ -353,12 +394,25 @@ inline ModelPolicy<kSoftcap, kAlibi> model_policy(const AttentionShape& s,
     p.inv_scale = 1.0f / scale;
     return p;
 }
+// The same score changes under the plain mask (plain_mask: no window bound a row reaches).
+template <bool kSoftcap, bool kAlibi>
+inline ScoredPolicy<kSoftcap, kAlibi> scored_policy(const AttentionShape& s,
+                                                    const AttentionOptions& o) {
+    const ModelPolicy<kSoftcap, kAlibi> m = model_policy<kSoftcap, kAlibi>(s, o);
+    ScoredPolicy<kSoftcap, kAlibi> p;
+    static_cast<PlainPolicy&>(p) = PlainPolicy{s.q_len, s.kv_len, s.causal};
+    p.mod = m.mod, p.slopes = m.slopes, p.heads = m.heads, p.per_batch = m.per_batch;
+    p.inv_scale = m.inv_scale;
+    return p;
+}
 // The policy a call with options runs, handed to run (a generic lambda): PlainPolicy where it
-// serves them, else ModelPolicy, with softcap's derivative only where a softcap is given. ALiBi's
-// term: with kAlibiApart, only where slopes are (chapter 3, whose speed chapter 5's floors
-// measure: four instances); without, in every ModelPolicy (chapter 2 and the decode: two, whose
-// kernels are most of the build's time). A slope of 0 changes no bit. kAlibiApart is tested by
-// `if constexpr`: an ordinary `if` would still instantiate, and compile, all four everywhere.
+// serves them, else ModelPolicy, with softcap's derivative only where a softcap is given. With
+// kAlibiApart (chapter 3, whose speed chapter 5's floors measure), ALiBi's term only where slopes
+// are (four ModelPolicy instances), and softcap or ALiBi alone without a window as ScoredPolicy
+// (two more). Without it, ALiBi's term in every ModelPolicy and no ScoredPolicy (chapter 2 and
+// the decode: two instances, whose kernels are most of the build's time). A slope of 0 changes
+// no bit. kAlibiApart is tested by `if constexpr`: an ordinary `if` would still instantiate, and
+// compile, all six everywhere.
 template <bool kAlibiApart = false, typename Run>
 inline void with_policy(const AttentionShape& s, const AttentionOptions& o, Run&& run) {
     const bool cap = o.softcap > 0, alibi = o.alibi_slopes != nullptr;
@@ -366,6 +420,9 @@ inline void with_policy(const AttentionShape& s, const AttentionOptions& o, Run&
     else if constexpr (!kAlibiApart) {
         if (cap) run(model_policy<true>(s, o));
         else run(model_policy<false>(s, o));
+    } else if (plain_mask(o, s) && cap != alibi) {  // softcap or ALiBi alone, no window
+        if (cap) run(scored_policy<true, false>(s, o));
+        else run(scored_policy<false, true>(s, o));
     } else if (cap && alibi) run(model_policy<true, true>(s, o));
     else if (cap) run(model_policy<true, false>(s, o));
     else if (alibi) run(model_policy<false, true>(s, o));

@@ -213,7 +213,8 @@ TEST_CASE("The backward's exponent is c times the score plus the offset, c folde
     // Chapter 3's backward asks at(i, j).exponent(x, k, du, c, o) for c u + o (c = scale log2 e,
     // o = -L_i log2 e); with a softcap the policy puts c into the cap's and the slope's factors
     // (c cap_u, c slope_u) instead of multiplying the score by c. Checked on every instance that
-    // with_policy<true> runs (chapter 3's: plain, a window, ALiBi, softcap, softcap with ALiBi)
+    // with_policy<true> runs (chapter 3's: plain; ALiBi alone and softcap alone, ScoredPolicy; a
+    // window alone, with ALiBi, with softcap, and softcap with ALiBi, ModelPolicy)
     // against fmaf(score(x, k), c, o): du bit for bit; the exponent within 2^-21 (4 float ulps)
     // of the sum of the terms' magnitudes, |c u| + |c slope d| + |o|, the few products rounded
     // in another order. Leaving c out of either factor moves it by (1 - 1/c) of that term.
@@ -228,6 +229,8 @@ TEST_CASE("The backward's exponent is c times the score plus the offset, c folde
     };
     for (const Case cs : {Case{"plain", -1, 0.f, nullptr}, Case{"window", 5, 0.f, nullptr},
                           Case{"alibi", -1, 0.f, slopes}, Case{"softcap", -1, 5.f, nullptr},
+                          Case{"window and alibi", 5, 0.f, slopes},
+                          Case{"window and softcap", 5, 5.f, nullptr},
                           Case{"softcap and alibi", 5, 5.f, slopes}}) {
         AttentionOptions o;
         o.window_left = cs.left, o.softcap = cs.softcap, o.alibi_slopes = cs.slopes;
@@ -337,8 +340,9 @@ int check_kernel_policy(const Policy& p, const Sees& sees, int Br, int Bc, const
 
 TEST_CASE("Chapter 2's kernel policies load, mask and walk exactly the tiles with a visible "
           "score, on every small shape", "[cpu][policy]") {
-    // PlainPolicy (causal or none) and ModelPolicy (windows with causal), q_len and kv_len to 13,
-    // Q tiles of 2, 4 or 5 rows, K/V tiles of 1, 3 or 4 keys, against the rule score by score.
+    // PlainPolicy and ScoredPolicy (causal or none) and ModelPolicy (windows with causal), q_len
+    // and kv_len to 13, Q tiles of 2, 4 or 5 rows, K/V tiles of 1, 3 or 4 keys, against the rule
+    // score by score.
     int shapes = 0;
     for (int q_len = 1; q_len <= 13; ++q_len)
         for (int kv_len = 1; kv_len <= 13; ++kv_len)
@@ -353,6 +357,13 @@ TEST_CASE("Chapter 2's kernel policies load, mask and walk exactly the tiles wit
                                             "plain, q_len " + std::to_string(q_len) + ", kv_len " +
                                                 std::to_string(kv_len) + ", causal " +
                                                 std::to_string(causal));
+                        AttentionOptions capped;  // ScoredPolicy: the plain mask's tiles
+                        capped.softcap = 5.f;
+                        check_kernel_policy(
+                            scored_policy<true, false>({1, 1, q_len, kv_len, 64, causal}, capped),
+                            rule, Br, Bc,
+                            "softcap alone, q_len " + std::to_string(q_len) + ", kv_len " +
+                                std::to_string(kv_len) + ", causal " + std::to_string(causal));
                         for (int left : {-1, 0, 2, 5})
                             for (int right : {-1, 0, 3}) {
                                 AttentionShape s{1, 1, q_len, kv_len, 64, causal};
