@@ -7,8 +7,9 @@
 // a stage is full and when it is free again. Each tile's softmax runs while the previous tile's
 // O_i += P~ V_j is on the tensor cores. The grid is persistent: a block an SM, each taking tile
 // after tile from a counter. Head dims: kFlashHopperHeadDims (flash.h); fp16 and bf16; compute
-// capability 9.0 only. Not here: FlashAttention-3's O written by TMA, its ping-pong (NOTES.md
-// section 17 says why), its fp8. How it was built, step by step and measured: lab/chapter3.md.
+// capability 9.0 only. Not here: FlashAttention-3's O written by TMA, its ping-pong at d = 64 and
+// 256 (NOTES.md section 17 says why), its fp8 (flash_hopper_fp8.cu). How it was built, step by
+// step and measured: lab/chapter3.md.
 //
 // Build: wgmma exists only in the sm_90a target, so this file alone is compiled with
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -c flash_hopper.cu
@@ -19,7 +20,7 @@
 #include "flash.h"
 #include "hopper.cuh"  // the helpers chapter 3's forward and backward share
 #include "log2_units.h"
-#include "mask_policy.cuh"  // the mask and score: PlainPolicy, or chapter 5's ModelPolicy
+#include "mask_policy.cuh"  // the mask and score: PlainPolicy, or chapter 5's policies
 
 #include <cuda.h>          // CUtensorMap and its enums (types only: nothing links libcuda)
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000

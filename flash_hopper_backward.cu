@@ -25,7 +25,7 @@
 #include "flash.h"
 #include "hopper.cuh"
 #include "log2_units.h"
-#include "mask_policy.cuh"  // the mask and score: PlainPolicy, or chapter 5's ModelPolicy
+#include "mask_policy.cuh"  // the mask and score: PlainPolicy, or chapter 5's policies
 #include "ordered_add.cuh"  // block_ticket, wait_turn, pass_turn: chapter 2's
 
 #include <cuda_bf16.h>
@@ -126,7 +126,8 @@ static_assert(bwd_hopper_shared_bytes<64>() <= 227 * 1024 &&
 
 // A block's work (lines 5 and 8): K/V tile j of K/V head kvh (of batch * kv_heads), and the Q tiles
 // that see it, `tiles` of them in a fixed order, the n-th being tile_at(walk_at(n)). pol: the mask
-// and the score (lib/mask_policy.cuh: PlainPolicy, or chapter 5's ModelPolicy), as in chapter 2.
+// and the score (lib/mask_policy.cuh: PlainPolicy, or chapter 5's ScoredPolicy or ModelPolicy),
+// as in chapter 2.
 template <typename Policy, int Bc, int Br>
 struct BwdBlock {
     Policy pol;
@@ -376,7 +377,8 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
 // 11's exponentials do not wait on shared memory behind S^T's product. A policy that changes the
 // scores (a softcap, ALiBi) holds registers of its own: there the 16 made ptxas spill and ran
 // slower, so line 11 reads each as it goes (lab/chapter3-backward.md, "L_i in registers"); ALiBi
-// alone under the plain mask (ScoredPolicy) holds few enough to keep them.
+// alone under the plain mask (ScoredPolicy) holds few enough to keep them; a softcap there does
+// not (16 bytes spilled at d = 128, 1-3% slower: lab/chapter5.md, part 27).
 template <typename Policy>
 constexpr bool bwd_l_ahead = true;
 template <bool kSoftcap, bool kAlibi>
@@ -704,7 +706,7 @@ static auto backward_kernel(bool ordered) {
 // ---------------------------------------------------------------------------------------------
 // The launcher: chapter 2's passes around the kernel (flash_backward_passes, lib/chapters.h: its
 // scratch, its D pass before, its dQ = dQacc scale after), the kernel between them; policy:
-// PlainPolicy or ModelPolicy, o its options (the scale).
+// PlainPolicy, ScoredPolicy or ModelPolicy, o its options (the scale).
 template <typename T, typename Policy>
 static void run_backward_hopper(const T* Q, const T* K, const T* V, const T* O, const T* dO,
                                 const float* L, T* dQ, T* dK, T* dV, const AttentionShape& s,
