@@ -365,7 +365,7 @@ __device__ __forceinline__ KeyBias key_bias(const Policy& pol, float su, const f
     b.m = -c * su;
     float hi[2], mid[2], lo[2];
 #pragma unroll
-    for (int r = 0; r < 2; r++) {                      // key[r]: the thread's key r - kv_len + q_len
+    for (int r = 0; r < 2; r++) {                      // key[r]: its key r - kv_len + q_len
         const float v = su * (key[r] - q0) * (1.f / 256);
         hi[r] = float(T(v));
         const float rest = v - hi[r];                  // (exact)
@@ -481,16 +481,14 @@ __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du
                                               bool biased = false) {
     constexpr int Br = kBwdBr;
     constexpr bool kSelects = D == 256;  // the mask's form, below
-    if (bwd_key_bias<Policy, D> && biased)                // S^T carries the key's term (KeyBias)
-#pragma unroll
+    if (bwd_key_bias<Policy, D> && biased)             // S^T carries the key's term (KeyBias;
+#pragma unroll                                         // d <= 128: the mask below, not selects)
         for (int r = 0; r < 2; r++)
 #pragma unroll
             for (int c = 0; c < Br / 4; c++) {
-                const int qi = 8 * (c / 2) + 2 * me.t + c % 2;
                 float& p = acc_at(S, r, c);
                 p = exp2_ftz(fmaf(p, scale_log2, nL[c]));
                 acc_at(du, r, c) = 1.f;
-                if (kSelects && edge && (q0 + qi < seen[r].first || q0 + qi > seen[r].last)) p = 0.f;
             }
     else
 #pragma unroll
