@@ -112,15 +112,19 @@ struct BwdShared {
     uint64_t kv_full;
     uint64_t dq_full[DqBufs], dq_empty[DqBufs];
     uint64_t ds_read;
+    // B of ALiBi's key term (KeyBias, below): 8 rows of 64 elements, all 256, read as every group
+    // of 8 rows of a 64-row operand. Last, so that the kernels without it keep their layout.
+    alignas(1024) T ones[8 * 64];
 };
 // The launcher's bytes (shared_bytes_through, lib/hopper.cuh), within the 227 KiB of a block.
 template <int D>
-constexpr size_t bwd_hopper_shared_bytes() {
+constexpr size_t bwd_hopper_shared_bytes(bool ones = false) {  // ones: with KeyBias's B
     using Shared = BwdShared<__half, D>;               // (bf16's is the same: 2-byte elements)
+    if (ones) return shared_bytes_through(offsetof(Shared, ones) + sizeof(Shared::ones));
     return shared_bytes_through(offsetof(Shared, ds_read) + sizeof(Shared::ds_read));
 }
-static_assert(bwd_hopper_shared_bytes<64>() <= 227 * 1024 &&
-                  bwd_hopper_shared_bytes<128>() <= 227 * 1024 &&
+static_assert(bwd_hopper_shared_bytes<64>(true) <= 227 * 1024 &&
+                  bwd_hopper_shared_bytes<128>(true) <= 227 * 1024 &&
                   bwd_hopper_shared_bytes<256>() <= 227 * 1024,
               "a block past 227 KiB");
 
@@ -334,6 +338,45 @@ struct ConsumerThread {
     __device__ int key(int j, int r) const { return j * bwd_Bc(D) + kw + 16 * warp + g + 8 * r; }
 };
 
+// ALiBi's term on the tensor cores (ALiBi alone under the causal mask: ScoredPolicy<false, true>).
+// Where every visible score has i' >= j (i' = i + kv_len - q_len), -slope (i' - j) is a key's
+// term plus a query's: slope (j - q0 - kv_len + q_len) for key j, q0 the Q tile's first row, and
+// -slope (i - q0) for query i. The key's term rides one more k-step of S^T = K_j Q_i^T: A holds it
+// / 256 in three parts of T (hi, mid, lo: 24 bits and more), B is 256s (sh.ones), so S^T comes out
+// with the term added. The query's goes into line 11's offsets (RowOffsets' m). Line 11 is then
+// plain attention's one fma a score, where the distance, its product and the fma took three.
+// Elsewhere (no mask, or a term past fp16's range) A is 0 and line 11 takes the term as
+// ModelPolicy::Near does. Scores past the diagonal (masked) may come out as inf before the mask.
+template <typename Policy, int D>
+constexpr bool bwd_key_bias = false;
+template <int D>  // (at d = 256 its B does not fit, and a score's share of the tile is half)
+constexpr bool bwd_key_bias<ScoredPolicy<false, true>, D> = D <= 128;
+struct KeyBias {
+    uint32_t a[1][4] = {};                             // the extra k-step's A (rows: the keys)
+    float m = 0.f;                                     // -c slope: the offsets' factor of i - q0
+    bool on = false;
+};
+template <typename T, typename Policy>
+__device__ __forceinline__ KeyBias key_bias(const Policy& pol, float su, const float (&key)[2],
+                                            float q0, int t, float c) {
+    KeyBias b;                                         // su: the head's slope / scale
+    b.on = pol.causal && fabsf(su) * float(pol.q_len + pol.kv_len + 512) <= 1.6e7f;
+    if (!b.on) return b;
+    b.m = -c * su;
+    float hi[2], mid[2], lo[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {                      // key[r]: its key r - kv_len + q_len
+        const float v = su * (key[r] - q0) * (1.f / 256);
+        hi[r] = float(T(v));
+        const float rest = v - hi[r];                  // (exact)
+        mid[r] = float(T(rest));
+        lo[r] = float(T(rest - mid[r]));
+    }
+    if (t == 0) b.a[0][0] = pair_bits<T>(hi[0], mid[0]), b.a[0][1] = pair_bits<T>(hi[1], mid[1]);
+    if (t == 1) b.a[0][0] = pair_bits<T>(lo[0], 0.f), b.a[0][1] = pair_bits<T>(lo[1], 0.f);
+    return b;
+}
+
 // Line 10: S^T = K_j Q_i^T; line 13: dP^T = V_j dO_i^T (the warpgroup's 64 keys), 16 of d a step,
 // both operands K-major in shared memory. S^T is waited for, dP^T left running.
 // K_j's rows in registers at d = 64 (the warpgroup's 64 keys as A, 16 a thread, read once a
@@ -342,10 +385,10 @@ struct ConsumerThread {
 __host__ __device__ constexpr bool bwd_k_regs(int d) { return d == 64; }
 template <int D>
 using KFragments = uint32_t[bwd_k_regs(D) ? D / 16 : 1][4];
-template <typename T, int D>
+template <typename T, int D, bool kBias = false>
 __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP)[kBwdBr / 2],
                                               const BwdShared<T, D>& sh, int s, int kw,
-                                              const KFragments<D>& K_r) {
+                                              const KFragments<D>& K_r, KeyBias& bias) {
     constexpr int Br = kBwdBr, Bc = bwd_Bc(D);
     const char* K_w = reinterpret_cast<const char*>(sh.K_j) + kw * kRowBytes;
     const char* V_w = reinterpret_cast<const char*>(sh.V_j) + kw * kRowBytes;
@@ -363,6 +406,8 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
         else
             wgmma_ss<T, Br>(S, desc_plus(K_d, k / 4 * Bc * kRowBytes + k % 4 * 32), Q_k);
     }
+    if constexpr (kBias)  // ALiBi's key term (KeyBias): B's stride from 8 rows to the next 0
+        wgmma_rs<T, Br, false>(S, bias.a[0], smem_desc(sh.ones, 0) & ~(uint64_t(0x3FFF) << 32));
     wgmma_commit();
 #pragma unroll
     for (int k = 0; k < D / 16; k++)
@@ -370,6 +415,7 @@ __device__ __forceinline__ void products_S_dP(float (&S)[kBwdBr / 2], float (&dP
                         desc_plus(dO_d, k / 4 * Br * kRowBytes + k % 4 * 32));
     wgmma_commit();
     wgmma_wait<1>(S);                                  // S^T is done (dP^T may not be)
+    if constexpr (kBias) a_operand_fence(bias.a);      // (its product has read bias.a)
 }
 
 // Line 11's offsets, -L_i log2(e), of a thread's 16 queries (acc_at's column c: query
@@ -392,6 +438,13 @@ struct RowOffsets {
 #pragma unroll
         for (int c = 0; c < kBwdBr / 4; c++) v[c] = -L_i[8 * (c / 2) + 2 * t + c % 2] * kLog2e;
     }
+    __device__ RowOffsets(const float* L_i, int t, float m) {  // + m (i - q0): KeyBias's query term
+        const float mt = m * float(2 * t);
+#pragma unroll
+        for (int c = 0; c < kBwdBr / 4; c++)
+            v[c] = fmaf(-L_i[8 * (c / 2) + 2 * t + c % 2], kLog2e,
+                        fmaf(m, float(8 * (c / 2) + c % 2), mt));
+    }
     __device__ float operator[](int c) const { return v[c]; }
 };
 template <>
@@ -401,6 +454,11 @@ struct RowOffsets<false> {
     __device__ RowOffsets(const float* L, int t_) : L_i(L), t(t_) {}
     __device__ float operator[](int c) const { return -L_i[8 * (c / 2) + 2 * t + c % 2] * kLog2e; }
 };
+template <typename Policy, int D, bool Ahead = bwd_l_ahead<Policy>>
+__device__ __forceinline__ RowOffsets<Ahead> row_offsets(const float* L_i, int t, float m) {
+    if constexpr (bwd_key_bias<Policy, D>) return RowOffsets<Ahead>(L_i, t, m);
+    else return RowOffsets<Ahead>(L_i, t);
+}
 
 // Under a softcap each score takes two XU instructions, its tanh and its exponential, and the
 // consumers' softmax waits on the XU: there one exponential in kCappedFmaEvery of a thread's goes
@@ -419,9 +477,20 @@ template <int D, typename Policy, bool Ahead>
 __device__ __forceinline__ void probabilities(float (&S)[kBwdBr / 2], float (&du)[kBwdBr / 2],
                                               const RowOffsets<Ahead>& nL, int q0, bool edge,
                                               const Span (&seen)[2], int j, const Policy& pol,
-                                              const ConsumerThread<D> me, float scale_log2) {
+                                              const ConsumerThread<D> me, float scale_log2,
+                                              bool biased = false) {
     constexpr int Br = kBwdBr;
     constexpr bool kSelects = D == 256;  // the mask's form, below
+    if (bwd_key_bias<Policy, D> && biased)             // S^T carries the key's term (KeyBias;
+#pragma unroll                                         // d <= 128: the mask below, not selects)
+        for (int r = 0; r < 2; r++)
+#pragma unroll
+            for (int c = 0; c < Br / 4; c++) {
+                float& p = acc_at(S, r, c);
+                p = exp2_ftz(fmaf(p, scale_log2, nL[c]));
+                acc_at(du, r, c) = 1.f;
+            }
+    else
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const auto near = pol.at(q0 + 2 * me.t, me.key(j, r));  // query q0 + 2t + (qi - 2t)
@@ -607,20 +676,32 @@ __device__ __forceinline__ void consume(BwdShared<T, D>& sh, const Blk& blk, T* 
     const int j = blk.j;                               // (line 11's mask: once a block)
     const Span all = blk.pol.all_queries(j * Bc, (j + 1) * Bc);  // the rows that see every key
     const Span seen[2] = {blk.pol.key_queries(me.key(j, 0)), blk.pol.key_queries(me.key(j, 1))};
+    using Policy = decltype(blk.pol);
+    const int lag = blk.pol.kv_len - blk.pol.q_len;  // (KeyBias: its keys, a head's slope)
+    const float key_f[2] = {float(me.key(j, 0) - lag), float(me.key(j, 1) - lag)};
+    size_t slope_bh = ~size_t(0);
+    float slope = 0.f;
     PipelineState<Stages> st;
     typename Blk::Walk w;
     for (int n = 0; n < blk.tiles; n++, w.advance(blk.group), st.advance()) {  // line 8: each Q_i
         const auto [bh, i] = blk.tile_at(w);
         const int s = st.stage(), q0 = i * Br;
+        KeyBias kb;                                    // (ALiBi's key term: KeyBias, made
+        if constexpr (bwd_key_bias<Policy, D>) {       // before the wait; the slope a head)
+            if (bh != slope_bh) slope_bh = bh, slope = blk.pol.for_head(bh).mod.slope_u;
+            kb = key_bias<T>(blk.pol, slope, key_f, float(q0), me.t, scale_log2);
+        }
         mbar_wait(&sh.full[s], st.phase());            // Q_i, dO_i, L_i, D_i are in
         float S[Br / 2] = {}, dP[Br / 2] = {}, du[Br / 2];
-        const RowOffsets<bwd_l_ahead<decltype(blk.pol)>> nL(sh.LD[s].L_i, me.t);
-        products_S_dP(S, dP, sh, s, me.kw, K_r);       // lines 10, 13
+        const RowOffsets<bwd_l_ahead<Policy>> nL = row_offsets<Policy, D>(sh.LD[s].L_i, me.t, kb.m);
+        products_S_dP<T, D, bwd_key_bias<Policy, D>>(S, dP, sh, s, me.kw, K_r, kb);  // lines 10, 13
         // Line 11 masks only where the tile reaches past a key's queries, kv_len or q_len.
         const bool edge = (j + 1) * Bc > blk.kv_len || q0 + Br > blk.q_len || q0 < all.first ||
                           q0 + Br - 1 > all.last;
-        probabilities(S, du, nL, q0, edge, seen, j, blk.pol.for_head(bh), me,
-                      scale_log2);                     // line 11
+        Policy head = blk.pol;                         // (KeyBias: the slope as loaded above)
+        if constexpr (bwd_key_bias<Policy, D>) head.mod.slope_u = slope;
+        else head = blk.pol.for_head(bh);
+        probabilities(S, du, nL, q0, edge, seen, j, head, me, scale_log2, kb.on);  // line 11
         wgmma_wait<0>(dP);                             // dP^T is done
         uint32_t P[Br / 16][4], dS[Br / 16][4];        // P^T and dS^T in T, as A fragments
         ds_fragments<T>(P, dS, S, dP, du, sh.LD[s].D_i, me.t);  // line 14
@@ -679,6 +760,10 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
             mbar_init(&sh.dq_full[b], 128), mbar_init(&sh.dq_empty[b], 1);
         init_barriers(sh.full, sh.empty, bwd_stages(D), 128 * kBwdConsumers, 32);
     }
+    if constexpr (bwd_key_bias<Policy, D>) {              // KeyBias's B: 256s
+        for (int x = threadIdx.x; x < 8 * 64; x += blockDim.x) sh.ones[x] = T(256.f);
+        fence_proxy_async();                           // (for wgmma, which reads them)
+    }
     const int ticket = block_ticket(next_ticket);      // its barrier publishes the mbarriers too
     const auto blk = bwd_block<bwd_Bc(D), kBwdBr>(ticket, policy, lay, Tc, BH, group, HG);
     if (threadIdx.x < kWarpgroup) {                    // warpgroup 0: few registers
@@ -714,7 +799,7 @@ static void run_backward_hopper(const T* Q, const T* K, const T* V, const T* O, 
                                 const Policy& policy) {
     dispatch_head_dim<kFlashHopperHeadDims>(s.head_dim, [&](auto dim) {
         constexpr int D = decltype(dim)::value, Bc = bwd_Bc(D), Br = kBwdBr;
-        constexpr size_t bytes = bwd_hopper_shared_bytes<D>();
+        constexpr size_t bytes = bwd_hopper_shared_bytes<D>(bwd_key_bias<Policy, D>);
         AttentionOptions po = o;                       // the passes zero dQacc without the order
         po.deterministic = o.deterministic || !std::is_same<Policy, PlainPolicy>::value;
         const auto kernel = backward_kernel<T, D, Policy>(po.deterministic);

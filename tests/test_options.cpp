@@ -155,6 +155,9 @@ std::vector<OptionsCase> fast_cases() {
         // tolerance.
         {"softcap that saturates, a larger scale", {1, 2, 200, 260, 128, false}, 0.25f, 2.f},
         {"ALiBi per head (BLOOM)", {2, 3, 200, 333, 128, true}, 0, 0, -1, -1, true},
+        // ALiBi alone under the causal mask at d = 64, GQA: chapter 3's backward adds the key's
+        // term on the tensor cores (KeyBias), a K/V head's blocks walking two heads' slopes.
+        {"ALiBi alone, causal, GQA, d 64", {1, 4, 450, 700, 64, true, 2}, 0, 0, -1, -1, true},
         {"ALiBi per batch and head, a window", {2, 2, 190, 190, 64, false}, 0, 0, 64, 64, true,
          true},
         {"a larger scale", {1, 2, 150, 300, 64, false}, 0.3f},

@@ -277,6 +277,8 @@ std::vector<VarlenCase> varlen_cases() {
          0, -1, false, true},
         {"a window with softcap and ALiBi (chapter 2's policy), d 32", {150, 77, 260},
          {150, 90, 260}, 2, 2, 32, true, 30.f, 40, true},
+        {"ALiBi alone, causal, GQA (chapter 3's key term on the tensor cores)", {130, 64, 300},
+         {200, 64, 300}, 4, 2, 128, true, 0, -1, true},
         // Scores of about N(0, 16^2): a row's max often grows by 2^8 from one K/V tile to the
         // next. Sequence 1's first Q tile (at d = 256, 128 rows, the last ending on its last row)
         // starts 126 rows before it, in sequence 0's rows, whose growth must not move sequence
