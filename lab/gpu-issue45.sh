@@ -9,8 +9,8 @@
 #   masks    lab/mask-bench.py: the window against FlexAttention and SDPA with a boolean mask.
 # The PyTorch op builds (pytorch/flash_torch.py, cached in pytorch/.torch_build) while make
 # builds the library. Logs in OUT/issue45-logs.tgz; the options' table last: per case and state,
-# the pairs' range and median, and the run's summed TFLOP/s over the base's. Catch2 is not needed. The
-# tests are not run: run `make test` first where the kernels changed.
+# the pairs' range and median, and the run's summed TFLOP/s over the base's. Catch2 is not
+# needed. The tests are not run: run `make test` first where the kernels changed.
 set -uo pipefail
 out=${1:?usage: lab/gpu-issue45.sh OUT}
 cd "$(dirname "$0")/.." || exit 1
