@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # lab/gpu-issue45.sh OUT: every performance floor of issue 45 (chapter 5) on this tree, in one
-# device call (about 7 minutes on an H200), so that they are read from one run:
+# device call (about 7 minutes on an H200, an estimate), so that they are read from one run:
 #   options  lab/power-states.cu --options ROUNDS (default 5): softcap, ALiBi and a scale against
 #            plain, the window against dense causal, cold and hot (floors: 0.90 each);
 #   varlen   lab/varlen-bench.cu: 64k packed tokens against dense N = 4096 (0.90) and padded (2x);
