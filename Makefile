@@ -52,6 +52,11 @@ INCLUDES  := -I. -Ilib -Itests -Ibench
 CPPFLAGS  ?=
 LDLIBS    ?= -lcublas
 COMPILE    = $(NVCC) $(CPPFLAGS) $(INCLUDES) $(NVCCFLAGS) $(DEFINES) $(LIB_DEFINES)
+# PyTorch compiles the library for its op (pytorch/flash_torch.py) without fp16's and bf16's
+# implicit conversions and operators; make builds the library (not the tests) that way too, so
+# that a kernel which needs them fails here, not in the op's build.
+NO_HALF_IMPLICIT := -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \
+                    -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
 B := build
 
 # The library: each chapter's kernels, what they share (lib/checks.cpp) and the API layer that
@@ -108,7 +113,8 @@ $(B):
 # The command the objects are compiled with, kept in build/flags: when it changes (another ARCH,
 # DEFINES or HAVE_SM90A) every object is rebuilt, so that none of another build is linked in.
 $(B)/flags: FORCE | $(B)
-	@printf '%s\n' '$(COMPILE)' | cmp -s - $@ || printf '%s\n' '$(COMPILE)' >$@
+	@printf '%s\n' '$(COMPILE) $(NO_HALF_IMPLICIT)' | cmp -s - $@ || \
+	    printf '%s\n' '$(COMPILE) $(NO_HALF_IMPLICIT)' >$@
 FORCE:
 # Which headers each object includes, as the compiler finds them while it compiles (build/NAME.d,
 # -MMD): a change to lib/hopper.cuh recompiles chapter 3 only, not every test. An object whose .d
@@ -120,13 +126,13 @@ DEPS := $(patsubst %.o,%.d,$(LIB_OBJS) $(TEST_OBJS) $(DOCS_OBJS) $(B)/reference.
 $(DEPS):
 -include $(wildcard $(DEPS))
 $(B)/%.o: %.cu $(B)/%.d $(B)/flags | $(B)
-	$(COMPILE) $(DEPFLAGS) -c $< -o $@
+	$(COMPILE) $(NO_HALF_IMPLICIT) $(DEPFLAGS) -c $< -o $@
 $(B)/%.o: %.cpp $(B)/%.d $(B)/flags | $(B)
 	$(COMPILE) $(DEPFLAGS) -c $< -o $@
 $(B)/%.o: lib/%.cpp $(B)/%.d $(B)/flags | $(B)
-	$(COMPILE) $(DEPFLAGS) -c $< -o $@
+	$(COMPILE) $(NO_HALF_IMPLICIT) $(DEPFLAGS) -c $< -o $@
 $(B)/%.o: lib/%.cu $(B)/%.d $(B)/flags | $(B)
-	$(COMPILE) $(DEPFLAGS) -c $< -o $@
+	$(COMPILE) $(NO_HALF_IMPLICIT) $(DEPFLAGS) -c $< -o $@
 $(B)/%.o: tests/%.cpp $(B)/%.d $(B)/flags | $(B)
 	$(COMPILE) $(DEPFLAGS) -c $< -o $@
 $(B)/%.o: tests/%.cu $(B)/%.d $(B)/flags | $(B)
@@ -136,17 +142,17 @@ $(B)/%.o: bench/%.cu $(B)/%.d $(B)/flags | $(B)
 # Chapter 2 in two halves compiled at once, its forward's and its backward's host code (its
 # kernels' instances are most of the build: flash_fp16.cu says how), joined into one object.
 $(B)/flash_fp16_forward.o: flash_fp16.cu $(B)/flash_fp16_forward.d $(B)/flags | $(B)
-	$(COMPILE) $(DEPFLAGS) -DFLASH_FP16_FORWARD -c $< -o $@
+	$(COMPILE) $(NO_HALF_IMPLICIT) $(DEPFLAGS) -DFLASH_FP16_FORWARD -c $< -o $@
 $(B)/flash_fp16_backward.o: flash_fp16.cu $(B)/flash_fp16_backward.d $(B)/flags | $(B)
-	$(COMPILE) $(DEPFLAGS) -DFLASH_FP16_BACKWARD -c $< -o $@
+	$(COMPILE) $(NO_HALF_IMPLICIT) $(DEPFLAGS) -DFLASH_FP16_BACKWARD -c $< -o $@
 $(B)/flash_fp16.o: $(B)/flash_fp16_forward.o $(B)/flash_fp16_backward.o
 	ld -r $^ -o $@
 # Chapter 3: wgmma exists only in the sm_90a target, whatever ARCH says (on another GPU its
 # launcher refuses to run, and the kernel traps if it ever did).
 $(B)/flash_hopper.o $(B)/flash_hopper_backward.o $(B)/flash_hopper_fp8.o: $(B)/%.o: %.cu $(B)/%.d \
     $(B)/flags | $(B)
-	$(NVCC) $(CPPFLAGS) $(INCLUDES) $(filter-out -arch=%,$(NVCCFLAGS)) $(DEFINES) \
-	    -gencode=arch=compute_90a,code=sm_90a $(DEPFLAGS) -c $< -o $@
+	$(NVCC) $(CPPFLAGS) $(INCLUDES) $(filter-out -arch=%,$(NVCCFLAGS)) $(NO_HALF_IMPLICIT) \
+	    $(DEFINES) -gencode=arch=compute_90a,code=sm_90a $(DEPFLAGS) -c $< -o $@
 
 test_flash: $(TEST_OBJS) $(LIB_OBJS) $(B)/reference.o
 	$(NVCC) $(NVCCFLAGS) $^ -o $@

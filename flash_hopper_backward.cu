@@ -367,10 +367,10 @@ __device__ __forceinline__ KeyBias key_bias(const Policy& pol, float su, const f
 #pragma unroll
     for (int r = 0; r < 2; r++) {                      // key[r]: its key r - kv_len + q_len
         const float v = su * (key[r] - q0) * (1.f / 256);
-        hi[r] = float(T(v));
+        hi[r] = rounded_to<T>(v);
         const float rest = v - hi[r];                  // (exact)
-        mid[r] = float(T(rest));
-        lo[r] = float(T(rest - mid[r]));
+        mid[r] = rounded_to<T>(rest);
+        lo[r] = rounded_to<T>(rest - mid[r]);
     }
     if (t == 0) b.a[0][0] = pair_bits<T>(hi[0], mid[0]), b.a[0][1] = pair_bits<T>(hi[1], mid[1]);
     if (t == 1) b.a[0][0] = pair_bits<T>(lo[0], 0.f), b.a[0][1] = pair_bits<T>(lo[1], 0.f);
@@ -761,7 +761,8 @@ flash_backward_hopper_kernel(const __grid_constant__ CUtensorMap Q,
         init_barriers(sh.full, sh.empty, bwd_stages(D), 128 * kBwdConsumers, 32);
     }
     if constexpr (bwd_key_bias<Policy, D>) {              // KeyBias's B: 256s
-        for (int x = threadIdx.x; x < 8 * 64; x += blockDim.x) sh.ones[x] = T(256.f);
+        for (int x = threadIdx.x; x < 4 * 64; x += blockDim.x)
+            store_pair<T>(&sh.ones[2 * x], 256.f, 256.f);
         fence_proxy_async();                           // (for wgmma, which reads them)
     }
     const int ticket = block_ticket(next_ticket);      // its barrier publishes the mbarriers too

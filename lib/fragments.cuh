@@ -52,6 +52,9 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y) {
 // A pair of T widened to two floats (exact).
 __device__ __forceinline__ float2 float2_of(__half2 h) { return __half22float2(h); }
 __device__ __forceinline__ float2 float2_of(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+// x rounded to T (to nearest) and widened back: T's value nearest x, as a float.
+template <typename T>
+__device__ __forceinline__ float rounded_to(float x) { return float2_of(pair_of<T>(x, x)).x; }
 
 // ---------------------------------------------------------------------------------------------
 // C (16x8, fp32) += A (16x16, T, row-major) * B (16x8, T, "col": B's columns contiguous).
