@@ -189,6 +189,13 @@ std::vector<OptionsCase> stress_cases() {
                     v.push_back({"the stress grid", {2, 2, len.first, len.second, d, causal},
                                  d == 96 ? 0.2f : 0.f, causal ? 30.f : 0.f, w.first, w.second,
                                  !causal, !causal && d == 32});
+    // ALiBi alone under the causal mask (chapter 3's backward: the key's term on the tensor
+    // cores, KeyBias) over rows longer than the default run's, GQA: the key's term, up to
+    // slope (q_len + kv_len) / scale, is the largest any case gives its three-part split.
+    v.push_back({"ALiBi alone, causal, GQA, long rows", {1, 4, 1200, 2000, 64, true, 2}, 0, 0, -1,
+                 -1, true});
+    v.push_back({"ALiBi per batch and head alone, causal, GQA, long rows",
+                 {2, 4, 900, 1500, 128, true, 2}, 0, 0, -1, -1, true, true});
     return v;
 }
 
